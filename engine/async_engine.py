@@ -1,0 +1,154 @@
+"""Async streaming API: the engine loop in its own thread, one asyncio queue per request.
+
+This is what the Ray replica actor wraps. Other threads never touch engine state: submissions and aborts
+go through an inbox the loop drains at the top of each tick; outputs come back through
+loop.call_soon_threadsafe onto each request's asyncio.Queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop thread died; every in-flight and future request fails with this."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.engine = LLMEngine(config or EngineConfig(**kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams between the loop thread and callers
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._stats: dict = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (asyncio) ---------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs as they are committed. Leaving the iteration early
+        (client gone, task cancelled) aborts the request and frees its blocks."""
+        self.check_health()
+        request_id = request_id or uuid.uuid4().hex
+        seq = self.engine.make_sequence(prompt, params, request_id)  # raises ValueError on bad input
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._send(("add", seq))
+        if self.dead is not None:  # died between the health check and the submission
+            self._fail_all(EngineDeadError(f"engine loop died: {self.dead!r}"))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def check_health(self) -> None:
+        if self.dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"engine loop is not running: {self.dead!r}")
+
+    def stats(self) -> dict:
+        """A snapshot refreshed by the loop thread after every tick."""
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # ---- loop thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._stats = self.engine.stats()
+                    self._wake.wait()
+                    continue
+                self._deliver(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # the loop is dead: fail every waiting caller, never hang them
+            logger.exception("engine loop died")
+            self.dead = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(arg)
+            else:
+                out = self.engine.abort(arg)
+                if out is not None:
+                    self._deliver([out])
+
+    def _add(self, seq) -> None:
+        with self._lock:
+            if seq.request_id not in self._streams:  # caller left before the loop saw the request
+                return
+        try:
+            self.engine.add_sequence(seq, stream=True)
+        except ValueError as exc:
+            self._push(seq.request_id, exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._push(out.request_id, out)
+
+    def _push(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            _put_threadsafe(*target, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            targets = list(self._streams.values())
+        for loop, q in targets:
+            _put_threadsafe(loop, q, exc)
+
+
+def _put_threadsafe(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, item) -> None:
+    try:
+        loop.call_soon_threadsafe(q.put_nowait, item)
+    except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+        pass

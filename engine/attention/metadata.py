@@ -1,0 +1,30 @@
+"""What every attention backend reads for one forward: the paged layout of the step's tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Token layout of one step (flattened, sequences back to back).
+
+    Tensors live on the model's device. The host lists mirror them for the CPU path, which loops over
+    prefill chunks in Python; GPU backends must read only the tensors (no host sync in the hot path).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset; -1 = skip (padding)
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: positions attended, the chunk included
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0 (a valid id, masked out)
+    block_size: int
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+    # Filled by the backend's prepare(): whatever it precomputes once per step and reuses for every layer.
+    backend_data: object = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)

@@ -1,0 +1,166 @@
+"""Paged-KV block accounting: ref counts, an LRU free queue and content-hashed prefix caching.
+
+Pure CPU Python: no torch. Block ids index the KV cache tensors owned by the model runner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence as Seq
+
+from engine.sequence import Sequence
+
+_ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
+    """Content hash of one full block, chained on its parent's hash.
+
+    blake2b rather than Python's hash(): prefix-cache keys are shared between tenants, so they must not be
+    cheap to collide on purpose.
+    """
+    data = parent_hash.to_bytes(16, "little") + array("q", token_ids).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+
+
+class BlockManager:
+    """Allocates fixed-size KV blocks to sequences.
+
+    Free blocks sit in an LRU queue (head = next to hand out). A freed block keeps its content hash, so a
+    later request with the same prefix can take it back (a prefix-cache hit); its hash is dropped only when
+    the allocator hands the block out for new content (lazy eviction).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so `seq` can hold `num_tokens` positions."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def cached_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks matching the longest full-block prefix of `token_ids`, and their hashes.
+
+        The last token is never served from cache: its logits are needed to sample the first output token.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        blocks, hashes, parent = [], [], _ROOT_HASH
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.hash_to_block.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        return blocks, hashes
+
+    # ---- allocation ----------------------------------------------------------------------------------
+    def admit(self, seq: Sequence, hit_blocks: list[int], hit_hashes: list[int]) -> None:
+        """Give a new sequence its prefix-cache hits; their prefill is skipped."""
+        assert not seq.block_table, "admit() is for sequences without blocks"
+        for block in hit_blocks:
+            self._ref(block)
+        seq.block_table = list(hit_blocks)
+        seq.block_hashes = list(hit_hashes)
+        seq.num_cached = seq.num_computed = len(hit_blocks) * self.block_size
+        self.queried_tokens += len(seq.token_ids)
+        self.hit_tokens += seq.num_cached
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq`'s block table to hold `num_tokens` positions; False (and no change) if it can't."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > self.num_free:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._pop_free())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references. Tail blocks are queued first so they are evicted before shared heads."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register content hashes for `seq`'s full blocks among its first `num_tokens` positions.
+
+        Callers pass positions whose token ids are known on the host and whose KV write has been launched:
+        any later reader is launched after the writer on the same stream, so it sees the data.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(num_tokens // bs, len(seq.block_table))
+        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        for i in range(len(seq.block_hashes), full):
+            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(parent)
+            block = seq.block_table[i]
+            if parent not in self.hash_to_block and self.block_hash[block] is None:
+                self.block_hash[block] = parent
+                self.hash_to_block[parent] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _ref(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_queue[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        old = self.block_hash[block]
+        if old is not None:  # lazy eviction: the cached content is about to be overwritten
+            self.block_hash[block] = None
+            if self.hash_to_block.get(old) == block:
+                del self.hash_to_block[old]
+        self.ref_counts[block] = 1
+        return block
+
+    def check_integrity(self, live: Iterable[Sequence] = ()) -> None:
+        """Assert the accounting invariants; `live` are the sequences currently holding blocks."""
+        expected = [0] * self.num_blocks
+        for seq in live:
+            for block in seq.block_table:
+                expected[block] += 1
+        if expected != self.ref_counts:
+            bad = [b for b in range(self.num_blocks) if expected[b] != self.ref_counts[b]]
+            raise AssertionError(f"ref counts disagree with block tables for blocks {bad[:10]}")
+        free = [b for b in range(self.num_blocks) if self.ref_counts[b] == 0]
+        if sorted(self.free_queue) != free:
+            raise AssertionError("free queue does not hold exactly the blocks with ref count 0")
+        for h, block in self.hash_to_block.items():
+            if self.block_hash[block] != h:
+                raise AssertionError(f"hash map points block {block} at a hash it does not carry")
+        if sum(h is not None for h in self.block_hash) != len(self.hash_to_block):
+            raise AssertionError("a block carries a hash the map does not know")

@@ -1,0 +1,75 @@
+"""Engine configuration: one frozen object, validated where it is built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+SCHEDULER_POLICIES = ("fifo", "prefill_first")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs to start; see ARCHITECTURE.md for the meaning of each field."""
+
+    model: str = str(DEFAULT_MODEL_DIR)
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    num_cpu_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduler: str = "fifo"
+    pipeline_depth: int = 2
+    cuda_graphs: bool = True
+    seed: int = 0
+    # Fraction of KV blocks kept free before new prefills are held back (HF's safety margin).
+    admission_margin: float = 0.05
+    # KV pool size when num_kv_blocks is None, as a fraction of free device memory (cuda) or a byte cap (cpu).
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_bytes: int = 512 * 1024**2
+    # CPU forwards run on a dedicated thread so the two slots overlap (torch ops release the GIL).
+    cpu_executor_thread: bool = True
+
+    def __post_init__(self) -> None:
+        model = str(self.model) if self.model is not None else str(DEFAULT_MODEL_DIR)
+        object.__setattr__(self, "model", model)
+        _choice("dtype", self.dtype, _DTYPES)
+        _choice("device", self.device, _DEVICES)
+        _choice("scheduler", self.scheduler, SCHEDULER_POLICIES)
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
+        if self.pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
+        if not 0.0 <= self.admission_margin < 1.0:
+            raise ValueError(f"admission_margin must be in [0, 1), got {self.admission_margin!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not os.path.isdir(model):
+            raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
+                             f"tokenizer files); {model!r} is not a directory")
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

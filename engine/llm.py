@@ -1,0 +1,80 @@
+"""The offline API: LLM(...).generate(prompts, params) -> list[RequestOutput]."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Run batches of prompts to completion on one device.
+
+    `LLM()` with no model loads the embedded default model shipped in the repo. Keyword arguments are the
+    EngineConfig fields (see ARCHITECTURE.md).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(prompts, params)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, p))
+        except ValueError:
+            for rid in ids:
+                self.engine.abort(rid)
+            self._drain()
+            raise
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[rid] for rid in ids]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn through the tokenizer's chat template."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        return self.generate([list(ids)], params)[0]
+
+    @staticmethod
+    def _params_per_prompt(prompts, params) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return list(params)
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,332 @@
+"""The engine loop: launch step t+1, commit step t, finalize (sample) t+1 — Photon's pipelined decoding.
+
+With pipeline_depth=2 the forward of t+1 is queued before the CPU commits t, so commit bookkeeping
+(appending tokens, detokenizing, stop checks, streaming) overlaps the forward. Sampling t+1 is queued after
+commit t, so everything sampling depends on (penalties, min_tokens, later grammar masks) is current.
+pipeline_depth=1 runs the same code with the commit right after its own finalize: the blocking baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.models import load_hf_config, model_spec
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+from engine.slot import Step, StepResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    stream: bool  # emit an output at every commit (else only the final one)
+
+
+class LLMEngine:
+    """Single-device engine. Not thread-safe: one thread calls add_request/abort/step (the async engine
+    funnels other threads' calls through its inbox)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.hf_config = load_hf_config(config.model)
+        self.spec = model_spec(self.hf_config)
+        self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
+        num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(config, self.hf_config, self.spec, self.device, self.dtype, num_blocks,
+                                  self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   policy=config.scheduler, admission_margin=config.admission_margin)
+        self.requests: dict[str, _Request] = {}
+        self.inflight: Step | None = None
+        self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
+                         "zombie_rows": 0}
+        self.last_step_timing: dict[str, float] = {}
+        self._last_commit_time: float | None = None
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, stream: bool = False) -> str:
+        """Validate and queue a request; raises ValueError naming the problem (nothing else is touched)."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = self.make_sequence(prompt, params, request_id)
+        self.add_sequence(seq, stream)
+        return request_id
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None,
+                      request_id: str) -> Sequence:
+        """Tokenize and validate (reads only immutable engine state: safe from any thread)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids, params)
+        seq = Sequence(request_id, text, ids, params, self.eos_token_ids, self.max_model_len,
+                       self.spec.vocab_size)
+        seq.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params)
+        return seq
+
+    def add_sequence(self, seq: Sequence, stream: bool) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = _Request(seq, stream)
+        self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of integer token ids")
+        return None, list(prompt)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                             f"(the prompt must leave room for at least one generated token)")
+        for tid in params.stop_token_ids:
+            if tid >= self.spec.vocab_size:
+                raise ValueError(f"stop_token_ids must be in [0, {self.spec.vocab_size}); got {tid}")
+        blocks = -(-(len(ids) + 1) // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
+                             f"({self.block_manager.num_blocks} blocks of {self.config.block_size})")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now. Its blocks are freed at once, or when its in-flight step drains (zombie)."""
+        req = self.requests.get(request_id)
+        if req is None or req.seq.finalized:
+            return None
+        return self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self.inflight is not None
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One tick: launch the next step, commit the previous one, finalize (sample) the launched one."""
+        outputs: list[RequestOutput] = []
+        launched = None
+        slot = self.runner.free_slot()
+        if slot is not None and self.scheduler.has_work():
+            sched = self.scheduler.schedule()
+            if sched:
+                launched = self.runner.launch(sched, slot, self.inflight)
+        if self.inflight is not None:
+            outputs += self._commit(self.inflight)
+            self.inflight = None
+        if launched is not None:
+            self.runner.finalize(launched)
+            if self.config.pipeline_depth == 1:
+                outputs += self._commit(launched)
+            else:
+                self.inflight = launched
+        return outputs
+
+    def _commit(self, step: Step) -> list[RequestOutput]:
+        try:
+            result = self.runner.wait(step)
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            logger.exception("step %d failed", step.id)
+            return self._fail_step(step, exc)
+        self._record_timing(step, result)
+        touched: dict[str, Sequence] = {}
+        for c in step.chunks:
+            c.seq.inflight_refs -= 1
+            touched[c.seq.request_id] = c.seq
+        for row, c in enumerate(step.sample_chunks):
+            c.seq.num_pending -= 1
+            if c.seq.finalized:
+                self.counters["zombie_rows"] += 1  # rode along after finishing: nothing to commit
+                continue
+            self._append_token(c.seq, result, row)
+        outputs = []
+        for seq in touched.values():
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.seq is seq:
+                out = self._maybe_finish(req)
+                if out is not None:
+                    outputs.append(out)
+            self.scheduler.release_if_idle(seq)
+        return outputs
+
+    def _append_token(self, seq: Sequence, result: StepResult, row: int) -> None:
+        token = result.tokens[row]
+        seq.token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if seq.logprobs is not None:
+            k = seq.params.logprobs
+            top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
+            seq.logprobs.append(TokenLogprob(token, result.logprobs[row], top))
+        self.block_manager.cache_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
+        if token in seq.eos_token_ids or token in seq.params.stop_token_ids:
+            if seq.num_output_tokens >= seq.params.min_tokens:
+                seq.finish_reason = "stop"
+                return
+        if seq.detok.add(token, check_stops=seq.num_output_tokens >= seq.params.min_tokens):
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= seq.max_total_len:
+            seq.finish_reason = "length"
+
+    def _maybe_finish(self, req: _Request) -> RequestOutput | None:
+        seq = req.seq
+        if seq.finish_reason is not None and not seq.finalized:
+            return self._finish(req, seq.finish_reason)
+        if req.stream and seq.num_output_tokens > seq.num_emitted_tokens:
+            return self._output(seq)
+        return None
+
+    def _finish(self, req: _Request, reason: str, error: str | None = None) -> RequestOutput:
+        seq = req.seq
+        seq.finalized = True
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.scheduler.release_if_idle(seq)
+        del self.requests[seq.request_id]
+        self.counters["requests_finished"] += 1
+        out = self._output(seq)
+        out.error = error
+        return out
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        start = seq.num_emitted_tokens
+        seq.num_emitted_tokens = seq.num_output_tokens
+        out_ids = seq.output_token_ids
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=out_ids, text=seq.detok.text, finished=seq.finalized, finish_reason=seq.finish_reason,
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            delta_token_ids=out_ids[start:], delta_text=seq.detok.take_delta(seq.finalized),
+            delta_logprobs=None if seq.logprobs is None else seq.logprobs[start:],
+            num_cached_tokens=seq.num_cached, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finish_time=time.monotonic() if seq.finalized else None)
+
+    def _fail_step(self, step: Step, exc: Exception) -> list[RequestOutput]:
+        outputs = []
+        for c in step.chunks:
+            c.seq.inflight_refs -= 1
+            if c.samples:
+                c.seq.num_pending -= 1
+            req = self.requests.get(c.seq.request_id)
+            if req is not None and req.seq is c.seq and not c.seq.finalized:
+                outputs.append(self._finish(req, "abort", error=f"engine step failed: {type(exc).__name__}"))
+            self.scheduler.release_if_idle(c.seq)
+        return outputs
+
+    def _record_timing(self, step: Step, result: StepResult) -> None:
+        now = time.monotonic()
+        period = now - self._last_commit_time if self._last_commit_time is not None else 0.0
+        self._last_commit_time = now
+        self.counters["steps"] += 1
+        self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
+                                 "period_s": period, "num_tokens": step.num_tokens,
+                                 "num_seqs": len(step.chunks)}
+
+    # ---- sizing and stats ---------------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype)
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_utilization) - _weight_bytes(self.spec, self.dtype)
+        else:
+            budget = cfg.cpu_kv_cache_bytes
+        return max(1, min(useful, budget // per_block))
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free,
+            "cpu_blocks_total": self.config.num_cpu_blocks, "cpu_blocks_free": self.config.num_cpu_blocks,
+            "num_preemptions": self.scheduler.num_preemptions, "num_offloads": 0, "num_swap_ins": 0,
+            "num_soft_resets": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
+            "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+            "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+            "pipeline_depth": self.config.pipeline_depth, **self.counters,
+        }
+
+    def check_integrity(self) -> None:
+        """Assert block accounting; when idle, every block must be free."""
+        live = {id(r.seq): r.seq for r in self.requests.values()}
+        if self.inflight is not None:  # zombies: finished, blocks held until their step drains
+            live.update((id(c.seq), c.seq) for c in self.inflight.chunks)
+        live = [s for s in live.values() if not s.released]
+        self.block_manager.check_integrity(live)
+        if not self.has_unfinished():
+            assert self.block_manager.num_free == self.block_manager.num_blocks, "blocks leaked"
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available")
+    return torch.device(device)
+
+
+def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _weight_bytes(spec, dtype: torch.dtype) -> int:
+    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + spec.num_heads * spec.head_dim * h
+    per_layer = attn + 3 * h * i
+    emb = v * h * (1 if spec.tie_word_embeddings else 2)
+    return (per_layer * spec.num_layers + emb) * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,6 @@
+"""Model families (Llama, Mistral, Qwen2, Qwen3) and the HF checkpoint loader."""
+
+from engine.models.decoder import DecoderLM, ModelSpec
+from engine.models.loader import SUPPORTED_FAMILIES, build_model, load_hf_config, model_spec
+
+__all__ = ["DecoderLM", "ModelSpec", "SUPPORTED_FAMILIES", "build_model", "load_hf_config", "model_spec"]

@@ -1,0 +1,151 @@
+"""Build a DecoderLM from an HF checkpoint directory: config.json + safetensors (single or sharded).
+
+No hub access: the directory must hold everything. HF parameter names are mapped onto the fused
+qkv_proj / gate_up_proj layout here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def load_hf_config(model_dir: str):
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read config.json in {model_dir!r}: {exc}") from exc
+
+
+def model_spec(config) -> ModelSpec:
+    family = config.model_type
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; valid: {', '.join(SUPPORTED_FAMILIES)}")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    window = getattr(config, "sliding_window", None)
+    if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = None
+    if family == "qwen3" and not getattr(config, "use_sliding_window", False):
+        window = None
+    return ModelSpec(
+        family=family, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
+        o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=family == "qwen3", tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_window=window, max_position_embeddings=config.max_position_embeddings,
+        hidden_act=getattr(config, "hidden_act", "silu"),
+    )
+
+
+def rope_tables(config, spec: ModelSpec, max_positions: int) -> RotaryEmbedding:
+    """RoPE with the checkpoint's theta and scaling (transformers' own init functions for scaled types)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; valid: {', '.join(_STATIC_ROPE_TYPES)}")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float) / spec.head_dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return RotaryEmbedding(inv_freq, scaling, max_positions)
+
+
+def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
+                dtype: torch.dtype, device: torch.device) -> DecoderLM:
+    with torch.device("meta"):
+        model = DecoderLM(spec, rope_tables(config, spec, 1), backend)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = rope_tables(config, spec, max_positions).to(device)
+    load_weights(model, model_dir)
+    return model.eval().requires_grad_(False)
+
+
+def _safetensors_files(model_dir: str) -> list[Path]:
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / s for s in shards]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_dir!r}")
+    return files
+
+
+def load_weights(model: DecoderLM, model_dir: str) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; fail naming what is missing."""
+    params = dict(model.named_parameters())
+    filled: set[tuple[str, int]] = set()
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = _map_name(name, model.spec)
+                if target is None:
+                    continue
+                pname, shard = target
+                _copy_into(pname, params[pname], f.get_tensor(name), shard, model.spec)
+                filled.add((pname, shard))
+    expected = {(n, s) for n, p in params.items() for s in _shards_of(n)}
+    missing = sorted(expected - filled)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir!r} lacks weights for {[m[0] for m in missing[:8]]}")
+
+
+def _map_name(name: str, spec: ModelSpec) -> tuple[str, int] | None:
+    """HF tensor name -> (our parameter name, shard index within a fused parameter)."""
+    if name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", 0
+    if name == "model.norm.weight":
+        return "norm.weight", 0
+    if name == "lm_head.weight":
+        return None if spec.tie_word_embeddings else ("lm_head.weight", 0)
+    m = _LAYER_RE.match(name)
+    if not m or "rotary_emb" in name:
+        return None
+    layer, rest = m.groups()
+    for proj, fused, shard in (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1),
+                               ("v_proj", "qkv_proj", 2), ("gate_proj", "gate_up_proj", 0),
+                               ("up_proj", "gate_up_proj", 1)):
+        if f".{proj}." in f".{rest}":
+            return f"layers.{layer}.{rest.replace(proj, fused)}", shard
+    return f"layers.{layer}.{rest}", 0
+
+
+def _shards_of(pname: str) -> range:
+    if "qkv_proj" in pname:
+        return range(3)
+    if "gate_up_proj" in pname:
+        return range(2)
+    return range(1)
+
+
+def _copy_into(pname: str, param: torch.Tensor, tensor: torch.Tensor, shard: int, spec: ModelSpec) -> None:
+    if "qkv_proj" in pname:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        dst = param.narrow(0, (0, q, q + kv)[shard], (q, kv, kv)[shard])
+    elif "gate_up_proj" in pname:
+        dst = param.narrow(0, shard * spec.intermediate_size, spec.intermediate_size)
+    else:
+        dst = param
+    if dst.shape != tensor.shape:
+        raise ValueError(f"weight shape mismatch for {pname}: checkpoint {tuple(tensor.shape)} "
+                         f"vs model {tuple(dst.shape)}")
+    dst.data.copy_(tensor)

@@ -1,0 +1,40 @@
+"""What the engine hands back per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Logprob of one generated token under the raw model distribution, plus top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a commit. Cumulative fields plus the delta since the previous output.
+
+    finish_reason: "stop" (EOS, stop token or stop string), "length" (max_tokens / max_model_len) or
+    "abort"; None while running.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None  # set when the engine failed the request (finish_reason "abort")

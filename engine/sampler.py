@@ -1,0 +1,145 @@
+"""Token sampling for one step: penalties, min_tokens, temperature, top-k/top-p/min-p, per-request seeds.
+
+Sampling parameters are gathered on the host into a `SamplingBatch` (tensors built from Python lists, no
+device reads); the math itself never synchronizes: the random draw is an exponential race
+(argmax of p / Exp(1), equivalent to sampling from p) so no multinomial/cumsum-search sync is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling inputs for the rows of one step that sample (row order = step order)."""
+
+    temperature: torch.Tensor  # [R] float32, 1.0 where greedy (unused there)
+    greedy: torch.Tensor  # [R] bool
+    top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [R] float32
+    min_p: torch.Tensor | None  # [R] float32
+    penalties: list["_RowPenalty"]  # rows with repetition/presence/frequency penalties
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked to -inf (min_tokens: eos + stop ids)
+    generators: list[torch.Generator | None]  # per row; None = the engine's generator
+    num_logprobs: int  # -1: no row wants logprobs; else max top-k asked (0 = chosen token only)
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], device: torch.device) -> "SamplingBatch":
+        ps = [s.params for s in seqs]
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps],
+                                   dtype=torch.float32, device=device)
+        greedy = torch.tensor([p.greedy for p in ps], dtype=torch.bool, device=device)
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 for p in ps):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in ps], device=device)
+        if any(p.top_p < 1.0 for p in ps):
+            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device)
+        if any(p.min_p > 0.0 for p in ps):
+            min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
+        pen = [_RowPenalty.build(i, s, device) for i, s in enumerate(seqs) if s.params.needs_penalties]
+        banned = [(i, sorted(s.eos_token_ids | set(s.params.stop_token_ids))) for i, s in enumerate(seqs)
+                  if s.num_output_tokens < s.params.min_tokens]
+        asked = [p.logprobs for p in ps if p.logprobs is not None]
+        return cls(temperature, greedy, top_k, top_p, min_p, pen, banned,
+                   [s.generator for s in seqs], max(asked) if asked else -1)
+
+
+@dataclass(slots=True)
+class _RowPenalty:
+    """A snapshot of one row's penalty inputs, taken on the engine thread when the batch is built."""
+
+    row: int
+    repetition: float
+    presence: float
+    frequency: float
+    seen: torch.Tensor | None  # [n] unique token ids of prompt + output (repetition penalty)
+    counts: torch.Tensor | None  # [V] occurrences of each token in the output (presence/frequency)
+
+    @classmethod
+    def build(cls, row: int, seq: Sequence, device: torch.device) -> "_RowPenalty":
+        p = seq.params
+        seen = counts = None
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=device)
+        if p.presence_penalty or p.frequency_penalty:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=device)
+            counts = torch.bincount(out, minlength=seq.vocab_size)
+        return cls(row, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seen, counts)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor | None  # [R] float32: logprob of the chosen token under the raw model
+    top_ids: torch.Tensor | None  # [R, k] int64
+    top_logprobs: torch.Tensor | None  # [R, k] float32
+
+
+class Sampler:
+    """Turns the step's logits rows into tokens. Logprobs are of the raw model distribution."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits  # [R, V] float32
+        logits = self._apply_penalties(logits.clone(), batch)
+        for row, ids in batch.banned:
+            logits[row, ids] = _NEG_INF
+        greedy_tokens = logits.argmax(dim=-1)
+        sampled = self._sample(logits, batch)
+        tokens = torch.where(batch.greedy, greedy_tokens, sampled)
+        if batch.num_logprobs < 0:
+            return SamplerOutput(tokens, None, None, None)
+        lp = torch.log_softmax(raw, dim=-1)
+        chosen = lp.gather(1, tokens[:, None])[:, 0]
+        if batch.num_logprobs == 0:
+            return SamplerOutput(tokens, chosen, None, None)
+        top_lp, top_ids = lp.topk(batch.num_logprobs, dim=-1)
+        return SamplerOutput(tokens, chosen, top_ids, top_lp)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """repetition (HF/CTRL: over prompt + output), presence and frequency (OpenAI: over output)."""
+        for pen in batch.penalties:
+            row = logits[pen.row]  # a view: edits land in `logits`
+            if pen.seen is not None:
+                vals = row[pen.seen]
+                row[pen.seen] = torch.where(vals < 0, vals * pen.repetition, vals / pen.repetition)
+            if pen.counts is not None:
+                counts = pen.counts.to(logits.dtype)
+                row -= pen.frequency * counts + pen.presence * (counts > 0).to(logits.dtype)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits / batch.temperature[:, None]
+        if batch.top_k is not None:
+            kth = logits.sort(dim=-1, descending=True).values.gather(
+                1, (batch.top_k.clamp(max=logits.shape[-1]) - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, _NEG_INF)
+        probs = logits.softmax(dim=-1)
+        if batch.top_p is not None:
+            probs = _top_p(probs, batch.top_p)
+        if batch.min_p is not None:
+            probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:  # seeded: the draw depends only on the request's own generator
+                noise[row].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose mass reaches top_p (the top token always stays)."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(1, idx, sorted_p)

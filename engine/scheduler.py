@@ -1,0 +1,185 @@
+"""Continuous-batching scheduler: token and KV budgets, chunked prefill, FIFO and prefill-first policies.
+
+Pure CPU Python. `schedule()` plans the next step and advances each planned sequence's `num_computed`
+(and `num_pending` for chunks that sample) as if the step had run: the pipeline launches it before the
+previous step is committed, so planning must not wait for results.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SCHEDULER_POLICIES
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """`num_tokens` positions of `seq` starting at `start`; `samples` when the chunk reaches its end."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.samples)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    """Plans each step. Policies: "fifo" (running decodes, then running prefills, then new requests in
+    arrival order) and "prefill_first" (running prefills, then new requests, then decodes)."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fifo", admission_margin: float = 0.05):
+        if policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.margin_blocks = math.ceil(admission_margin * block_manager.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(self._schedulable(s) for s in self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finalized sequence out of the queues (its blocks are released separately)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def release_if_idle(self, seq: Sequence) -> None:
+        """Called whenever a sequence may have no in-flight step left: free or soft-reset it then."""
+        if seq.inflight_refs or seq.released:
+            return
+        if seq.finalized:
+            self.bm.free(seq)
+            seq.released = True
+        elif seq.preempted:
+            self._soft_reset(seq)
+
+    # ---- planning ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = [self.max_num_batched_tokens]
+        decodes = [s for s in self.running if self._schedulable(s) and not s.in_prefill]
+        prefills = [s for s in self.running if self._schedulable(s) and s.in_prefill]
+        if self.policy == "fifo":
+            self._schedule_running(decodes, out, budget)
+            self._schedule_running(prefills, out, budget)
+            self._admit_waiting(out, budget)
+        else:
+            self._schedule_running(prefills, out, budget)
+            self._admit_waiting(out, budget)
+            self._schedule_running(decodes, out, budget)
+        return out
+
+    def _schedulable(self, seq: Sequence) -> bool:
+        # A sequence whose pending token reaches its length cap is done once that token commits: skip the
+        # step that would only compute KV nobody reads (no zombie for length-capped requests).
+        return not (seq.finalized or seq.preempted) and seq.num_total < seq.max_total_len
+
+    def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, budget: list[int]) -> None:
+        for seq in seqs:
+            if budget[0] == 0:
+                return
+            if seq.preempted:  # chosen as a victim earlier in this same pass
+                continue
+            n = min(seq.num_uncomputed, budget[0])
+            if self._allocate_or_preempt(seq, seq.num_computed + n):
+                self._plan(seq, n, out, budget)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
+        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits, hashes = ([], []) if seq.block_table else self.bm.cached_prefix(seq.token_ids)
+            computed = seq.num_computed + len(hits) * self.bm.block_size
+            n = min(seq.num_total - computed, budget[0])
+            reused_free = sum(1 for b in hits if self.bm.ref_counts[b] == 0)
+            needed = max(0, -(-(computed + n) // self.bm.block_size) - len(hits)) + reused_free
+            margin = self.margin_blocks if self.running else 0
+            if needed + margin > self.bm.num_free:
+                return
+            self.waiting.popleft()
+            self.bm.admit(seq, hits, hashes)
+            ok = self.bm.allocate(seq, computed + n)
+            assert ok, "admission checked the free blocks"
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._plan(seq, n, out, budget)
+
+    def _plan(self, seq: Sequence, n: int, out: SchedulerOutput, budget: list[int]) -> None:
+        start = seq.num_computed
+        samples = start + n == seq.num_total
+        out.chunks.append(ScheduledChunk(seq, start, n, samples))
+        out.num_tokens += n
+        budget[0] -= n
+        seq.num_computed += n
+        seq.inflight_refs += 1
+        if samples:
+            seq.num_pending += 1
+        self.bm.cache_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
+
+    # ---- preemption (soft reset; the KV-offload path builds on this) -----------------------------------
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq` to `num_tokens` positions, preempting the newest other running sequences if needed.
+
+        Victims still referenced by an in-flight step give their blocks back only after that step commits;
+        `seq` then waits one step rather than preempting more than it needs.
+        """
+        needed = self.bm.blocks_needed(seq, num_tokens)
+        releasing = 0
+        while needed > self.bm.num_free:
+            if needed <= self.bm.num_free + releasing:
+                return False
+            victim = self._pick_victim(seq)
+            if victim is None:
+                return False
+            releasing += sum(1 for b in victim.block_table if self.bm.ref_counts[b] == 1)
+            self._preempt(victim)
+        return self.bm.allocate(seq, num_tokens)
+
+    def _pick_victim(self, requester: Sequence) -> Sequence | None:
+        """Newest running sequence other than the requester (never the last one running)."""
+        for seq in reversed(self.running):
+            if seq is not requester and not seq.finalized:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        seq.preempted = True
+        seq.status = SeqStatus.WAITING
+        self.release_if_idle(seq)
+
+    def _soft_reset(self, seq: Sequence) -> None:
+        """Free the blocks and requeue at the front; the generated tokens are now part of what to
+        recompute, and the sequence keeps its sampler and detokenizer state, so its output continues."""
+        self.bm.free(seq)
+        seq.num_computed = seq.num_cached = 0
+        seq.preempted = False
+        self.waiting.appendleft(seq)

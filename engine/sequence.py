@@ -1,0 +1,101 @@
+"""A request's state inside the engine: tokens, KV bookkeeping, pipeline refcounts."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request.
+
+    Token accounting (the pipeline runs one step ahead of the CPU):
+      token_ids      prompt + committed output tokens, known on the host.
+      num_pending    tokens sampled by a launched step but not yet committed (0 or 1). The next forward
+                     reads a pending token straight from the device buffer it was sampled into.
+      num_computed   positions whose KV has been written by a launched forward (scheduled, in stream order).
+    A sequence wants `num_total - num_computed` more positions computed; a chunk that reaches num_total
+    samples one new (pending) token. Decode is simply a chunk of one.
+
+    Zombies (Photon): `finalized` is set at the commit that ends the request; `inflight_refs` counts launched
+    steps that still reference it. Its blocks are freed only when both hold.
+    """
+
+    __slots__ = ("request_id", "params", "prompt", "prompt_token_ids", "token_ids", "num_pending",
+                 "num_computed", "num_cached", "block_table", "block_hashes", "status", "finalized",
+                 "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
+                 "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
+                 "num_emitted_tokens", "preempted", "vocab_size")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
+                 vocab_size: int):
+        self.request_id = request_id
+        self.vocab_size = vocab_size
+        self.params = params
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_pending = 0
+        self.num_computed = 0
+        self.num_cached = 0  # prompt tokens served from the prefix cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, in order
+        self.status = SeqStatus.WAITING
+        self.finalized = False
+        self.finish_reason: str | None = None
+        self.inflight_refs = 0
+        self.released = False
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(params.seed)
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        budget = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
+        self.max_total_len = min(budget, max_model_len)
+        self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token
+        self.num_emitted_tokens = 0
+        self.preempted = False  # soft reset requested; applied when inflight_refs drains
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_total(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_total - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while positions whose tokens are known on the host remain uncomputed."""
+        return self.num_computed < len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, total={self.num_total}, computed={self.num_computed}, "
+                f"blocks={self.block_table}, status={self.status.value}, finalized={self.finalized})")
