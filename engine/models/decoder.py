@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """Causal LM over a paged KV cache. `forward` returns hidden states; `logits` projects chosen rows."""
 
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, backend):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding | None, backend):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)

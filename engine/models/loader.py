@@ -70,10 +70,11 @@ def rope_tables(config, spec: ModelSpec, max_positions: int) -> RotaryEmbedding:
 
 def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
                 dtype: torch.dtype, device: torch.device) -> DecoderLM:
-    with torch.device("meta"):
-        model = DecoderLM(spec, rope_tables(config, spec, 1), backend)
+    rotary = rope_tables(config, spec, max_positions)  # fp32 tables, kept out of the dtype cast below
+    with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
+        model = DecoderLM(spec, None, backend)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = rope_tables(config, spec, max_positions).to(device)
+    model.rotary = rotary.to(device)
     load_weights(model, model_dir)
     return model.eval().requires_grad_(False)
 

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install Tandem into it (idempotent; reinstalls when pyproject.toml changes).
+# torch goes first, pinned to the CPU build this machine kind carries: a bare `torch` requirement would
+# pull a multi-GB CUDA build (see shared/notes/environment.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+stamp=.venv/.tandem-installed
+want=$(sha1sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TANDEM_TORCH_VERSION:-2.13.0}"
+  .venv/bin/python -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Install (if needed) and run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
