@@ -1,0 +1,152 @@
+"""The async streaming API the Ray replica wraps: concurrency, streaming deltas, abort, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+from engine import LLM, AsyncLLM, SamplingParams
+from engine.async_engine import EngineDeadError
+from test_correctness_hf import make_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return str(tiny_model_factory("llama")[0])
+
+
+@pytest.fixture
+def allm(model_dir):
+    llm = AsyncLLM(model=model_dir, block_size=4)
+    yield llm
+    llm.shutdown()
+
+
+async def collect(llm: AsyncLLM, prompt, params=GREEDY):
+    outs = [o async for o in llm.generate(prompt, params)]
+    return outs
+
+
+async def wait_idle(llm: AsyncLLM, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = llm.stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
+                stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+            return stats
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine did not go idle: {llm.stats()}")
+
+
+def test_concurrent_streams_match_offline_outputs(allm, model_dir):
+    prompts = make_prompts(seed=11, lengths=(4, 8, 15, 23, 31, 7, 12, 40))
+    expected = LLM(model_dir, block_size=4).generate(prompts, GREEDY)
+
+    async def main():
+        return await asyncio.gather(*(collect(allm, p) for p in prompts))
+
+    streams = asyncio.run(main())
+    for outs, exp in zip(streams, expected):
+        final = outs[-1]
+        assert final.finished and final.token_ids == exp.token_ids and final.finish_reason == "length"
+        assert sum((o.delta_token_ids for o in outs), []) == final.token_ids
+        assert "".join(o.delta_text for o in outs) == final.text == exp.text
+        assert all(not o.finished for o in outs[:-1])
+        assert len(outs) > 1  # streamed as committed, not only at the end
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(allm):
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def main():
+        async with contextlib.aclosing(allm.generate(make_prompts(12, (30,))[0], long)) as gen:
+            seen = 0
+            async for _ in gen:
+                seen += 1
+                if seen == 3:
+                    break
+        return await wait_idle(allm)
+
+    stats = asyncio.run(main())
+    assert stats["generation_tokens"] < 100  # it really stopped early
+
+
+def test_cancelled_task_aborts_request(allm):
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def main():
+        task = asyncio.create_task(collect(allm, make_prompts(13, (20,))[0], long))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await wait_idle(allm)
+
+    asyncio.run(main())
+
+
+def test_bad_request_is_rejected_and_others_continue(allm):
+    async def main():
+        good = asyncio.create_task(collect(allm, [5, 6, 7, 8]))
+        with pytest.raises(ValueError, match="token ids must be in"):
+            await collect(allm, [5, 99999])
+        with pytest.raises(ValueError, match="temperature"):
+            await collect(allm, [5, 6], SamplingParams(temperature=-1.0))
+        outs = await good
+        return outs[-1]
+
+    final = asyncio.run(main())
+    assert final.finished and len(final.token_ids) == GREEDY.max_tokens
+
+
+def test_failed_step_fails_its_requests_and_engine_keeps_serving(allm):
+    model = allm.engine.runner.model
+    original = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected forward failure")
+        return original(*args, **kwargs)
+
+    model.forward = flaky
+
+    async def main():
+        failed = await collect(allm, [5, 6, 7, 8])
+        ok = await collect(allm, [9, 10, 11])
+        return failed[-1], ok[-1]
+
+    try:
+        failed, ok = asyncio.run(main())
+    finally:
+        model.forward = original
+    assert failed.finished and failed.finish_reason == "abort" and "RuntimeError" in failed.error
+    assert ok.finished and ok.finish_reason == "length" and ok.error is None
+    allm.engine.check_integrity()
+
+
+def test_dead_loop_fails_inflight_and_new_requests(model_dir):
+    llm = AsyncLLM(model=model_dir)
+
+    def boom():
+        raise RuntimeError("loop crashed")
+
+    async def main():
+        llm.engine.step = boom
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(collect(llm, [5, 6, 7]), timeout=10)
+        with pytest.raises(EngineDeadError):
+            await collect(llm, [5, 6, 7])
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
+    with pytest.raises(EngineDeadError):
+        llm.check_health()
