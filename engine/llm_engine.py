@@ -151,7 +151,20 @@ class LLMEngine:
                 outputs += self._commit(launched)
             else:
                 self.inflight = launched
+        elif self.inflight is None and self.scheduler.has_work():
+            outputs += self._end_stuck()
         return outputs
+
+    def _end_stuck(self) -> list[RequestOutput]:
+        """Nothing could run and nothing is in flight: the running requests hold the whole KV cache and
+        still need more. End the oldest (its KV budget is exhausted) so the others can go on."""
+        stuck = self.scheduler.stuck()
+        if not stuck:
+            return []
+        seq = stuck[0]
+        logger.warning("request %s needs more KV blocks than the cache holds; ending it", seq.request_id)
+        return [self._finish(self.requests[seq.request_id], "length",
+                             error="KV cache exhausted: the request needs more blocks than the engine has")]
 
     def _commit(self, step: Step) -> list[RequestOutput]:
         try:

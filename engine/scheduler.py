@@ -52,6 +52,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.margin_blocks = math.ceil(admission_margin * block_manager.num_blocks)
+        self._starved = False  # a running sequence could not get blocks in this pass
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -85,8 +86,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = [self.max_num_batched_tokens]
-        decodes = [s for s in self.running if self._schedulable(s) and not s.in_prefill]
-        prefills = [s for s in self.running if self._schedulable(s) and s.in_prefill]
+        self._starved = False
+        running = [s for s in self.running if self._schedulable(s)]
+        decodes = [s for s in running if s.is_decoding]
+        prefills = [s for s in running if not s.is_decoding]
         if self.policy == "fifo":
             self._schedule_running(decodes, out, budget)
             self._schedule_running(prefills, out, budget)
@@ -106,18 +109,21 @@ class Scheduler:
         for seq in seqs:
             if budget[0] == 0:
                 return
-            if seq.preempted:  # chosen as a victim earlier in this same pass
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this same pass
                 continue
-            n = min(seq.num_uncomputed, budget[0])
-            if self._allocate_or_preempt(seq, seq.num_computed + n):
+            n = self._fit(seq, min(seq.num_uncomputed, budget[0]))
+            if n:
                 self._plan(seq, n, out, budget)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
-        while self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs:
+        # A running sequence waiting for a victim's blocks must get them: admit nobody meanwhile.
+        while (self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs
+               and not self._starved):
             seq = self.waiting[0]
-            hits, hashes = ([], []) if seq.block_table else self.bm.cached_prefix(seq.token_ids)
-            computed = seq.num_computed + len(hits) * self.bm.block_size
+            hits, hashes = self.bm.cached_prefix(seq.token_ids)
+            computed = len(hits) * self.bm.block_size
             n = min(seq.num_total - computed, budget[0])
+            # Cached hits sitting in the free queue are taken back out of it, so they count as needed.
             reused_free = sum(1 for b in hits if self.bm.ref_counts[b] == 0)
             needed = max(0, -(-(computed + n) // self.bm.block_size) - len(hits)) + reused_free
             margin = self.margin_blocks if self.running else 0
@@ -144,23 +150,42 @@ class Scheduler:
         self.bm.cache_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
 
     # ---- preemption (soft reset; the KV-offload path builds on this) -----------------------------------
-    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow `seq` to `num_tokens` positions, preempting the newest other running sequences if needed.
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """Grow `seq` for a chunk of up to `n` positions; return the chunk size it got (0: wait a step).
 
-        Victims still referenced by an in-flight step give their blocks back only after that step commits;
-        `seq` then waits one step rather than preempting more than it needs.
+        When blocks run out, the newest other running sequences are preempted. A victim still referenced
+        by an in-flight step gives its blocks back only after that step commits; `seq` then waits one
+        step rather than preempting more than it needs. With nobody left to preempt, a prefill chunk
+        shrinks to what the free blocks hold.
         """
-        needed = self.bm.blocks_needed(seq, num_tokens)
+        needed = self.bm.blocks_needed(seq, seq.num_computed + n)
         releasing = 0
         while needed > self.bm.num_free:
             if needed <= self.bm.num_free + releasing:
-                return False
+                self._starved = True
+                return 0
             victim = self._pick_victim(seq)
             if victim is None:
-                return False
-            releasing += sum(1 for b in victim.block_table if self.bm.ref_counts[b] == 1)
+                break
+            held = sum(1 for b in victim.block_table if self.bm.ref_counts[b] == 1)
             self._preempt(victim)
-        return self.bm.allocate(seq, num_tokens)
+            if victim.preempted:  # reset deferred until its in-flight step drains
+                releasing += held
+        capacity = (len(seq.block_table) + self.bm.num_free) * self.bm.block_size - seq.num_computed
+        n = min(n, capacity)
+        if n <= 0:
+            self._starved = True
+            return 0
+        ok = self.bm.allocate(seq, seq.num_computed + n)
+        assert ok, "capacity was computed from the free blocks"
+        return n
+
+    def stuck(self) -> list[Sequence]:
+        """Running sequences that can never get a block: nothing in flight, nothing schedulable fits.
+
+        The engine calls this only when a tick launched nothing and no step is in flight; the KV cache
+        is then wholly held by these sequences, so the oldest must end (its KV budget is exhausted)."""
+        return [s for s in self.running if self._schedulable(s)]
 
     def _pick_victim(self, requester: Sequence) -> Sequence | None:
         """Newest running sequence other than the requester (never the last one running)."""

@@ -92,9 +92,12 @@ class Sequence:
         return self.num_total - self.num_computed
 
     @property
-    def in_prefill(self) -> bool:
-        """True while positions whose tokens are known on the host remain uncomputed."""
-        return self.num_computed < len(self.token_ids)
+    def is_decoding(self) -> bool:
+        """Past its prompt with exactly one position to compute (the last sampled token, committed or not).
+
+        Defined the same way whether the last token is still pending (depth 2) or already committed
+        (depth 1), so scheduling policies behave identically at both depths."""
+        return self.num_uncomputed == 1 and self.num_computed >= len(self.prompt_token_ids)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, total={self.num_total}, computed={self.num_computed}, "

@@ -140,3 +140,16 @@ def test_max_model_len_caps_generation(tiny_model_factory):
     out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert out.token_ids == hf_greedy(hf, prompt)[0][:4]
+
+
+def test_request_outgrowing_the_kv_cache_ends_with_length_and_others_finish(tiny_model_factory):
+    path, hf = tiny_model_factory("llama")
+    llm = LLM(str(path), block_size=4, num_kv_blocks=3, admission_margin=0.0)
+    prompt = make_prompts(seed=8, lengths=(10,))[0]
+    big, small = llm.generate([prompt, [7, 8]], [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                                                 SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)])
+    # 12 KV positions: the prompt's 10, then 2 generated tokens' KV; the third token needs position 12.
+    assert big.finish_reason == "length" and "KV cache" in big.error
+    assert big.token_ids == hf_greedy(hf, prompt)[0][:3]
+    assert small.finish_reason == "length" and len(small.token_ids) == 3
+    llm.check_integrity()
