@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -20,6 +21,9 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+SUMMARY_PERIOD_S = 0.5
+SUMMARY_MAX_HASHES = 4096
 
 
 class EngineDeadError(RuntimeError):
@@ -37,6 +41,8 @@ class AsyncLLM:
         self._stopping = False
         self.dead: BaseException | None = None
         self._stats: dict = self.engine.stats()
+        self.prefix_summary: list[int] = []  # recent cached block hashes, refreshed by the loop thread
+        self._summary_time = 0.0
         self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
         self._thread.start()
 
@@ -98,15 +104,24 @@ class AsyncLLM:
                 self._wake.clear()
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
-                    self._stats = self.engine.stats()
+                    self._publish(force=True)
                     self._wake.wait()
                     continue
                 self._deliver(self.engine.step())
-                self._stats = self.engine.stats()
+                self._publish()
         except BaseException as exc:  # the loop is dead: fail every waiting caller, never hang them
             logger.exception("engine loop died")
             self.dead = exc
             self._fail_all(EngineDeadError(f"engine loop died: {type(exc).__name__}: {exc}"))
+
+    def _publish(self, force: bool = False) -> None:
+        """Snapshot stats (every tick) and the prefix summary (at most every SUMMARY_PERIOD_S) for readers
+        on other threads; engine state itself is only ever read on this thread."""
+        self._stats = self.engine.stats()
+        now = time.monotonic()
+        if force or now - self._summary_time > SUMMARY_PERIOD_S:
+            self.prefix_summary = self.engine.block_manager.recent_hashes(SUMMARY_MAX_HASHES)
+            self._summary_time = now
 
     def _drain_inbox(self) -> None:
         while True:

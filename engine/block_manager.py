@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence as Seq
 from engine.sequence import Sequence
 
 _ROOT_HASH = 0
+_MASK63 = (1 << 63) - 1
 
 
 def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
@@ -23,6 +24,15 @@ def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
     """
     data = parent_hash.to_bytes(16, "little") + array("q", token_ids).tobytes()
     return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+
+
+def prefix_hashes(token_ids: Seq[int], block_size: int, max_blocks: int) -> list[int]:
+    """Chained hashes of the first full blocks of `token_ids` (63-bit, as in `recent_hashes`)."""
+    out, parent = [], _ROOT_HASH
+    for i in range(min(len(token_ids) // block_size, max_blocks)):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent & _MASK63)
+    return out
 
 
 class BlockManager:
@@ -125,6 +135,13 @@ class BlockManager:
             if parent not in self.hash_to_block and self.block_hash[block] is None:
                 self.block_hash[block] = parent
                 self.hash_to_block[parent] = block
+
+    def recent_hashes(self, limit: int) -> list[int]:
+        """The most recently cached block hashes, truncated to 63 bits: a compact prefix summary for routers.
+
+        Routers compare them with `prefix_hashes()` of a new prompt, truncated the same way."""
+        keys = list(self.hash_to_block)[-limit:]
+        return [h & _MASK63 for h in keys]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""

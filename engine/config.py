@@ -56,6 +56,15 @@ class EngineConfig:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if self.pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
+        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_executor_thread"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        for name in ("admission_margin", "gpu_memory_utilization"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not 0.0 <= self.admission_margin < 1.0:
             raise ValueError(f"admission_margin must be in [0, 1), got {self.admission_margin!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

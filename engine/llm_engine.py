@@ -84,7 +84,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
         seq = Sequence(request_id, text, ids, params, self.eos_token_ids, self.max_model_len,
-                       self.spec.vocab_size)
+                       self.spec.vocab_size, self.device)
         seq.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params)
         return seq
 
@@ -137,6 +137,7 @@ class LLMEngine:
         """One tick: launch the next step, commit the previous one, finalize (sample) the launched one."""
         outputs: list[RequestOutput] = []
         launched = None
+        was_idle = self.inflight is None  # a commit below may free blocks: only then can nothing run
         slot = self.runner.free_slot()
         if slot is not None and self.scheduler.has_work():
             sched = self.scheduler.schedule()
@@ -151,7 +152,7 @@ class LLMEngine:
                 outputs += self._commit(launched)
             else:
                 self.inflight = launched
-        elif self.inflight is None and self.scheduler.has_work():
+        elif was_idle and self.scheduler.has_work():
             outputs += self._end_stuck()
         return outputs
 

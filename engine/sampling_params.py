@@ -62,6 +62,8 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("seed", self.seed, -(2**63), allow_none=True)
+        if self.seed is not None and self.seed > 2**64 - 1:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         if self.logprobs is not None and self.logprobs > _MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")

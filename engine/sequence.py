@@ -39,7 +39,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
-                 vocab_size: int):
+                 vocab_size: int, device: torch.device | str = "cpu"):
         self.request_id = request_id
         self.vocab_size = vocab_size
         self.params = params
@@ -58,7 +58,7 @@ class Sequence:
         self.released = False
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator(device="cpu")
+            self.generator = torch.Generator(device=device)  # on the device whose noise it draws
             self.generator.manual_seed(params.seed)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

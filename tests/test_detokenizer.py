@@ -1,0 +1,195 @@
+"""IncrementalDetokenizer against the tokenizer's own full decode (the oracle): streamed deltas, multi-byte
+UTF-8 split across byte-level tokens, and stop-string holdback."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from tiny_models import tokenizer
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé テキスト 😀 emoji and accents.",
+    "日本語の文章です 🚀🎉 café naïve Ελληνικά — “quotes” ½",
+    "family 👩\u200d👩\u200d👧 flag 🇫🇷 e\u0301 combining; 한국어 and ﬁ ligature",
+]
+PROMPTS = {"none": "", "ascii": "The quick brown fox", "multibyte": "x 日本"}
+
+
+def ids_of(text: str) -> list[int]:
+    return tokenizer().encode(text, add_special_tokens=False)
+
+
+def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+    return tokenizer().decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def make(prompt: str = "", **params) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer().backend_tokenizer, ids_of(prompt), SamplingParams(**params))
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], int | None]:
+    """Feed ids one by one, taking a delta after each; stop at a stop string. -> (deltas, stop index)."""
+    deltas = []
+    for n, t in enumerate(ids):
+        if detok.add(t):
+            deltas.append(detok.take_delta(finished=True))
+            return deltas, n
+        deltas.append(detok.take_delta(finished=False))
+    deltas.append(detok.take_delta(finished=True))
+    return deltas, None
+
+
+def test_texts_really_split_characters_across_tokens():
+    """Guard: the test texts exercise partial UTF-8 (a token that decodes to an incomplete character)."""
+    split = [t for t in TEXTS if any(decode(ids_of(t)[:n]).endswith("\ufffd")
+                                     for n in range(1, len(ids_of(t))))]
+    assert len(split) >= 2
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_deltas_equal_full_decode(text, prompt):
+    ids = ids_of(text)
+    assert decode(ids) == text
+    detok = make(PROMPTS[prompt])
+    emitted = ""
+    for n, t in enumerate(ids, start=1):
+        assert detok.add(t) is False
+        delta = detok.take_delta(finished=False)
+        assert "\ufffd" not in delta, f"delta {delta!r} after token {n} holds half a character"
+        emitted += delta
+        assert text.startswith(emitted)
+        head = decode(ids[:n])
+        if "\ufffd" not in head:  # whole characters are streamed as soon as they are complete
+            assert emitted == head
+    emitted += detok.take_delta(finished=True)
+    assert emitted == detok.text == text
+
+
+def test_special_tokens_follow_skip_special_tokens():
+    ids = ids_of("one ") + [1] + ids_of("two 😀") + [2, 0]
+    for skip in (True, False):
+        detok = make(skip_special_tokens=skip)
+        deltas, _ = stream(detok, ids)
+        assert "".join(deltas) == detok.text == decode(ids, skip_special_tokens=skip)
+    assert "<|im_start|>" not in decode(ids) and "<|im_start|>" in decode(ids, skip_special_tokens=False)
+
+
+def _assert_holdback(text: str, stops: list[str], **params):
+    """Stream `text` with `stops`; return (deltas, stop token index, final text). Asserts that nothing
+    streamed before the finish is later retracted (a stop prefix that completes is never leaked)."""
+    detok = make(stop=stops, **params)
+    ids = ids_of(text)
+    deltas, at = stream(detok, ids)
+    final = detok.text
+    assert "".join(deltas) == final
+    emitted = ""
+    for d in deltas[:-1]:
+        emitted += d
+        assert final.startswith(emitted), f"streamed {emitted!r} but the final text is {final!r}"
+    return ids, at, final
+
+
+@pytest.mark.parametrize("text,stop", [
+    ("The quick brown fox jumps over the lazy dog.", "brown fox"),
+    ("The quick brown fox jumps over the lazy dog.", "fox jumps o"),
+    ("The quick brown fox jumps over the lazy dog.", "The"),
+    ("日本語の文章です 🚀🎉 café", "本語の"),
+    ("日本語の文章です 🚀🎉 café", "🎉 ca"),
+    ("Ünïcödé テキスト 😀 emoji", "テキ"),
+])
+def test_stop_string_cuts_at_first_occurrence(text, stop):
+    ids, at, final = _assert_holdback(text, [stop])
+    cut = text.index(stop)
+    assert final == text[:cut]
+    # the stop is detected at the token that completes it, per the tokenizer's own decode
+    assert at == next(n for n in range(len(ids)) if stop in decode(ids[:n + 1]))
+
+
+def test_stop_spanning_several_tokens_is_found():
+    text, stop = "The quick brown fox jumps over the lazy dog.", "brown fox jumps"
+    ids = ids_of(text)
+    first = next(n for n in range(len(ids)) if len(decode(ids[:n + 1])) > text.index(stop))
+    last = next(n for n in range(len(ids)) if stop in decode(ids[:n + 1]))
+    assert last - first >= 2, "the stop string should span at least three tokens"
+    _, at, final = _assert_holdback(text, [stop])
+    assert at == last and final == "The quick "
+
+
+def test_include_stop_str_in_output():
+    text = "日本語の文章です 🚀🎉 café"
+    for stop in ("文章", "🚀🎉"):
+        _, at, final = _assert_holdback(text, [stop], include_stop_str_in_output=True)
+        assert at is not None and final == text[:text.index(stop) + len(stop)]
+
+
+def test_first_completed_stop_wins_then_earliest_start():
+    """Stops are found as they complete; among those completing at one token the earliest start wins."""
+    text = "The quick brown fox jumps over the lazy dog."
+    _, at, final = _assert_holdback(text, ["lazy", "fox", "quick brown fox", "quick brown fox jumps over"])
+    ids = ids_of(text)
+    assert at == next(n for n in range(len(ids)) if "fox" in decode(ids[:n + 1]))
+    assert final == "The "
+
+
+@pytest.mark.parametrize("stop", ["brown cat", "dog.!", "fox jumps under"])
+def test_partial_stop_match_is_released(stop):
+    """A held-back prefix that never completes is streamed in the end, and holdback is no longer than
+    len(stop) - 1 characters."""
+    text = "The quick brown fox jumps over the lazy dog."
+    detok = make(stop=[stop])
+    ids, emitted = ids_of(text), ""
+    for n, t in enumerate(ids, start=1):
+        assert detok.add(t) is False
+        emitted += detok.take_delta(finished=False)
+        assert len(emitted) >= len(decode(ids[:n])) - (len(stop) - 1)
+    emitted += detok.take_delta(finished=True)
+    assert emitted == detok.text == text
+
+
+def test_stops_not_checked_when_told_not_to():
+    text, stop = "The quick brown fox", "quick"
+    detok = make(stop=[stop])
+    for t in ids_of(text):
+        assert detok.add(t, check_stops=False) is False
+    assert detok.text == text
+
+
+@functools.lru_cache(maxsize=1)
+def metaspace_tokenizer() -> Tokenizer:
+    """A SentencePiece-style tokenizer (Llama/Mistral): words carry a leading "▁" that the decoder turns
+    into a space, except at the very start of the decoded text, so a piece's text depends on its context."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tok.train_from_iterator([TEXTS[0] + " " + TEXTS[1]] * 50,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    return tok
+
+
+@pytest.mark.parametrize("split", [1, 3, 6, 9])
+def test_output_decodes_in_prompt_context(split):
+    """The output's text is what it adds to the prompt's text: decode(prompt + out) minus decode(prompt),
+    so the first output word keeps its leading space."""
+    tok = metaspace_tokenizer()
+    ids = tok.encode(TEXTS[0] + " " + TEXTS[1]).ids
+    prompt, out = ids[:split], ids[split:]
+    expected = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    assert expected.startswith(" ") and tok.decode(prompt + out).startswith(tok.decode(prompt))
+    detok = IncrementalDetokenizer(tok, prompt, SamplingParams())
+    deltas, _ = stream(detok, out)
+    assert "".join(deltas) == detok.text == expected
+
+
+def test_output_without_prompt_decodes_like_the_tokenizer():
+    tok = metaspace_tokenizer()
+    out = tok.encode(TEXTS[1]).ids
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    deltas, _ = stream(detok, out)
+    assert "".join(deltas) == tok.decode(out) == TEXTS[1]

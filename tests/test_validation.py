@@ -1,0 +1,269 @@
+"""User input is validated at the edge: ValueError naming the field (and the allowed range), and a bad request
+never harms the engine (nothing queued, no KV blocks held, the next request runs normally)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+
+VOCAB = 512
+
+
+BAD_PARAMS = [
+    ("temperature", {"temperature": -1}),
+    ("temperature", {"temperature": float("nan")}),
+    ("temperature", {"temperature": "hot"}),
+    ("top_p", {"top_p": 0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": 2.5}),
+    ("min_p", {"min_p": 2}),
+    ("min_p", {"min_p": -0.1}),
+    ("repetition_penalty", {"repetition_penalty": 0}),
+    ("repetition_penalty", {"repetition_penalty": -1.0}),
+    ("presence_penalty", {"presence_penalty": 3}),
+    ("frequency_penalty", {"frequency_penalty": -3}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": 1.5}),
+    ("min_tokens", {"min_tokens": -1}),
+    ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
+    ("logprobs", {"logprobs": 21}),
+    ("logprobs", {"logprobs": -1}),
+    ("stop", {"stop": [""]}),
+    ("stop", {"stop": ""}),
+    ("stop", {"stop": 5}),
+    ("stop", {"stop": ["ok", 5]}),
+    ("seed", {"seed": "x"}),
+    ("seed", {"seed": 1.0}),
+    ("seed", {"seed": 2**64}),  # beyond int64/uint64: torch's manual_seed cannot take it
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("stop_token_ids", {"stop_token_ids": ["7"]}),
+    ("ignore_eos", {"ignore_eos": "yes"}),
+]
+
+
+@pytest.mark.parametrize("field,kwargs", BAD_PARAMS,
+                         ids=[",".join(f"{k}={v!r}" for k, v in kw.items()) for _, kw in BAD_PARAMS])
+def test_invalid_sampling_params_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"temperature": 0}, {"temperature": 2.0, "top_p": 1.0, "top_k": 0}, {"top_k": -1}, {"top_k": 1},
+    {"min_p": 1.0}, {"repetition_penalty": 2.0}, {"presence_penalty": -2, "frequency_penalty": 2},
+    {"max_tokens": None}, {"max_tokens": 1, "min_tokens": 1}, {"logprobs": 0}, {"logprobs": 20},
+    {"stop": "x"}, {"stop": ["a", "bc"]}, {"seed": 0}, {"seed": -5}, {"stop_token_ids": [0, 511]},
+])
+def test_valid_sampling_params_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "float64"), ("dtype", "fp32"),
+    ("device", "tpu"), ("device", "cuda:0x"),
+    ("scheduler", "lifo"),
+    ("pipeline_depth", 0), ("pipeline_depth", 3),
+    ("block_size", 0), ("block_size", -16), ("block_size", "16"),
+    ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("num_kv_blocks", 0), ("max_model_len", 0),
+    ("num_cpu_blocks", -1),
+])
+def test_invalid_engine_config_names_the_field(ckpt, field, value):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        EngineConfig(model=str(ckpt[0]), **{field: value})
+    with pytest.raises(ValueError, match=re.escape(field)):
+        LLM(str(ckpt[0]), **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seed", "x"),  # today: RuntimeError from torch at LLM construction
+    ("seed", 2**64),  # today: "Overflow when unpacking long long"
+    ("enable_prefix_caching", "no"),  # today: accepted, and a truthy string turns caching ON
+    ("cuda_graphs", "off"),
+    ("admission_margin", "x"),  # today: TypeError
+    ("cpu_kv_cache_bytes", -5),  # today: accepted, silently a 1-block KV cache
+])
+def test_engine_config_rejects_other_bad_fields(ckpt, field, value):
+    """Rule 8 / ARCHITECTURE: every config field is validated where the config is built, by name."""
+    with pytest.raises(ValueError, match=re.escape(field)):
+        EngineConfig(model=str(ckpt[0]), **{field: value})
+
+
+def test_missing_model_dir_names_the_field(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        EngineConfig(model=str(tmp_path / "nope"))
+
+
+MAX_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt[0]), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=MAX_LEN)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
+
+
+def assert_healthy(llm: LLM, hf) -> None:
+    """Nothing left behind, every block free, and a fresh request still matches HF greedy."""
+    assert not llm.engine.has_unfinished()
+    llm.check_integrity()
+    s = llm.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert s["num_waiting"] == 0 and s["num_running"] == 0
+    prompt = [5, 17, 99, 300, 42]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    ref, logits = hf_greedy(hf, prompt, 6)
+    for i, (a, b) in enumerate(zip(out.token_ids, ref)):
+        if a != b:
+            top2 = logits[i].topk(2).values
+            assert top2[0] - top2[1] < 1e-3, f"token {i}: engine {a} vs HF {b}"
+            break
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    s = llm.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("prompt,pattern", [
+    ("", "prompt"),
+    ([], "prompt"),
+    ([1, 2, "3"], "prompt"),
+    ([1, 2.0], "prompt"),
+    ([1, True], "prompt"),
+    ([3, VOCAB], str(VOCAB)),
+    ([-1, 4], r"-1"),
+    ([4] * MAX_LEN, "max_model_len"),
+    ([4] * (MAX_LEN + 10), "max_model_len"),
+])
+def test_engine_rejects_bad_prompt(llm, ckpt, prompt, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        llm.engine.add_request(prompt, SamplingParams(max_tokens=2))
+    assert_healthy(llm, ckpt[1])
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 88, -1])
+def test_out_of_vocab_message_names_id_and_range(llm, bad):
+    with pytest.raises(ValueError) as exc:
+        llm.generate([[5, 6, bad, 7]], SamplingParams(max_tokens=2))
+    msg = str(exc.value)
+    assert str(bad) in msg, msg
+    assert f"[0, {VOCAB})" in msg or f"0..{VOCAB - 1}" in msg or f"[0, {VOCAB - 1}]" in msg, msg
+
+
+def test_prompt_just_under_max_model_len_is_served(llm, ckpt):
+    out = llm.generate([[4] * (MAX_LEN - 1)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    assert_healthy(llm, ckpt[1])
+
+
+def test_stop_token_id_out_of_vocab_is_rejected(llm, ckpt):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(["hello"], SamplingParams(stop_token_ids=[VOCAB]))
+    assert_healthy(llm, ckpt[1])
+
+
+@pytest.mark.parametrize("bad_at", [0, 1, 3])
+def test_bad_prompt_in_batch_raises_and_engine_stays_usable(llm, ckpt, bad_at):
+    prompts: list = ["The quick brown fox", [5, 6, 7], "Paged attention", [9, 10, 11, 12]]
+    prompts[bad_at] = [1, 2, VOCAB + 5] if bad_at != 1 else ""
+    before = llm.stats()
+    with pytest.raises(ValueError):
+        llm.generate(prompts, SamplingParams(max_tokens=4))
+    after = llm.stats()  # "a bad one raises ValueError and runs nothing" (LLM.generate)
+    assert (after["steps"], after["generation_tokens"]) == (before["steps"], before["generation_tokens"])
+    assert_healthy(llm, ckpt[1])
+
+
+def test_bad_params_in_batch_raise_and_engine_stays_usable(llm, ckpt):
+    with pytest.raises(ValueError):
+        llm.generate(["a", "b"], [SamplingParams()])  # one SamplingParams for two prompts
+    with pytest.raises(ValueError, match="params"):
+        llm.generate(["a", "b"], [SamplingParams(), {"temperature": 0}])
+    assert_healthy(llm, ckpt[1])
+
+
+def test_bad_request_while_others_run(llm, ckpt):
+    """A rejected add_request in the middle of a run leaves the running requests untouched."""
+    eng, hf = llm.engine, ckpt[1]
+    prompt = [8, 9, 10, 11, 12, 13]
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eng.step()
+    with pytest.raises(ValueError):
+        eng.add_request([VOCAB * 2], SamplingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request([5, 6], SamplingParams(), request_id=rid)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert list(done) == [rid]
+    ref, logits = hf_greedy(hf, prompt, 8)
+    for i, (a, b) in enumerate(zip(done[rid].token_ids, ref)):
+        if a != b:
+            top2 = logits[i].topk(2).values
+            assert top2[0] - top2[1] < 1e-3, f"token {i}: engine {a} vs HF {b}"
+            break
+    assert_healthy(llm, hf)
+
+
+def test_max_model_len_caps_generation(llm):
+    for max_tokens in (None, 100):
+        out = llm.generate([[4, 5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                             ignore_eos=True))[0]
+        assert len(out.token_ids) == MAX_LEN - 5 and out.finish_reason == "length"
+
+
+def test_request_outgrowing_the_whole_kv_cache_never_stalls(ckpt):
+    """2 blocks of 4 hold 8 positions: a 5-token prompt fits, 5 + 10 tokens never can. Acceptable: reject the
+    config (the cache cannot hold one max_model_len sequence), reject the request, or finish it ("length")
+    when it cannot grow. Not acceptable: the request waits forever and LLM.generate never returns."""
+    try:
+        llm = LLM(str(ckpt[0]), device="cpu", block_size=4, num_kv_blocks=2)
+    except ValueError as exc:
+        assert "num_kv_blocks" in str(exc) or "max_model_len" in str(exc)
+        return
+    eng = llm.engine
+    try:
+        rid = eng.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    except ValueError as exc:
+        assert "max_tokens" in str(exc) or "KV" in str(exc) or "num_kv_blocks" in str(exc)
+        return
+    finished = []
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        finished += [o for o in eng.step() if o.finished]
+    stalled = eng.has_unfinished()
+    if stalled:
+        eng.abort(rid)
+        while eng.has_unfinished():
+            eng.step()
+    assert not stalled, "a request that outgrew the KV cache stalled the engine (generate would hang)"
+    assert [o.request_id for o in finished] == [rid]
+    # 8 positions hold the 5 prompt tokens and 3 outputs; a 4th output can still be sampled from them
+    out = finished[0]
+    assert out.finish_reason == "length" and 1 <= len(out.token_ids) <= 4
+    ref, logits = hf_greedy(ckpt[1], [5, 6, 7, 8, 9], len(out.token_ids))
+    for i, (a, b) in enumerate(zip(out.token_ids, ref)):
+        if a != b:
+            top2 = logits[i].topk(2).values
+            assert top2[0] - top2[1] < 1e-3, f"token {i}: engine {a} vs HF {b}"
+            break
+    llm.check_integrity()
+    assert llm.stats()["kv_blocks_free"] == 2
