@@ -1,0 +1,1 @@
+"""Ray side: the engine replica deployment, request routing, autoscaling policy."""

@@ -1,0 +1,41 @@
+"""Typed messages between the ingress and the engine replicas (they cross a Ray process boundary)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """A tokenized request; the router reads prompt_token_ids for prefix affinity."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    ingress_time: float = field(default_factory=time.time)  # wall clock: comparable across processes
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """What one engine commit adds to a request, streamed back to the ingress."""
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    delta_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> "GenerateChunk":
+        return cls(out.request_id, out.delta_text, out.delta_token_ids, out.delta_logprobs, out.finished,
+                   out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
+                   out.error)

@@ -1,0 +1,54 @@
+"""The engine replica: a Serve deployment whose replicas are Ray actors, each owning one engine.
+
+The engine loop runs in its own thread (engine.AsyncLLM); each request streams its outputs through an
+asyncio queue back to this actor's event loop and on to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from engine import AsyncLLM, EngineConfig
+from cluster.protocol import GenerateChunk, GenerateRequest
+
+
+class EngineReplica:
+    """One engine per replica: one GPU when CUDA is visible (inside the actor it is cuda:0), else CPU."""
+
+    def __init__(self, engine_config: dict):
+        self.config = EngineConfig(**engine_config)
+        self.llm = AsyncLLM(self.config)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream a request's commits. Cancellation (client gone) aborts it and frees its KV blocks."""
+        async for out in self.llm.generate(request.prompt_token_ids, request.params, request.request_id):
+            yield GenerateChunk.from_output(out)
+
+    async def abort(self, request_id: str) -> None:
+        self.llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        """Serve's health probe: fails once the engine loop has died, so Serve replaces the replica."""
+        self.llm.check_health()
+
+    async def stats(self) -> dict:
+        return self.llm.stats()
+
+    def record_routing_stats(self) -> dict:
+        """Polled by the request router: load, KV pressure and a compact summary of cached prefixes."""
+        s = self.llm.stats()
+        return {"num_waiting": s["num_waiting"], "num_running": s["num_running"],
+                "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"],
+                "kv_blocks_free": s["kv_blocks_free"], "block_size": self.config.block_size,
+                "prefix_hashes": self.llm.prefix_summary}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Engine signals for the autoscaling policy (cluster.autoscaling)."""
+        s = self.llm.stats()
+        return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
+                "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"]}
+
+    def __del__(self):
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.shutdown()

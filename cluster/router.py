@@ -1,0 +1,145 @@
+"""Request routing across engine replicas: load ranking with prefix-cache affinity (a Serve RequestRouter).
+
+A request goes to the replica that already caches the longest prefix of its prompt, unless that replica
+is more loaded than the least-loaded one by more than `imbalance_threshold`; otherwise replicas are
+ranked by load. Prefix knowledge comes from two places: the replicas' own reports (the block hashes their
+prefix caches hold, polled through record_routing_stats) and the router's memory of where it sent recent
+prompts (immediate, before the next poll).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from cluster.protocol import GenerateRequest
+from engine.block_manager import prefix_hashes
+
+ROUTER_POLICIES = {
+    "prefix_aware": "cluster.router:PrefixAwareRouter",
+    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
+}
+DEFAULT_BLOCK_SIZE = 16
+
+
+def router_class(policy: str) -> str:
+    """Import path of the router for `policy`; the error lists the valid names."""
+    try:
+        return ROUTER_POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"router must be one of {', '.join(ROUTER_POLICIES)}; got {policy!r}") from None
+
+
+class PrefixAwareRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, imbalance_threshold: float = 4.0, kv_weight: float = 8.0,
+                         max_prefix_blocks: int = 64, affinity_capacity: int = 200_000, **_: Any) -> None:
+        self.imbalance_threshold = imbalance_threshold
+        self.kv_weight = kv_weight  # a full KV cache weighs as much as this many queued requests
+        self.max_prefix_blocks = max_prefix_blocks
+        self.affinity_capacity = affinity_capacity
+        self._affinity: OrderedDict[int, ReplicaID] = OrderedDict()  # prefix hash -> replica (LRU)
+        self._inflight: defaultdict[ReplicaID, int] = defaultdict(int)
+        self._hash_cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._reported: dict[ReplicaID, tuple[int, frozenset[int]]] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ranked = sorted(candidate_replicas, key=self.load)
+        hashes = self._request_hashes(pending_request, candidate_replicas)
+        best = self.best_prefix_replica(candidate_replicas, hashes)
+        if best is not None and self.load(best) - self.load(ranked[0]) <= self.imbalance_threshold:
+            ranked.remove(best)
+            ranked.insert(0, best)
+        return [[r] for r in ranked]
+
+    def load(self, replica: RunningReplica) -> float:
+        stats = replica.routing_stats or {}
+        return (self._inflight[replica.replica_id] + stats.get("num_waiting", 0)
+                + self.kv_weight * stats.get("kv_usage", 0.0))
+
+    def best_prefix_replica(self, candidates: list[RunningReplica], hashes: list[int]) -> RunningReplica | None:
+        """The candidate caching the longest prefix of `hashes` (ties: the less loaded); None if none."""
+        best, best_depth = None, 0
+        remembered = self._remembered(hashes)
+        for replica in candidates:
+            depth = max(self._reported_depth(replica, hashes), remembered.get(replica.replica_id, 0))
+            if depth > best_depth or (depth == best_depth and depth and self.load(replica) < self.load(best)):
+                best, best_depth = replica, depth
+        return best
+
+    def _reported_depth(self, replica: RunningReplica, hashes: list[int]) -> int:
+        cached = self._reported_set(replica)
+        depth = 0
+        for h in hashes:
+            if h not in cached:
+                break
+            depth += 1
+        return depth
+
+    def _reported_set(self, replica: RunningReplica) -> frozenset[int]:
+        """The replica's reported hashes as a set, rebuilt only when a new report arrives."""
+        report = (replica.routing_stats or {}).get("prefix_hashes") or []
+        key = (id(report), len(report))
+        entry = self._reported.get(replica.replica_id)
+        if entry is None or entry[0] != key:
+            entry = (key, frozenset(report))
+            self._reported[replica.replica_id] = entry
+        return entry[1]
+
+    def _remembered(self, hashes: list[int]) -> dict[ReplicaID, int]:
+        """Deepest prefix this router itself sent to each replica."""
+        depths: dict[ReplicaID, int] = {}
+        for depth, h in enumerate(hashes, start=1):
+            replica_id = self._affinity.get(h)
+            if replica_id is not None:
+                depths[replica_id] = depth
+        return depths
+
+    def _request_hashes(self, pending: PendingRequest | None, candidates: list[RunningReplica]) -> list[int]:
+        request = _generate_request(pending)
+        if request is None:
+            return []
+        cached = self._hash_cache.get(request.request_id)
+        if cached is None:
+            block_size = next((r.routing_stats.get("block_size") for r in candidates if r.routing_stats),
+                              DEFAULT_BLOCK_SIZE)
+            cached = prefix_hashes(request.prompt_token_ids, block_size, self.max_prefix_blocks)
+            self._hash_cache[request.request_id] = cached
+            while len(self._hash_cache) > 1024:
+                self._hash_cache.popitem(last=False)
+        return cached
+
+    # ---- hooks Serve calls -------------------------------------------------------------------------------
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._inflight[replica_id] += 1
+        request = _generate_request(pending_request)
+        if request is None:
+            return
+        for h in self._hash_cache.pop(request.request_id, []):
+            self._affinity[h] = replica_id
+            self._affinity.move_to_end(h)
+        while len(self._affinity) > self.affinity_capacity:
+            self._affinity.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._inflight[replica_id] = max(0, self._inflight[replica_id] - 1)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_id, None)
+        self._reported.pop(replica_id, None)
+        for h in [h for h, r in self._affinity.items() if r == replica_id]:
+            del self._affinity[h]
+
+
+def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
+    if pending is None:
+        return None
+    for arg in list(pending.args) + list(pending.kwargs.values()):
+        if isinstance(arg, GenerateRequest):
+            return arg
+    return None

@@ -1,0 +1,1 @@
+"""Grafana dashboards and provisioning (the observability issue fills this in)."""

@@ -1,0 +1,131 @@
+"""App config and builder: `serve run serve_app:app`, `serve run serve_app:build_app model=... num_replicas=2`,
+or a Serve config YAML (configs/) pointing at `serve_app:build_app` with args."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
+from cluster.replica import EngineReplica
+from cluster.router import router_class
+from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.models import load_hf_config, model_spec
+from serve_app.ingress import OpenAIIngress
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}
+
+
+class AppConfig(BaseModel):
+    """Everything `build_app` accepts. Engine fields (block_size, pipeline_depth, ...) may be given at the
+    top level or under `engine`; unknown names are rejected with the list of valid ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = str(DEFAULT_MODEL_DIR)
+    served_model_name: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_replicas: int | None = Field(default=None, ge=1)
+    min_replicas: int | None = Field(default=None, ge=0)
+    max_replicas: int | None = Field(default=None, ge=1)
+    target_ongoing_requests: float | None = Field(default=None, gt=0)
+    upscale_delay_s: float = Field(default=10.0, ge=0)
+    downscale_delay_s: float = Field(default=60.0, ge=0)
+    router: Literal["prefix_aware", "pow2"] = "prefix_aware"
+    routing_stats_period_s: float = Field(default=1.0, gt=0)
+    max_ongoing_requests: int | None = Field(default=None, ge=1)
+    max_queued_requests: int = Field(default=512, ge=-1)
+    replica_num_cpus: float | None = Field(default=None, ge=0)
+    ingress_replicas: int = Field(default=1, ge=1)
+    engine: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_engine_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        engine = dict(data.get("engine") or {})
+        for name in [k for k in data if k in _ENGINE_FIELDS]:
+            engine[name] = data.pop(name)
+        unknown = set(engine) - _ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown engine fields {sorted(unknown)}; valid: {sorted(_ENGINE_FIELDS)}")
+        data["engine"] = engine
+        return data
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> "AppConfig":
+        if self.num_replicas is not None and self.max_replicas is not None:
+            raise ValueError("give either num_replicas or min_replicas/max_replicas (autoscaling), not both")
+        if self.max_replicas is not None and (self.min_replicas or 0) > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """Build the OpenAI ingress bound to an engine-replica deployment."""
+    cfg = AppConfig(**(args or {}))
+    device = _resolve_device(cfg.device)
+    engine_cfg = EngineConfig(model=cfg.model, device=device, **cfg.engine)  # validated now, not in a replica
+    hf_config = load_hf_config(engine_cfg.model)
+    max_model_len = min(engine_cfg.max_model_len or model_spec(hf_config).max_position_embeddings,
+                        model_spec(hf_config).max_position_embeddings)
+    engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg))
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", num_replicas=cfg.ingress_replicas,
+                               max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
+                        max_model_len)
+
+
+def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
+    max_ongoing = cfg.max_ongoing_requests or engine_cfg.max_num_seqs
+    actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus if cfg.replica_num_cpus is not None
+                                     else (1 if device == "cuda" else 0.5)}
+    if device == "cuda":
+        actor_options["num_gpus"] = 1
+    options: dict[str, Any] = dict(
+        name="EngineReplica", ray_actor_options=actor_options, max_ongoing_requests=max_ongoing,
+        max_queued_requests=cfg.max_queued_requests, health_check_period_s=5, health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5,
+        request_router_config=RequestRouterConfig(
+            request_router_class=router_class(cfg.router),
+            request_routing_stats_period_s=cfg.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 4 * cfg.routing_stats_period_s)))
+    if cfg.autoscaling:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=cfg.min_replicas if cfg.min_replicas is not None else 1,
+            max_replicas=cfg.max_replicas,
+            target_ongoing_requests=cfg.target_ongoing_requests or default_target_ongoing(max_ongoing),
+            upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s,
+            metrics_interval_s=2.0, look_back_period_s=10.0,
+            policy=AutoscalingPolicy(policy_function=EngineAutoscalingPolicy))
+    else:
+        options["num_replicas"] = cfg.num_replicas or 1
+    return serve.deployment(EngineReplica, **options)
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import ray
+
+    if ray.is_initialized():
+        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_name(model: str) -> str:
+    from pathlib import Path
+
+    return "tandem-default" if Path(model) == DEFAULT_MODEL_DIR else Path(model).name

@@ -1,0 +1,83 @@
+"""OpenAI-style error bodies and the mapping from failures to HTTP status codes."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("ray.serve")
+
+RETRY_AFTER_S = "1"
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": RETRY_AFTER_S} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def param_of(message: str, fields: tuple[str, ...]) -> str | None:
+    """The request field a ValueError message names (SamplingParams messages start with the field)."""
+    return next((f for f in fields if message.startswith(f)), None)
+
+
+def from_engine_failure(exc: BaseException) -> APIError:
+    """Map an exception raised while talking to an engine replica to an API error (no stack trace)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
+    if isinstance(exc, BackPressureError):
+        return APIError(503, "the server is overloaded: too many queued requests; retry later",
+                        type_="server_overloaded", code="overloaded")
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
+        return bad_request(str(exc.cause))
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)):
+        logger.warning("engine replica failed during a request: %s", type(exc).__name__)
+        return APIError(500, "the engine replica serving this request died; retry the request",
+                        type_="server_error", code="replica_died")
+    logger.error("engine failure: %r", exc)
+    return APIError(500, "internal engine error", type_="server_error", code="internal_error")
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI error body: validation 400, unknown routes 404, the rest 500."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+        return bad_request(message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_=type_).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in the ingress")
+        return APIError(500, "internal server error", type_="server_error").response()

@@ -1,0 +1,148 @@
+"""The HTTP ingress: OpenAI routes on FastAPI behind Serve, forwarding to engine replicas by handle.
+
+Tokenization and the chat template run here; the DeploymentHandle's request router (cluster.router)
+picks the replica. Streamed chunks are flushed as soon as each engine commit arrives: no batching delay.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real request-model classes.
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from transformers import AutoTokenizer
+
+from cluster.protocol import GenerateChunk, GenerateRequest
+from engine.models import load_hf_config
+from serve_app.errors import APIError, bad_request, from_engine_failure, install_handlers, param_of
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.responses import Accumulated, ResponseBuilder, sse
+
+logger = logging.getLogger("ray.serve")
+_PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs")
+
+api = FastAPI(title="Tandem", description="OpenAI-compatible LLM serving on Ray Serve")
+install_handlers(api)
+
+
+async def _first_chunk(stream) -> GenerateChunk:
+    """Await the first chunk so failures before any output (overload, bad request) get a real status."""
+    try:
+        return await stream.__anext__()
+    except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+        stream.cancel()
+        raise from_engine_failure(exc) from None
+
+
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, engine: DeploymentHandle, model_dir: str, served_model_name: str, max_model_len: int):
+        self.engine = engine.options(stream=True)
+        self.engine_unary = engine
+        self.model_name = served_model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        self.vocab_size = load_hf_config(model_dir).vocab_size
+        self.max_model_len = max_model_len
+
+    # ---- routes ------------------------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            await asyncio.wait_for(self.engine_unary.check_health.remote(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            raise APIError(503, f"engine unhealthy: {type(exc).__name__}", type_="server_error") from None
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "tandem", "max_model_len": self.max_model_len}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        prompt_ids = self._encode_prompt(body.prompt)
+        return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
+                                 request=request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                      tokenize=False)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request)
+
+    # ---- request handling --------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                           type_="not_found_error", param="model", code="model_not_found")
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
+                              param="prompt")
+        return prompt
+
+    async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request):
+        if len(prompt_ids) >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                              f"has {len(prompt_ids)} tokens", param="messages" if chat else "prompt",
+                              code="context_length_exceeded")
+        try:
+            params = body.sampling_params()
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param_of(str(exc), _PARAM_FIELDS)) from None
+        request_id = uuid.uuid4().hex
+        stream = self.engine.generate.remote(GenerateRequest(request_id, prompt_ids, params))
+        builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
+        first = await _first_chunk(stream)  # errors before any output become proper HTTP statuses
+        if body.stream:
+            return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs),
+                                     media_type="text/event-stream")
+        acc = Accumulated()
+        try:
+            acc.add(first)
+            async for chunk in stream:
+                acc.add(chunk)
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+            raise from_engine_failure(exc) from None
+        finally:
+            stream.cancel()
+        return builder.full(acc, want_logprobs)
+
+    async def _sse(self, stream, first: GenerateChunk, builder: ResponseBuilder, include_usage: bool,
+                   want_logprobs: bool) -> AsyncIterator[str]:
+        """SSE events, one per engine commit. A client that goes away cancels this generator, which
+        cancels the replica call; the engine then aborts the request and frees its blocks."""
+        last = first
+        try:
+            if builder.chat:
+                yield sse(builder.first_chat_chunk())
+            yield sse(builder.chunk(first, want_logprobs))
+            async for chunk in stream:
+                last = chunk
+                yield sse(builder.chunk(chunk, want_logprobs))
+            if include_usage:
+                yield sse(builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens))
+        except Exception as exc:  # noqa: BLE001 - reported in-band: headers are already sent
+            yield sse(from_engine_failure(exc).body())
+        finally:
+            stream.cancel()
+        yield sse("[DONE]")
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

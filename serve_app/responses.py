@@ -1,0 +1,97 @@
+"""OpenAI response bodies (completions and chat, whole and streamed) built from engine chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from cluster.protocol import GenerateChunk
+from engine.outputs import TokenLogprob
+
+
+@dataclass
+class Accumulated:
+    """Everything a non-streaming response needs, gathered from the chunks."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, chunk: GenerateChunk) -> None:
+        self.text += chunk.delta_text
+        self.token_ids += chunk.delta_token_ids
+        self.logprobs += chunk.delta_logprobs or []
+        self.finish_reason = chunk.finish_reason
+        self.num_prompt_tokens = chunk.num_prompt_tokens
+        self.num_output_tokens = chunk.num_output_tokens
+
+
+def usage(num_prompt: int, num_output: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class ResponseBuilder:
+    """Shapes one request's responses; `decode` turns a token id into its text for logprobs."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, decode):
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self.decode = decode
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    # ---- whole responses ---------------------------------------------------------------------------------
+    def full(self, acc: Accumulated, want_logprobs: bool) -> dict:
+        lp = self._logprobs(acc.logprobs) if want_logprobs else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
+                      "finish_reason": acc.finish_reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": acc.text, "logprobs": lp, "finish_reason": acc.finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage(acc.num_prompt_tokens, acc.num_output_tokens)
+        return body
+
+    # ---- streamed chunks ---------------------------------------------------------------------------------
+    def first_chat_chunk(self) -> dict:
+        return self._envelope("chat.completion.chunk",
+                              [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+
+    def chunk(self, c: GenerateChunk, want_logprobs: bool) -> dict:
+        lp = self._logprobs(c.delta_logprobs or []) if want_logprobs else None
+        if self.chat:
+            delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, num_prompt: int, num_output: int) -> dict:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(num_prompt, num_output)
+        return body
+
+    # ---- logprobs ----------------------------------------------------------------------------------------
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict:
+        if self.chat:
+            return {"content": [{"token": self.decode(e.token_id), "logprob": e.logprob,
+                                 "bytes": list(self.decode(e.token_id).encode()),
+                                 "top_logprobs": [{"token": self.decode(t), "logprob": lp,
+                                                   "bytes": list(self.decode(t).encode())} for t, lp in e.top]}
+                                for e in entries]}
+        return {"tokens": [self.decode(e.token_id) for e in entries],
+                "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.decode(t): lp for t, lp in e.top} for e in entries]}
