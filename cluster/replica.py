@@ -39,7 +39,8 @@ class EngineReplica:
         s = self.llm.stats()
         return {"num_waiting": s["num_waiting"], "num_running": s["num_running"],
                 "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"],
-                "kv_blocks_free": s["kv_blocks_free"], "block_size": self.config.block_size,
+                "kv_blocks_free": s["kv_blocks_free"], "kv_blocks_total": s["kv_blocks_total"],
+                "block_size": self.config.block_size,
                 "prefix_hashes": self.llm.prefix_summary}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
