@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Install (if needed) and start Tandem on the embedded default model.
+# Install (if needed) and start Tandem's OpenAI server on http://127.0.0.1:8000 (embedded default model).
+# Extra arguments replace the default target, e.g. `scripts/serve.sh configs/autoscaling.yaml`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-exec .venv/bin/python -m engine.demo "$@"
+# Ray 2.60 turns token auth on by default; a local single-user server does not need it.
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
+if [ "$#" -eq 0 ]; then set -- serve_app:app; fi
+exec .venv/bin/serve run "$@"
