@@ -41,6 +41,8 @@ class EngineReplica:
                 "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"],
                 "kv_blocks_free": s["kv_blocks_free"], "kv_blocks_total": s["kv_blocks_total"],
                 "block_size": self.config.block_size,
+                "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
+                "prefix_cache_queried_tokens": s["prefix_cache_queried_tokens"],
                 "prefix_hashes": self.llm.prefix_summary}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"  # tests start their own loopback Ray clusters
 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"

@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Serve overhead and routing: TTFT and throughput through HTTP vs the engine called directly,
+1 vs 2 replicas, prefix-aware routing vs Serve's power-of-two-choices, on a shared-prefix workload.
+
+    RAY_AUTH_MODE=disabled python bench/bench_serve.py --json bench/results/serve_cpu.json
+
+One run, one model (default: the embedded model), one seeded workload: `--groups` system prompts of
+`--prefix-len` tokens shared by `--requests` requests, each with a unique `--suffix-len`-token tail,
+`--max-tokens` greedy tokens, EOS ignored. Streams are read as SSE with httpx; TTFT is the time to the
+first content chunk. "direct" runs the same workload through engine.AsyncLLM in this process (no Ray, no
+HTTP). Each setting gets a warm-up pass (excluded) on different prompts. Prefix-cache hit rate is read
+from every engine replica's routing stats. Starts its own Ray cluster (own temp dir, loopback only) and
+shuts it down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+import ray
+import torch
+from ray import serve
+
+from engine import AsyncLLM, SamplingParams
+from serve_app import build_app
+
+APP = "tandem_bench"
+
+
+@dataclass
+class Result:
+    setting: str
+    requests: int
+    concurrency: int
+    wall_s: float
+    output_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    prefix_hit_rate: float | None = None
+
+
+def workload(tokenizer, args, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 3][:2000]
+
+    def text(n_tokens: int) -> str:
+        ids: list[int] = []
+        out = ""
+        while len(ids) < n_tokens:
+            out += " " + rng.choice(words)
+            ids = tokenizer.encode(out)
+        return out
+
+    prefixes = [text(args.prefix_len) for _ in range(args.groups)]
+    return [rng.choice(prefixes) + text(args.suffix_len) for _ in range(args.requests)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def run_http(port: int, prompts: list[str], args, concurrency: int) -> tuple[float, list, list, int]:
+    sem = asyncio.Semaphore(concurrency)
+    ttfts, e2es, tokens = [], [], 0
+    body = {"model": "tandem-default", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> None:
+        nonlocal tokens
+        async with sem:
+            t0 = time.perf_counter()
+            first = None
+            async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                     json={**body, "prompt": prompt}) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        tokens += chunk["usage"]["completion_tokens"]
+            end = time.perf_counter()
+            ttfts.append(((first or end) - t0) * 1e3)
+            e2es.append((end - t0) * 1e3)
+
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(client, p) for p in prompts))
+        return time.perf_counter() - t0, ttfts, e2es, tokens
+
+
+async def run_direct(llm: AsyncLLM, prompts: list[str], args, concurrency: int):
+    sem = asyncio.Semaphore(concurrency)
+    ttfts, e2es, tokens = [], [], 0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    async def one(prompt: str) -> None:
+        nonlocal tokens
+        async with sem:
+            t0 = time.perf_counter()
+            first = None
+            async for out in llm.generate(prompt, params):
+                if first is None and out.delta_text:
+                    first = time.perf_counter()
+                if out.finished:
+                    tokens += len(out.token_ids)
+            end = time.perf_counter()
+            ttfts.append(((first or end) - t0) * 1e3)
+            e2es.append((end - t0) * 1e3)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    return time.perf_counter() - t0, ttfts, e2es, tokens
+
+
+def summarize(setting: str, prompts, concurrency: int, measured, hit_rate=None) -> Result:
+    wall, ttfts, e2es, tokens = measured
+    return Result(setting, len(prompts), concurrency, round(wall, 3), round(tokens / wall, 1),
+                  round(percentile(ttfts, 0.5), 2), round(percentile(ttfts, 0.99), 2),
+                  round(percentile(e2es, 0.5), 2), hit_rate)
+
+
+def replica_stats() -> list[dict]:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if f"{APP}#EngineReplica" in a["name"]]
+    return ray.get([ray.get_actor(n, namespace="serve").record_routing_stats.remote() for n in names])
+
+
+def hit_rate(before: list[dict], after: list[dict]) -> float:
+    hit = sum(s["prefix_cache_hit_tokens"] for s in after) - sum(s["prefix_cache_hit_tokens"] for s in before)
+    asked = (sum(s["prefix_cache_queried_tokens"] for s in after)
+             - sum(s["prefix_cache_queried_tokens"] for s in before))
+    return round(hit / asked, 3) if asked else 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_serve(setting: str, app_args: dict, port: int, warm, prompts, args) -> list[Result]:
+    serve.run(build_app(app_args), name=APP, route_prefix="/")
+    asyncio.run(run_http(port, warm, args, args.concurrency))
+    results = []
+    for concurrency in (1, args.concurrency):
+        subset = prompts[: args.ttft_requests] if concurrency == 1 else prompts
+        before = replica_stats()
+        measured = asyncio.run(run_http(port, subset, args, concurrency))
+        results.append(summarize(setting, subset, concurrency, measured, hit_rate(before, replica_stats())))
+    serve.delete(APP)
+    return results
+
+
+def bench_direct(warm, prompts, args) -> list[Result]:
+    llm = AsyncLLM(**args.engine)
+    asyncio.run(run_direct(llm, warm, args, args.concurrency))
+    results = []
+    for concurrency in (1, args.concurrency):
+        subset = prompts[: args.ttft_requests] if concurrency == 1 else prompts
+        s0 = llm.stats()
+        measured = asyncio.run(run_direct(llm, subset, args, concurrency))
+        s1 = llm.stats()
+        asked = s1["prefix_cache_queried_tokens"] - s0["prefix_cache_queried_tokens"]
+        rate = round((s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"]) / asked, 3)
+        results.append(summarize("direct (AsyncLLM, 1 engine)", subset, concurrency, measured, rate))
+    llm.shutdown()
+    return results
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?")
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"ray {ray.__version__}, python {platform.python_version()}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--ttft-requests", type=int, default=24, help="requests for the concurrency-1 TTFT run")
+    p.add_argument("--groups", type=int, default=6)
+    p.add_argument("--prefix-len", type=int, default=192)
+    p.add_argument("--suffix-len", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    args.engine = {"device": "cpu"}
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+    probe = AsyncLLM(device="cpu")
+    tokenizer = probe.tokenizer
+    probe.shutdown()
+    prompts, warm = workload(tokenizer, args, args.seed), workload(tokenizer, args, args.seed + 1)
+
+    results = bench_direct(warm, prompts, args)
+    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="tdb"),
+             namespace="tandem_bench", logging_level="ERROR")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        for setting, app_args in [("http, 1 replica", {"num_replicas": 1}),
+                                  ("http, 2 replicas, prefix_aware", {"num_replicas": 2, "router": "prefix_aware"}),
+                                  ("http, 2 replicas, pow2", {"num_replicas": 2, "router": "pow2"})]:
+            results += bench_serve(setting, {**app_args, "device": "cpu"}, port, warm, prompts, args)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    report(results, args)
+
+
+def report(results: list[Result], args) -> None:
+    print(f"machine: {machine()}")
+    print(f"workload: {args.requests} requests, {args.groups} shared prefixes x {args.prefix_len} tokens + "
+          f"{args.suffix_len} unique, {args.max_tokens} greedy tokens each, embedded model, CPU")
+    head = f"{'setting':34} {'conc':>4} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'e2e p50':>8} {'hit':>6}"
+    print(head)
+    for r in results:
+        hit = "-" if r.prefix_hit_rate is None else f"{r.prefix_hit_rate:.2f}"
+        print(f"{r.setting:34} {r.concurrency:>4} {r.output_tok_s:>8.1f} {r.ttft_p50_ms:>8.1f}m "
+              f"{r.ttft_p99_ms:>8.1f}m {r.e2e_p50_ms:>7.1f}m {hit:>6}")
+    direct1 = next(r for r in results if r.setting.startswith("direct") and r.concurrency == 1)
+    http1 = next(r for r in results if r.setting == "http, 1 replica" and r.concurrency == 1)
+    direct_c = next(r for r in results if r.setting.startswith("direct") and r.concurrency > 1)
+    http_c = next(r for r in results if r.setting == "http, 1 replica" and r.concurrency > 1)
+    print(f"Serve TTFT overhead at concurrency 1: {http1.ttft_p50_ms - direct1.ttft_p50_ms:+.1f} ms (p50); "
+          f"throughput http/direct at concurrency {args.concurrency}: {http_c.output_tok_s / direct_c.output_tok_s:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "engine"},
+                       "results": [asdict(r) for r in results]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
