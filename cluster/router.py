@@ -42,7 +42,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._affinity: OrderedDict[int, ReplicaID] = OrderedDict()  # prefix hash -> replica (LRU)
         self._inflight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._hash_cache: OrderedDict[str, list[int]] = OrderedDict()
-        self._reported: dict[ReplicaID, tuple[int, frozenset[int]]] = {}
+        self._reported: dict[ReplicaID, tuple[list, frozenset[int]]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -83,10 +83,9 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     def _reported_set(self, replica: RunningReplica) -> frozenset[int]:
         """The replica's reported hashes as a set, rebuilt only when a new report arrives."""
         report = (replica.routing_stats or {}).get("prefix_hashes") or []
-        key = (id(report), len(report))
         entry = self._reported.get(replica.replica_id)
-        if entry is None or entry[0] != key:
-            entry = (key, frozenset(report))
+        if entry is None or entry[0] is not report:  # holding the list keeps its id from being reused
+            entry = (report, frozenset(report))
             self._reported[replica.replica_id] = entry
         return entry[1]
 

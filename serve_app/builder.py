@@ -4,9 +4,10 @@ or a Serve config YAML (configs/) pointing at `serve_app:build_app` with args.""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
@@ -18,6 +19,7 @@ from engine.models import load_hf_config, model_spec
 from serve_app.ingress import OpenAIIngress
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}
+_ENGINE_TYPES = typing.get_type_hints(EngineConfig)
 
 
 class AppConfig(BaseModel):
@@ -55,7 +57,12 @@ class AppConfig(BaseModel):
         unknown = set(engine) - _ENGINE_FIELDS
         if unknown:
             raise ValueError(f"unknown engine fields {sorted(unknown)}; valid: {sorted(_ENGINE_FIELDS)}")
-        data["engine"] = engine
+        unknown = set(data) - set(cls.model_fields) - {"engine"}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}; valid app fields: {sorted(cls.model_fields)}; "
+                             f"valid engine fields: {sorted(_ENGINE_FIELDS)}")
+        # `serve run ... block_size=32` passes strings: coerce engine fields to their declared types.
+        data["engine"] = {k: TypeAdapter(_ENGINE_TYPES[k]).validate_python(v) for k, v in engine.items()}
         return data
 
     @model_validator(mode="after")

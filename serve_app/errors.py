@@ -34,7 +34,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def param_of(message: str, fields: tuple[str, ...]) -> str | None:
+# Request fields an engine ValueError may name (SamplingParams and prompt checks start with the field).
+PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs", "prompt")
+
+
+def param_of(message: str, fields: tuple[str, ...] = PARAM_FIELDS) -> str | None:
     """The request field a ValueError message names (SamplingParams messages start with the field)."""
     return next((f for f in fields if message.startswith(f)), None)
 
@@ -48,7 +53,8 @@ def from_engine_failure(exc: BaseException) -> APIError:
         return APIError(503, "the server is overloaded: too many queued requests; retry later",
                         type_="server_overloaded", code="overloaded")
     if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
-        return bad_request(str(exc.cause))
+        message = str(exc.cause)
+        return bad_request(message, param=param_of(message, PARAM_FIELDS))
     if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)):
         logger.warning("engine replica failed during a request: %s", type(exc).__name__)
         return APIError(500, "the engine replica serving this request died; retry the request",
@@ -67,8 +73,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        loc = [p for p in err.get("loc", ()) if p != "body"]
+        # A JSON syntax error's loc is a character offset, not a field.
+        param = None if err.get("type") == "json_invalid" else ".".join(map(str, loc)) or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
         return bad_request(message, param=param).response()
 

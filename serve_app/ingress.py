@@ -23,8 +23,6 @@ from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.responses import Accumulated, ResponseBuilder, sse
 
 logger = logging.getLogger("ray.serve")
-_PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs")
 
 api = FastAPI(title="Tandem", description="OpenAI-compatible LLM serving on Ray Serve")
 install_handlers(api)
@@ -67,8 +65,12 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         prompt_ids = self._encode_prompt(body.prompt)
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", param="echo")
+        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
+            self.tokenizer.decode(prompt_ids)
         return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
-                                 request=request)
+                                 request=request, echo=echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -97,7 +99,8 @@ class OpenAIIngress:
                               param="prompt")
         return prompt
 
-    async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request):
+    async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
+                     echo: str = ""):
         if len(prompt_ids) >= self.max_model_len:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                               f"has {len(prompt_ids)} tokens", param="messages" if chat else "prompt",
@@ -105,11 +108,16 @@ class OpenAIIngress:
         try:
             params = body.sampling_params()
         except ValueError as exc:
-            raise bad_request(str(exc), param=param_of(str(exc), _PARAM_FIELDS)) from None
+            raise bad_request(str(exc), param=param_of(str(exc))) from None
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}",
+                              param="stop_token_ids")
         request_id = uuid.uuid4().hex
         stream = self.engine.generate.remote(GenerateRequest(request_id, prompt_ids, params))
         builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
         first = await _first_chunk(stream)  # errors before any output become proper HTTP statuses
+        first.delta_text = echo + first.delta_text
         if body.stream:
             return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs),
                                      media_type="text/event-stream")

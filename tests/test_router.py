@@ -1,0 +1,354 @@
+"""Unit tests, no cluster: the prefix-aware request router, the autoscaling policy, and the app config.
+
+The router is the real Serve RequestRouter subclass, built the way Serve builds it (constructor, then
+initialize_state); replicas are small fakes with the two attributes the router reads (replica_id,
+routing_stats). Prefix hashes come from engine.block_manager, the same functions the engine uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+from ray.serve.request_router import ReplicaID
+
+from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
+from cluster.protocol import GenerateRequest
+from cluster.router import PrefixAwareRouter, router_class
+from engine import LLM, SamplingParams
+from engine.block_manager import prefix_hashes
+from serve_app import AppConfig, build_app
+
+DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="app")
+BS = 16
+
+
+@dataclass
+class FakeReplica:
+    """The part of RunningReplica the router reads."""
+
+    replica_id: ReplicaID
+    routing_stats: dict = field(default_factory=dict)
+
+
+def replica(name: str, waiting: int = 0, kv_usage: float = 0.0, hashes: list[int] | None = None) -> FakeReplica:
+    return FakeReplica(ReplicaID(unique_id=name, deployment_id=DEPLOYMENT), stats(waiting, kv_usage, hashes))
+
+
+def stats(waiting: int = 0, kv_usage: float = 0.0, hashes: list[int] | None = None) -> dict:
+    return {"num_waiting": waiting, "num_running": 0, "kv_usage": kv_usage, "kv_blocks_free": 100,
+            "kv_blocks_total": 100, "block_size": BS, "prefix_hashes": list(hashes or [])}
+
+
+_counter = iter(range(10**9))
+
+
+def pending(tokens: list[int]) -> SimpleNamespace:
+    """A PendingRequest look-alike: the router finds the GenerateRequest among args/kwargs."""
+    request = GenerateRequest(f"req-{next(_counter)}", list(tokens), SamplingParams())
+    return SimpleNamespace(args=[request], kwargs={})
+
+
+def prompt(seed: int, n_blocks: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 4000 + 1 for i in range(n_blocks * BS + 3)]
+
+
+@pytest.fixture
+def router() -> PrefixAwareRouter:
+    r = PrefixAwareRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state()  # Serve calls it with the deployment's request_router_kwargs (none here)
+    return r
+
+
+def choose(router: PrefixAwareRouter, replicas: list[FakeReplica], request=None) -> list[str]:
+    ranks = asyncio.run(router.choose_replicas(replicas, request))
+    assert all(len(rank) == 1 for rank in ranks)
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def route(router: PrefixAwareRouter, replicas: list[FakeReplica], request, to: FakeReplica) -> None:
+    """What Serve does for one request: rank the candidates, then report where the request went."""
+    choose(router, replicas, request)
+    router.on_request_routed(request, to.replica_id, None)
+
+
+# ---- load ranking ----------------------------------------------------------------------------------------
+
+def test_no_candidates_gives_no_ranks(router):
+    assert asyncio.run(router.choose_replicas([], pending(prompt(1, 2)))) == []
+
+
+def test_ranks_by_load_without_prefix_knowledge(router):
+    replicas = [replica("busy", waiting=5), replica("idle"), replica("hot_kv", kv_usage=0.5),
+                replica("some", waiting=1)]
+    assert choose(router, replicas, pending(prompt(1, 3))) == ["idle", "some", "hot_kv", "busy"]
+    assert choose(router, replicas, None) == ["idle", "some", "hot_kv", "busy"]
+
+
+def test_own_inflight_count_is_load_and_completion_releases_it(router):
+    a, b = replica("a"), replica("b")
+    for _ in range(2):
+        router.on_request_routed(pending([1, 2, 3]), a.replica_id, None)
+    assert router.load(a) == 2 and choose(router, [a, b]) == ["b", "a"]
+    router.on_request_completed(a.replica_id, "internal-1")
+    assert router.load(a) == 1
+    router.on_request_completed(a.replica_id, "internal-2")
+    assert router.load(a) == 0
+    router.on_request_completed(a.replica_id, "spurious")  # never negative
+    assert router.load(a) == 0
+
+
+# ---- prefix affinity -------------------------------------------------------------------------------------
+
+def test_replica_with_longest_reported_prefix_wins(router):
+    tokens = prompt(2, 6)
+    h = prefix_hashes(tokens, BS, 64)
+    assert len(h) == 6
+    replicas = [replica("none"), replica("short", hashes=h[:2] + [12345]), replica("long", waiting=1, hashes=h[:5]),
+                replica("gap", hashes=[h[0]] + h[2:])]  # a chain with a hole only counts up to the hole
+    assert choose(router, replicas, pending(tokens))[0] == "long"
+    assert router.best_prefix_replica(replicas, h).replica_id.unique_id == "long"
+
+
+def test_unrelated_prompt_ignores_reported_prefixes(router):
+    replicas = [replica("cached", waiting=1, hashes=prefix_hashes(prompt(3, 4), BS, 64)), replica("idle")]
+    assert choose(router, replicas, pending(prompt(4, 4))) == ["idle", "cached"]
+
+
+def test_prefix_ties_go_to_the_less_loaded(router):
+    tokens = prompt(5, 3)
+    h = prefix_hashes(tokens, BS, 64)
+    replicas = [replica("x", waiting=2, hashes=h), replica("y", waiting=1, hashes=h), replica("z")]
+    assert choose(router, replicas, pending(tokens))[0] == "y"
+
+
+def test_overload_past_imbalance_threshold_overrides_affinity(router):
+    tokens = prompt(6, 4)
+    h = prefix_hashes(tokens, BS, 64)
+    threshold = router.imbalance_threshold
+    at = [replica("cached", waiting=int(threshold), hashes=h), replica("idle")]
+    assert choose(router, at, pending(tokens))[0] == "cached"  # exactly at the threshold: affinity holds
+    past = [replica("cached", waiting=int(threshold) + 1, hashes=h), replica("idle")]
+    assert choose(router, past, pending(tokens)) == ["idle", "cached"]
+    kv_hot = [replica("cached", kv_usage=0.9, hashes=h), replica("idle")]  # 8 * 0.9 > 4
+    assert choose(router, kv_hot, pending(tokens)) == ["idle", "cached"]
+
+
+def test_imbalance_threshold_is_configurable(router):
+    router.initialize_state(imbalance_threshold=100.0)
+    tokens = prompt(7, 2)
+    replicas = [replica("cached", waiting=50, hashes=prefix_hashes(tokens, BS, 64)), replica("idle")]
+    assert choose(router, replicas, pending(tokens))[0] == "cached"
+
+
+def test_router_memory_gives_affinity_before_any_report(router):
+    tokens = prompt(8, 4)
+    a, b = replica("a"), replica("b")
+    first = pending(tokens)
+    ranks = choose(router, [a, b], first)
+    chosen = {"a": a, "b": b}[ranks[0]]
+    router.on_request_routed(first, chosen.replica_id, None)
+    # The chosen replica is now more loaded (1 in flight) and has reported nothing, yet a request that
+    # shares the prefix (different tail) goes back to it.
+    follow_up = pending(tokens[: 3 * BS] + [9, 9, 9, 9, 9])
+    assert choose(router, [a, b], follow_up)[0] == chosen.replica_id.unique_id
+    # ...while an unrelated prompt goes to the idle one.
+    assert choose(router, [a, b], pending(prompt(9, 4)))[0] != chosen.replica_id.unique_id
+
+
+def test_router_memory_deeper_than_report_wins(router):
+    tokens = prompt(10, 6)
+    h = prefix_hashes(tokens, BS, 64)
+    a, b = replica("a", hashes=h[:2]), replica("b")
+    route(router, [a, b], pending(tokens), to=b)
+    assert choose(router, [a, b], pending(tokens))[0] == "b"
+
+
+def test_replica_death_forgets_its_load_and_affinity(router):
+    tokens = prompt(11, 4)
+    a, b = replica("a"), replica("b")
+    for _ in range(3):
+        route(router, [a, b], pending(tokens), to=a)
+    assert router.load(a) == 3
+    assert router.best_prefix_replica([a, b], prefix_hashes(tokens, BS, 64)) is a
+    router.on_replica_actor_died(a.replica_id)
+    assert router.load(a) == 0
+    assert router.best_prefix_replica([a, b], prefix_hashes(tokens, BS, 64)) is None
+    assert choose(router, [b], pending(tokens)) == ["b"]
+
+
+def test_block_size_comes_from_the_replicas_report(router):
+    tokens = prompt(12, 4)
+    h32 = prefix_hashes(tokens, 32, 64)
+    cached = replica("cached", waiting=1, hashes=h32)
+    cached.routing_stats["block_size"] = 32
+    idle = replica("idle")
+    idle.routing_stats["block_size"] = 32
+    assert choose(router, [idle, cached], pending(tokens))[0] == "cached"
+
+
+def test_new_report_replaces_old_prefix_knowledge(router):
+    """Each routing-stats poll hands the router a new report; it must use the latest one, even when the
+    new report has the same length as the old (the router caches reports as sets, so a cache keyed on
+    anything weaker than the report itself would go stale)."""
+    t1, t2 = prompt(13, 4), prompt(14, 4)
+    h1, h2 = prefix_hashes(t1, BS, 64), prefix_hashes(t2, BS, 64)
+    cached, idle = replica("cached", waiting=1, hashes=h1), replica("idle")
+    assert choose(router, [cached, idle], pending(t1))[0] == "cached"
+    for _ in range(3):  # several polls of same-length reports, old ones dropped each time
+        cached.routing_stats = {**stats(waiting=1), "prefix_hashes": [*h2]}
+        assert choose(router, [cached, idle], pending(t2))[0] == "cached"
+        assert choose(router, [cached, idle], pending(t1))[0] == "idle"
+
+
+def test_engine_report_and_router_hashes_agree():
+    """The hashes an engine reports for a prompt it served are what the router computes for that prompt."""
+    llm = LLM(num_kv_blocks=64, max_num_seqs=4)
+    try:
+        tokens = prompt(15, 3)
+        llm.generate([tokens], SamplingParams(temperature=0, max_tokens=2))
+        reported = set(llm.engine.block_manager.recent_hashes(4096))
+        assert set(prefix_hashes(tokens, BS, 64)) <= reported
+        assert not set(prefix_hashes(prompt(16, 3), BS, 64)) & reported
+    finally:
+        llm.shutdown()
+
+
+def test_router_policy_registry_lists_valid_names():
+    assert router_class("prefix_aware") == "cluster.router:PrefixAwareRouter"
+    with pytest.raises(ValueError, match="prefix_aware") as exc:
+        router_class("round_robin")
+    assert "pow2" in str(exc.value)
+
+
+# ---- autoscaling policy ----------------------------------------------------------------------------------
+
+def ctx(n: int, ongoing: float, target: float = 2.0, waiting: list[float] | None = None,
+        kv: list[float] | None = None, current_target: int | None = None) -> AutoscalingContext:
+    ids = [ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT) for i in range(n)]
+    metrics = {}
+    if waiting is not None:
+        metrics["num_waiting"] = dict(zip(ids, waiting))
+    if kv is not None:
+        metrics["kv_usage"] = dict(zip(ids, kv))
+    config = AutoscalingConfig(min_replicas=0, max_replicas=8, target_ongoing_requests=target)
+    return AutoscalingContext(
+        deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name=DEPLOYMENT.app_name,
+        current_num_replicas=n, target_num_replicas=n if current_target is None else current_target,
+        running_replicas=ids, total_num_requests=ongoing, total_queued_requests=0, aggregated_metrics=metrics,
+        raw_metrics={}, capacity_adjusted_min_replicas=0, capacity_adjusted_max_replicas=8, policy_state={},
+        last_scale_up_time=None, last_scale_down_time=None, current_time=0.0, config=config)
+
+
+def decide(c: AutoscalingContext, **kw) -> float:
+    desired, state = EngineAutoscalingPolicy(**kw)(c)
+    assert isinstance(state, dict)
+    return desired
+
+
+def test_scales_up_with_total_ongoing_over_target():
+    assert decide(ctx(1, ongoing=10, target=2)) == pytest.approx(5)
+    assert decide(ctx(2, ongoing=4, target=2)) == pytest.approx(2)  # at target: hold
+
+
+def test_scales_down_when_idle():
+    assert decide(ctx(3, ongoing=0, waiting=[0, 0, 0], kv=[0.0, 0.0, 0.0])) == 0
+    assert decide(ctx(3, ongoing=2, target=2)) < 3
+
+
+def test_one_more_replica_when_engines_queue():
+    assert decide(ctx(2, ongoing=1, waiting=[3, 2])) == 3  # 5 waiting > 2 per replica * 2
+    assert decide(ctx(2, ongoing=1, waiting=[2, 2])) == pytest.approx(0.5)  # 4 is not more than 4
+    assert decide(ctx(2, ongoing=1, waiting=[3, 2]), waiting_per_replica=5) == pytest.approx(0.5)
+    assert decide(ctx(1, ongoing=20, target=2, waiting=[9])) == pytest.approx(10)  # never lowers the target
+
+
+def test_one_more_replica_when_kv_cache_runs_hot():
+    assert decide(ctx(2, ongoing=1, kv=[0.95, 0.93])) == 3
+    assert decide(ctx(2, ongoing=1, kv=[0.95, 0.5])) == pytest.approx(0.5)  # mean 0.725
+    assert decide(ctx(2, ongoing=1, kv=[0.95, 0.93]), kv_usage_high=0.99) == pytest.approx(0.5)
+
+
+def test_no_replicas_keeps_current_target():
+    assert decide(ctx(0, ongoing=7, current_target=2)) == 2
+    assert decide(ctx(0, ongoing=0, current_target=0)) == 0
+
+
+def test_default_target_is_a_quarter_of_max_ongoing():
+    assert default_target_ongoing(256) == 64 and default_target_ongoing(6) == 2 and default_target_ongoing(1) == 1
+
+
+# ---- app config / builder --------------------------------------------------------------------------------
+
+def engine_deployment(app):
+    return app._bound_deployment.init_args[0]._bound_deployment
+
+
+def test_cli_strings_are_coerced_like_serve_run_args():
+    """`serve run serve_app:build_app num_replicas=2 ...` passes every value as a string."""
+    app = build_app({"num_replicas": "2", "max_ongoing_requests": "64", "device": "cpu"})
+    dep = engine_deployment(app)
+    assert dep.num_replicas == 2 and dep.max_ongoing_requests == 64
+    cfg = AppConfig(num_replicas="3", upscale_delay_s="2.5", routing_stats_period_s="0.5")
+    assert (cfg.num_replicas, cfg.upscale_delay_s, cfg.routing_stats_period_s) == (3, 2.5, 0.5)
+
+
+def test_cli_strings_are_coerced_for_engine_fields():
+    """Engine fields at the top level (`serve run serve_app:build_app block_size=32`) arrive as strings
+    too and must be coerced like the app's own fields, not rejected by EngineConfig."""
+    app = build_app({"block_size": "32", "max_num_seqs": "8", "device": "cpu"})
+    engine_args = engine_deployment(app).init_args[0]
+    assert engine_args["block_size"] == 32 and engine_args["max_num_seqs"] == 8
+
+
+def test_engine_fields_at_top_level_or_nested():
+    app = build_app({"block_size": 32, "engine": {"max_num_seqs": 8}, "device": "cpu"})
+    engine_args = engine_deployment(app).init_args[0]
+    assert engine_args["block_size"] == 32 and engine_args["max_num_seqs"] == 8
+    assert engine_deployment(app).max_ongoing_requests == 8  # defaults to what one engine batches
+
+
+def test_unknown_engine_field_rejected_listing_valid_names():
+    with pytest.raises(ValueError) as exc:
+        AppConfig(engine={"blok_size": 32})
+    assert "blok_size" in str(exc.value) and "block_size" in str(exc.value)
+
+
+def test_unknown_top_level_field_rejected_listing_valid_names():
+    with pytest.raises(ValueError) as exc:
+        build_app({"num_replica": 2})
+    message = str(exc.value)
+    assert "num_replica" in message
+    assert "num_replicas" in message and "max_replicas" in message, message
+
+
+def test_num_replicas_with_max_replicas_rejected():
+    with pytest.raises(ValueError, match="num_replicas"):
+        AppConfig(num_replicas=2, max_replicas=3)
+    with pytest.raises(ValueError, match="min_replicas"):
+        AppConfig(min_replicas=3, max_replicas=2)
+
+
+@pytest.mark.parametrize("args", [{"num_replicas": 0}, {"router": "random"}, {"device": "tpu"},
+                                  {"target_ongoing_requests": 0}, {"block_size": 0}, {"pipeline_depth": 3}])
+def test_bad_values_rejected_at_build_time(args):
+    with pytest.raises(ValueError):
+        build_app({"device": "cpu", **args})
+
+
+def test_autoscaling_config_built_from_args():
+    app = build_app({"min_replicas": "1", "max_replicas": "3", "target_ongoing_requests": "2",
+                     "upscale_delay_s": "2", "downscale_delay_s": "5", "device": "cpu"})
+    asc = engine_deployment(app)._deployment_config.autoscaling_config
+    assert (asc.min_replicas, asc.max_replicas, asc.target_ongoing_requests) == (1, 3, 2)
+    assert (asc.upscale_delay_s, asc.downscale_delay_s) == (2, 5)
+    assert asc.policy.policy_function == "cluster.autoscaling.EngineAutoscalingPolicy"
+
+
+def test_fixed_replicas_by_default():
+    dep = engine_deployment(build_app({"device": "cpu"}))
+    assert dep.num_replicas == 1 and dep._deployment_config.autoscaling_config is None
