@@ -29,6 +29,7 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]]  # (row, token ids) masked to -inf (min_tokens: eos + stop ids)
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
     num_logprobs: int  # -1: no row wants logprobs; else max top-k asked (0 = chosen token only)
+    all_greedy: bool  # decided on the host, so skipping the random path never reads the device
 
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device) -> "SamplingBatch":
@@ -48,7 +49,7 @@ class SamplingBatch:
                   if s.num_output_tokens < s.params.min_tokens]
         asked = [p.logprobs for p in ps if p.logprobs is not None]
         return cls(temperature, greedy, top_k, top_p, min_p, pen, banned,
-                   [s.generator for s in seqs], max(asked) if asked else -1)
+                   [s.generator for s in seqs], max(asked) if asked else -1, all(p.greedy for p in ps))
 
 
 @dataclass(slots=True)
@@ -91,12 +92,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits  # [R, V] float32
-        logits = self._apply_penalties(logits.clone(), batch)
-        for row, ids in batch.banned:
-            logits[row, ids] = _NEG_INF
-        greedy_tokens = logits.argmax(dim=-1)
-        sampled = self._sample(logits, batch)
-        tokens = torch.where(batch.greedy, greedy_tokens, sampled)
+        if batch.penalties or batch.banned:
+            logits = self._apply_penalties(logits.clone(), batch)
+            for row, ids in batch.banned:
+                logits[row, ids] = _NEG_INF
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
         if batch.num_logprobs < 0:
             return SamplerOutput(tokens, None, None, None)
         lp = torch.log_softmax(raw, dim=-1)

@@ -37,6 +37,9 @@ class TorchPagedAttention:
 
     def __init__(self, sliding_window: int | None = None):
         self.sliding_window = sliding_window
+        # Reused gather targets for decode K/V: a fresh multi-MB tensor per layer per step costs page
+        # faults on CPU. Only the thread running forwards touches them.
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the per-step plan once; every layer reuses it."""
@@ -86,11 +89,20 @@ class TorchPagedAttention:
                 q[c.token_start:c.token_start + c.num_tokens], k_cache, v_cache, c, scale)
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
+        """cache[blocks] as [B, max_blocks * block_size, Hkv, D], written into a reused buffer."""
+        flat = blocks.reshape(-1)
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape[0] < flat.numel() or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = torch.empty(flat.numel(), *cache.shape[1:], dtype=cache.dtype, device=cache.device)
+            self._scratch[name] = buf
+        out = torch.index_select(cache, 0, flat, out=buf[: flat.numel()])
+        return out.view(blocks.shape[0], -1, *cache.shape[2:])
+
+    def _decode(self, q, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
         b = q.shape[0]
-        k = k_cache[plan.decode_blocks].flatten(1, 2)  # [B, max_blocks * block_size, Hkv, D]
-        v = v_cache[plan.decode_blocks].flatten(1, 2)
+        k = self._gather(k_cache, plan.decode_blocks, "k")  # [B, max_blocks * block_size, Hkv, D]
+        v = self._gather(v_cache, plan.decode_blocks, "v")
         o = F.scaled_dot_product_attention(q.view(b, -1, 1, q.shape[-1]), k.transpose(1, 2),
                                            v.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale,
                                            enable_gqa=True)
