@@ -136,6 +136,23 @@ class BlockManager:
                 self.block_hash[block] = parent
                 self.hash_to_block[parent] = block
 
+    # ---- swap-in (engine.scheduler restores an offloaded sequence's table with these) ---------------------
+    def cached_block(self, block_hash: int) -> int | None:
+        """The device block currently holding the content with this hash, if any."""
+        return self.hash_to_block.get(block_hash) if self.enable_prefix_caching else None
+
+    def take(self, block: int) -> None:
+        """Add a reference to an existing block (out of the free queue if it was there)."""
+        self._ref(block)
+
+    def take_fresh(self, block_hash: int | None) -> int:
+        """Hand out a free block for restored content, registering its hash when it has one."""
+        block = self._pop_free()
+        if (block_hash is not None and self.enable_prefix_caching and block_hash not in self.hash_to_block):
+            self.block_hash[block] = block_hash
+            self.hash_to_block[block_hash] = block
+        return block
+
     def recent_hashes(self, limit: int) -> list[int]:
         """The most recently cached block hashes, truncated to 63 bits: a compact prefix summary for routers.
 

@@ -23,6 +23,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     num_cpu_blocks: int = 0
+    # Host KV pool for preempted sequences in GiB, the alternative to num_cpu_blocks (vLLM's swap_space).
+    swap_space_gb: float = 0.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -62,11 +64,15 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
-        for name in ("admission_margin", "gpu_memory_utilization"):
+        for name in ("admission_margin", "gpu_memory_utilization", "swap_space_gb"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not 0.0 <= self.admission_margin < 1.0:
             raise ValueError(f"admission_margin must be in [0, 1), got {self.admission_margin!r}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}")
+        if self.swap_space_gb and self.num_cpu_blocks:
+            raise ValueError("give either num_cpu_blocks or swap_space_gb (the host KV pool size), not both")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not os.path.isdir(model):

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cpu_block_pool import CpuBlockPool
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
@@ -51,12 +52,15 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
         num_blocks = self._num_kv_blocks()
+        num_cpu_blocks = self._num_cpu_blocks()
         self.runner = ModelRunner(config, self.hf_config, self.spec, self.device, self.dtype, num_blocks,
-                                  self.max_model_len)
+                                  self.max_model_len, num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   policy=config.scheduler, admission_margin=config.admission_margin)
+                                   policy=config.scheduler, admission_margin=config.admission_margin,
+                                   cpu_pool=self.cpu_pool)
         self.requests: dict[str, _Request] = {}
         self.inflight: Step | None = None
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
@@ -282,15 +286,26 @@ class LLMEngine:
             budget = cfg.cpu_kv_cache_bytes
         return max(1, min(useful, budget // per_block))
 
+    def _num_cpu_blocks(self) -> int:
+        cfg = self.config
+        if not cfg.swap_space_gb:
+            return cfg.num_cpu_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype)
+        return int(cfg.swap_space_gb * 1024**3) // per_block
+
     def stats(self) -> dict:
-        bm = self.block_manager
+        bm, sched = self.block_manager, self.scheduler
+        offloader = self.runner.offloader
         return {
             "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free,
-            "cpu_blocks_total": self.config.num_cpu_blocks, "cpu_blocks_free": self.config.num_cpu_blocks,
-            "num_preemptions": self.scheduler.num_preemptions, "num_offloads": 0, "num_swap_ins": 0,
-            "num_soft_resets": self.scheduler.num_preemptions,
+            "cpu_blocks_total": self.cpu_pool.num_blocks, "cpu_blocks_free": self.cpu_pool.num_free,
+            "num_preemptions": sched.num_preemptions, "num_offloads": sched.num_offloads,
+            "num_swap_ins": sched.num_swap_ins, "num_soft_resets": sched.num_soft_resets,
+            "blocks_swapped_out": offloader.blocks_out if offloader else 0,
+            "blocks_swapped_in": offloader.blocks_in if offloader else 0,
             "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
-            "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+            "num_waiting": len(sched.waiting), "num_running": len(sched.running),
+            "num_swapped": len(sched.swapped),
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "pipeline_depth": self.config.pipeline_depth, **self.counters,
         }
@@ -302,8 +317,10 @@ class LLMEngine:
             live.update((id(c.seq), c.seq) for c in self.inflight.chunks)
         live = [s for s in live.values() if not s.released]
         self.block_manager.check_integrity(live)
+        self.cpu_pool.check_integrity(c for s in self.scheduler.swapped for c in s.cpu_blocks)
         if not self.has_unfinished():
             assert self.block_manager.num_free == self.block_manager.num_blocks, "blocks leaked"
+            assert self.cpu_pool.num_free == self.cpu_pool.num_blocks, "cpu blocks leaked"
 
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, get_backend
 from engine.config import EngineConfig
 from engine.executor import InlineExecutor, SerialExecutor
+from engine.kv_offload import KVOffloader
 from engine.models import build_model
 from engine.models.decoder import ModelSpec
 from engine.sampler import Sampler, SamplingBatch
@@ -25,7 +26,7 @@ NUM_SLOTS = 2
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, spec: ModelSpec, device: torch.device,
-                 dtype: torch.dtype, num_kv_blocks: int, max_model_len: int):
+                 dtype: torch.dtype, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0):
         self.config = config
         self.spec = spec
         self.device = device
@@ -35,6 +36,7 @@ class ModelRunner:
         shape = (spec.num_layers, 2, num_kv_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
         self.sampler = Sampler(config.seed, device)
         self.slots = [DecodeSlot(i, config.max_num_seqs, device) for i in range(NUM_SLOTS)]
         use_thread = device.type == "cpu" and config.cpu_executor_thread and config.pipeline_depth > 1
@@ -60,7 +62,7 @@ class ModelRunner:
         for row, c in enumerate(sample_chunks):
             c.seq.pending_src = (step.id, row)
         prev_sampled = prev.slot.sampled if prev is not None else None
-        step.forward = self.executor.submit(self._forward_job, step, host, prev_sampled)
+        step.forward = self.executor.submit(self._forward_job, step, host, prev_sampled, sched.swaps)
         return step
 
     def _host_inputs(self, step: Step, prev: Step | None) -> HostInputs:
@@ -85,9 +87,11 @@ class ModelRunner:
                 h.logits_indices.append(base + c.num_tokens - 1)
         return h
 
-    def _forward_job(self, step: Step, h: HostInputs, prev_sampled: torch.Tensor | None) -> None:
+    def _forward_job(self, step: Step, h: HostInputs, prev_sampled: torch.Tensor | None, swaps) -> None:
         t0 = time.perf_counter()
         with torch.inference_mode():
+            if swaps:  # KV copies the scheduler decided on since the last step, ordered before this forward
+                self.offloader.run(swaps)
             dev = self.device
             input_ids = torch.tensor(h.input_ids, dtype=torch.long, device=dev)
             if h.gather_dst:

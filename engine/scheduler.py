@@ -1,19 +1,26 @@
-"""Continuous-batching scheduler: token and KV budgets, chunked prefill, FIFO and prefill-first policies.
+"""Continuous-batching scheduler: token and KV budgets, chunked prefill, FIFO and prefill-first policies,
+preemption with KV offload to a host pool (or soft reset when there is none).
 
 Pure CPU Python. `schedule()` plans the next step and advances each planned sequence's `num_computed`
 (and `num_pending` for chunks that sample) as if the step had run: the pipeline launches it before the
-previous step is committed, so planning must not wait for results.
+previous step is committed, so planning must not wait for results. Block copies it decides on (swap-out
+of a preempted sequence, swap-in of a resumed one) travel with the next planned step as `SwapOp`s; the
+runner executes them, in order, before that step's forward.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SCHEDULER_POLICIES
+from engine.cpu_block_pool import CpuBlockPool
 from engine.sequence import Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -27,9 +34,19 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class SwapOp:
+    """Copy KV blocks between the device cache and the host pool: "out" is device -> host."""
+
+    direction: str  # "out" | "in"
+    device_blocks: list[int]
+    cpu_blocks: list[int]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_tokens: int = 0
+    swaps: list[SwapOp] = field(default_factory=list)  # run in order before this step's forward
 
     @property
     def num_decodes(self) -> int:
@@ -40,11 +57,26 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Plans each step. Policies: "fifo" (running decodes, then running prefills, then new requests in
-    arrival order) and "prefill_first" (running prefills, then new requests, then decodes)."""
+    """Plans each step. Policies: "fifo" (running decodes, then running prefills, then swapped-out
+    sequences, then new requests in arrival order) and "prefill_first" (running prefills, swapped, new
+    requests, then decodes).
+
+    Preemption: when a running sequence needs a block and none is free, the newest other running sequence
+    is the victim (the least KV to move or recompute, and arrival order stays fair: the oldest requests
+    keep running); the last running sequence is never preempted. Once its in-flight steps drain, a victim
+    is offloaded: its blocks are copied to the host pool (a full block whose content the pool already
+    holds, a prefix shared with another offloaded sequence, is referenced, not copied again) and its
+    device references dropped (blocks shared with running sequences stay with them). Swapped sequences
+    come back, oldest first, before any new request is admitted, once their blocks fit with the admission
+    margin kept free (so a swap-in does not trigger the next preemption at once); blocks whose content is
+    still in the device prefix cache are taken from there, the rest copied back: nothing is recomputed.
+    Without a host pool, or when it lacks room, the victim is soft-reset instead: its blocks are freed
+    and it is requeued first in line to recompute prompt + generated tokens, its sampling and
+    detokenizer state untouched.
+    """
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fifo", admission_margin: float = 0.05):
+                 policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None):
         if policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
         self.bm = block_manager
@@ -53,23 +85,32 @@ class Scheduler:
         self.policy = policy
         self.margin_blocks = math.ceil(admission_margin * block_manager.num_blocks)
         self._starved = False  # a running sequence could not get blocks in this pass
+        self.cpu_pool = cpu_pool if cpu_pool is not None and cpu_pool.num_blocks else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # offloaded to the host pool, in preemption order
+        self._swaps: list[SwapOp] = []  # decided, not yet handed to a step
         self.num_preemptions = 0
+        self.num_offloads = 0
+        self.num_swap_ins = 0
+        self.num_soft_resets = 0
 
     # ---- queue management ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(self._schedulable(s) for s in self.running)
+        return bool(self.waiting or self.swapped) or any(self._schedulable(s) for s in self.running)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a finalized sequence out of the queues (its blocks are released separately)."""
+        """Take a finalized sequence out of the queues (device blocks are released separately; host
+        blocks of a swapped sequence are freed now: nothing in flight reads them)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self._drop_swapped(seq)
         seq.status = SeqStatus.FINISHED
 
     def release_if_idle(self, seq: Sequence) -> None:
@@ -80,7 +121,9 @@ class Scheduler:
             self.bm.free(seq)
             seq.released = True
         elif seq.preempted:
-            self._soft_reset(seq)
+            seq.preempted = False
+            if not self._offload(seq):
+                self._soft_reset(seq)
 
     # ---- planning ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -93,11 +136,15 @@ class Scheduler:
         if self.policy == "fifo":
             self._schedule_running(decodes, out, budget)
             self._schedule_running(prefills, out, budget)
+            self._swap_in(out, budget)
             self._admit_waiting(out, budget)
         else:
             self._schedule_running(prefills, out, budget)
+            self._swap_in(out, budget)
             self._admit_waiting(out, budget)
             self._schedule_running(decodes, out, budget)
+        if out:  # copies ride with the next step that runs; until then nothing reads the blocks involved
+            out.swaps, self._swaps = self._swaps, []
         return out
 
     def _schedulable(self, seq: Sequence) -> bool:
@@ -116,9 +163,10 @@ class Scheduler:
                 self._plan(seq, n, out, budget)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
-        # A running sequence waiting for a victim's blocks must get them: admit nobody meanwhile.
+        # A running sequence waiting for a victim's blocks must get them, and swapped-out sequences come
+        # back before anyone new: admit nobody meanwhile.
         while (self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs
-               and not self._starved):
+               and not self._starved and not self.swapped):
             seq = self.waiting[0]
             hits, hashes = self.bm.cached_prefix(seq.token_ids)
             computed = len(hits) * self.bm.block_size
@@ -149,7 +197,7 @@ class Scheduler:
             seq.num_pending += 1
         self.bm.cache_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
 
-    # ---- preemption (soft reset; the KV-offload path builds on this) -----------------------------------
+    # ---- preemption ----------------------------------------------------------------------------------
     def _fit(self, seq: Sequence, n: int) -> int:
         """Grow `seq` for a chunk of up to `n` positions; return the chunk size it got (0: wait a step).
 
@@ -181,11 +229,13 @@ class Scheduler:
         return n
 
     def stuck(self) -> list[Sequence]:
-        """Running sequences that can never get a block: nothing in flight, nothing schedulable fits.
+        """Sequences that can never get a block: nothing in flight, nothing schedulable fits.
 
         The engine calls this only when a tick launched nothing and no step is in flight; the KV cache
-        is then wholly held by these sequences, so the oldest must end (its KV budget is exhausted)."""
-        return [s for s in self.running if self._schedulable(s)]
+        is then wholly held by these running sequences, so the oldest must end (its KV budget is
+        exhausted). With none running, it is a swapped sequence that does not fit the empty cache."""
+        running = [s for s in self.running if self._schedulable(s)]
+        return running or sorted(self.swapped, key=lambda s: s.arrival_time)[:1]
 
     def _pick_victim(self, requester: Sequence) -> Sequence | None:
         """Newest running sequence other than the requester (never the last one running)."""
@@ -196,6 +246,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        logger.debug("preempting %s (%d blocks, %d tokens)", seq.request_id, len(seq.block_table),
+                     seq.num_computed)
         self.running.remove(seq)
         seq.preempted = True
         seq.status = SeqStatus.WAITING
@@ -204,7 +256,90 @@ class Scheduler:
     def _soft_reset(self, seq: Sequence) -> None:
         """Free the blocks and requeue at the front; the generated tokens are now part of what to
         recompute, and the sequence keeps its sampler and detokenizer state, so its output continues."""
+        self.num_soft_resets += 1
         self.bm.free(seq)
         seq.num_computed = seq.num_cached = 0
-        seq.preempted = False
+        seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+
+    # ---- offload and swap-in ------------------------------------------------------------------------------
+    def _offload(self, seq: Sequence) -> bool:
+        """Copy `seq`'s blocks to the host pool and free its device blocks; False when there is no host
+        pool or it lacks room (the caller soft-resets instead). A block whose content the host pool already
+        holds (a prefix shared with another offloaded sequence) is referenced there, not copied again."""
+        if self.cpu_pool is None:
+            return False
+        pool, table, hashes = self.cpu_pool, seq.block_table, seq.block_hashes
+        cpu: list[int | None] = [pool.lookup(hashes[i] if i < len(hashes) else None) for i in range(len(table))]
+        copy = [i for i, c in enumerate(cpu) if c is None]
+        fresh = pool.allocate(len(copy))
+        if fresh is None:
+            return False
+        for c in cpu:
+            if c is not None:
+                pool.share(c)
+        for i, c in zip(copy, fresh):
+            cpu[i] = c
+            if i < len(hashes):
+                pool.register(c, hashes[i])
+        if copy:
+            self._swaps.append(SwapOp("out", [table[i] for i in copy], fresh))
+        seq.cpu_blocks = cpu
+        self.bm.free(seq)  # shared device blocks just lose this reference: their other holders keep them
+        seq.block_hashes = hashes  # the content is unchanged
+        seq.status = SeqStatus.SWAPPED
+        self.swapped.append(seq)
+        self.num_offloads += 1
+        return True
+
+    def _swap_in(self, out: SchedulerOutput, budget: list[int]) -> None:
+        """Bring swapped sequences back, oldest first, while their blocks fit with the margin kept free."""
+        while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs and not self._starved:
+            seq = min(self.swapped, key=lambda s: s.arrival_time)
+            found = self._on_device(seq)
+            n = min(seq.num_uncomputed, budget[0])
+            growth = max(0, -(-(seq.num_computed + n) // self.bm.block_size) - len(seq.cpu_blocks))
+            fresh = len(seq.cpu_blocks) - len(found)
+            reused_free = sum(1 for b in found.values() if self.bm.ref_counts[b] == 0)
+            margin = self.margin_blocks if self.running else 0
+            if fresh + reused_free + growth + margin > self.bm.num_free:
+                return
+            self._restore(seq, found)
+            n = self._fit(seq, n)
+            if n:
+                self._plan(seq, n, out, budget)
+
+    def _on_device(self, seq: Sequence) -> dict[int, int]:
+        """Table index -> device block, for the blocks whose content is still in the device prefix cache
+        (shared prefixes, or freed blocks not yet evicted): those come back without a copy."""
+        found = {}
+        for i, h in enumerate(seq.block_hashes[:len(seq.cpu_blocks)]):
+            block = self.bm.cached_block(h)
+            if block is not None:
+                found[i] = block
+        return found
+
+    def _restore(self, seq: Sequence, found: dict[int, int]) -> None:
+        for block in found.values():  # first, so allocating fresh blocks cannot evict them
+            self.bm.take(block)
+        table, fresh, cpu = [], [], []
+        for i, cpu_block in enumerate(seq.cpu_blocks):
+            if i in found:
+                table.append(found[i])
+                continue
+            block = self.bm.take_fresh(seq.block_hashes[i] if i < len(seq.block_hashes) else None)
+            table.append(block)
+            fresh.append(block)
+            cpu.append(cpu_block)
+        if fresh:
+            self._swaps.append(SwapOp("in", fresh, cpu))
+        self._drop_swapped(seq)  # host blocks may be reused now: a later swap-out runs after this copy
+        seq.block_table = table
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.num_swap_ins += 1
+
+    def _drop_swapped(self, seq: Sequence) -> None:
+        self.swapped.remove(seq)
+        self.cpu_pool.release(seq.cpu_blocks)
+        seq.cpu_blocks = None

@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # offloaded to the host KV pool; holds no device blocks
     FINISHED = "finished"
 
 
@@ -35,7 +36,7 @@ class Sequence:
                  "num_computed", "num_cached", "block_table", "block_hashes", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
-                 "num_emitted_tokens", "preempted", "vocab_size")
+                 "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -69,7 +70,9 @@ class Sequence:
         self.max_total_len = min(budget, max_model_len)
         self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token
         self.num_emitted_tokens = 0
-        self.preempted = False  # soft reset requested; applied when inflight_refs drains
+        self.preempted = False  # offload / soft reset requested; applied when inflight_refs drains
+        # While swapped: the host block holding each block-table entry (engine.cpu_block_pool).
+        self.cpu_blocks: list[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
