@@ -301,6 +301,7 @@ class LLMEngine:
             "cpu_blocks_total": self.cpu_pool.num_blocks, "cpu_blocks_free": self.cpu_pool.num_free,
             "num_preemptions": sched.num_preemptions, "num_offloads": sched.num_offloads,
             "num_swap_ins": sched.num_swap_ins, "num_soft_resets": sched.num_soft_resets,
+            "kv_tokens_discarded": sched.kv_tokens_discarded,
             "blocks_swapped_out": offloader.blocks_out if offloader else 0,
             "blocks_swapped_in": offloader.blocks_in if offloader else 0,
             "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,

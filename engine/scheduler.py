@@ -94,6 +94,7 @@ class Scheduler:
         self.num_offloads = 0
         self.num_swap_ins = 0
         self.num_soft_resets = 0
+        self.kv_tokens_discarded = 0  # KV positions soft resets threw away (to be recomputed)
 
     # ---- queue management ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -257,6 +258,7 @@ class Scheduler:
         """Free the blocks and requeue at the front; the generated tokens are now part of what to
         recompute, and the sequence keeps its sampler and detokenizer state, so its output continues."""
         self.num_soft_resets += 1
+        self.kv_tokens_discarded += seq.num_computed
         self.bm.free(seq)
         seq.num_computed = seq.num_cached = 0
         seq.status = SeqStatus.WAITING
