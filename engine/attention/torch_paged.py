@@ -23,15 +23,30 @@ class _PrefillChunk:
 
 
 @dataclass(slots=True)
+class _DecodeGroup:
+    """Single-token chunks of similar length, attended in one batched SDPA call."""
+
+    tokens: torch.Tensor  # [b] token indices in the step
+    blocks: torch.Tensor  # [b, max_blocks] block ids, padded with 0
+    mask: torch.Tensor  # [b, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass(slots=True)
 class _Plan:
-    decode_tokens: torch.Tensor  # [num_decodes] token indices of single-token chunks
-    decode_blocks: torch.Tensor  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decodes: list[_DecodeGroup]
     prefills: list[_PrefillChunk]
 
 
+# Decode rows are grouped by length so the K/V gather (the bulk of CPU decode time, memory-bound) copies
+# little padding: a row starts a new group when it needs fewer than GROUP_SPLIT of the group's longest
+# row's blocks, once the group has GROUP_MIN_ROWS rows (fewer, larger SDPA calls beat many small ones).
+GROUP_SPLIT = 0.75
+GROUP_MIN_ROWS = 8
+
+
 class TorchPagedAttention:
-    """Decode rows are attended in one batched SDPA call; each multi-token chunk gets its own call."""
+    """Decode rows are attended in a few batched SDPA calls (grouped by length); each multi-token chunk
+    gets its own call."""
 
     name = "torch"
 
@@ -51,19 +66,24 @@ class TorchPagedAttention:
         dec_rows, prefills = [], []
         for i, (n, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
             if n == 1:
-                dec_rows.append(i)
+                dec_rows.append((-(-seq_len // bs), i))
                 continue
             blocks = meta.block_tables[i, : -(-seq_len // bs)]
             prefills.append(_PrefillChunk(qsl[i], n, seq_len, blocks, self._chunk_mask(n, seq_len, device)))
-        rows = torch.tensor(dec_rows, dtype=torch.long, device=device)
-        dec_blocks = meta.block_tables.index_select(0, rows).long()
-        lens = meta.seq_lens.index_select(0, rows).long()
-        key_pos = torch.arange(dec_blocks.shape[1] * bs, device=device)
+        groups = [self._decode_group(g, meta, qsl) for g in _group_by_length(dec_rows)]
+        meta.backend_data = _Plan(groups, prefills)
+
+    def _decode_group(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int]) -> _DecodeGroup:
+        device, bs = meta.block_tables.device, meta.block_size
+        idx = [i for _, i in rows]
+        blocks = meta.block_tables[torch.tensor(idx, device=device), : rows[0][0]].long()
+        lens = torch.tensor([meta.seq_lens_host[i] for i in idx], device=device)
+        key_pos = torch.arange(rows[0][0] * bs, device=device)
         valid = key_pos[None, :] < lens[:, None]
         if self.sliding_window is not None:
             valid &= key_pos[None, :] >= lens[:, None] - self.sliding_window
-        dec_tokens = torch.tensor([qsl[i] for i in dec_rows], dtype=torch.long, device=device)
-        meta.backend_data = _Plan(dec_tokens, dec_blocks, valid[:, None, None, :], prefills)
+        tokens = torch.tensor([qsl[i] for i in idx], dtype=torch.long, device=device)
+        return _DecodeGroup(tokens, blocks, valid[:, None, None, :])
 
     def _chunk_mask(self, n: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
         if seq_len == n and self.sliding_window is None:
@@ -81,9 +101,8 @@ class TorchPagedAttention:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan: _Plan = meta.backend_data
         out = torch.empty_like(q)
-        if plan.decode_tokens.numel():
-            out[plan.decode_tokens] = self._decode(q.index_select(0, plan.decode_tokens), k_cache, v_cache,
-                                                   plan, scale)
+        for g in plan.decodes:
+            out[g.tokens] = self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, scale)
         for c in plan.prefills:
             out[c.token_start:c.token_start + c.num_tokens] = self._prefill(
                 q[c.token_start:c.token_start + c.num_tokens], k_cache, v_cache, c, scale)
@@ -99,12 +118,12 @@ class TorchPagedAttention:
         out = torch.index_select(cache, 0, flat, out=buf[: flat.numel()])
         return out.view(blocks.shape[0], -1, *cache.shape[2:])
 
-    def _decode(self, q, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, g: _DecodeGroup, scale: float) -> torch.Tensor:
         b = q.shape[0]
-        k = self._gather(k_cache, plan.decode_blocks, "k")  # [B, max_blocks * block_size, Hkv, D]
-        v = self._gather(v_cache, plan.decode_blocks, "v")
+        k = self._gather(k_cache, g.blocks, "k")  # [B, max_blocks * block_size, Hkv, D]
+        v = self._gather(v_cache, g.blocks, "v")
         o = F.scaled_dot_product_attention(q.view(b, -1, 1, q.shape[-1]), k.transpose(1, 2),
-                                           v.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale,
+                                           v.transpose(1, 2), attn_mask=g.mask, scale=scale,
                                            enable_gqa=True)
         return o.view(b, -1, q.shape[-1])  # [B, H, D]
 
@@ -116,6 +135,16 @@ class TorchPagedAttention:
                                            attn_mask=c.mask, is_causal=c.mask is None, scale=scale,
                                            enable_gqa=True)
         return o.transpose(0, 1)  # [n, H, D]
+
+
+def _group_by_length(rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """(num_blocks, row) pairs, longest first, split into groups of similar length."""
+    groups: list[list[tuple[int, int]]] = []
+    for nb, row in sorted(rows, reverse=True):
+        if not groups or (len(groups[-1]) >= GROUP_MIN_ROWS and nb < GROUP_SPLIT * groups[-1][0][0]):
+            groups.append([])
+        groups[-1].append((nb, row))
+    return groups
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
