@@ -131,10 +131,12 @@ class TorchPagedAttention:
     def _prefill(q, k_cache, v_cache, c: _PrefillChunk, scale: float) -> torch.Tensor:
         k = k_cache[c.blocks].flatten(0, 1)[: c.seq_len]  # [seq_len, Hkv, D]
         v = v_cache[c.blocks].flatten(0, 1)[: c.seq_len]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=c.mask, is_causal=c.mask is None, scale=scale,
-                                           enable_gqa=True)
-        return o.transpose(0, 1)  # [n, H, D]
+        # 4-D with a batch of one: torch's CPU flash kernel takes only 4-D inputs (3-D falls back to the
+        # math path, ~1.8x slower on a 200-token chunk).
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=c.mask,
+                                           is_causal=c.mask is None, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)  # [n, H, D]
 
 
 def _group_by_length(rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
