@@ -153,3 +153,17 @@ def test_request_outgrowing_the_kv_cache_ends_with_length_and_others_finish(tiny
     assert big.token_ids == hf_greedy(hf, prompt)[0][:3]
     assert small.finish_reason == "length" and len(small.token_ids) == 3
     llm.check_integrity()
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_factory, tmp_path):
+    """A checkpoint saved in several safetensors shards (with its index) gives HF's output too."""
+    from tiny_models import tokenizer
+
+    path, hf = tiny_model_factory("qwen3")
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    tokenizer().save_pretrained(tmp_path)
+    shards = sorted(p.name for p in tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    prompts = make_prompts(seed=9, lengths=(5, 21))
+    for prompt, ours in zip(prompts, run(LLM(str(tmp_path), block_size=4), prompts)):
+        assert_matches_hf(hf, prompt, ours)
