@@ -23,6 +23,11 @@ from engine.cpu_block_pool import contiguous_runs
 from engine.scheduler import SwapOp
 
 
+class KVSwapError(RuntimeError):
+    """A KV copy failed: swapped sequences' KV is no longer trustworthy, so the engine must stop (the
+    replica is then replaced) rather than fail one step's requests and go on."""
+
+
 class KVOffloader:
     def __init__(self, kv_cache: torch.Tensor, num_cpu_blocks: int):
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
@@ -42,6 +47,12 @@ class KVOffloader:
         """Execute swaps in issue order (on CUDA: enqueue them on the side stream)."""
         if not ops:
             return
+        try:
+            self._run(ops)
+        except Exception as exc:
+            raise KVSwapError(f"KV swap failed: {type(exc).__name__}: {exc}") from exc
+
+    def _run(self, ops: list[SwapOp]) -> None:
         if self.stream is None:
             for op in ops:
                 self._copy(op)

@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_block_pool import CpuBlockPool
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_offload import KVSwapError
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
 from engine.outputs import RequestOutput, TokenLogprob
@@ -174,6 +175,8 @@ class LLMEngine:
     def _commit(self, step: Step) -> list[RequestOutput]:
         try:
             result = self.runner.wait(step)
+        except KVSwapError:
+            raise  # offloaded KV is lost: fatal for the engine, not just this step
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("step %d failed", step.id)
             return self._fail_step(step, exc)

@@ -372,3 +372,17 @@ def test_swap_round_trip_on_cuda_side_stream_is_bit_exact_and_ordered_before_the
     restored = kv[:, :, [50, 51, 52, 53, 54]].clone()  # compute stream, after the swap-in
     torch.cuda.synchronize()
     assert torch.equal(restored.view(torch.int16), original[:, :, dev].view(torch.int16))
+
+
+def test_a_failed_swap_stops_the_engine_instead_of_serving_wrong_kv(tiny_model_factory, monkeypatch):
+    from engine.kv_offload import KVSwapError
+
+    path, _ = tiny_model_factory("llama")
+    llm = LLM(str(path), block_size=4, num_kv_blocks=12, num_cpu_blocks=16, admission_margin=0.0)
+
+    def broken(self, idx, cpu_blocks):
+        raise RuntimeError("DMA engine on fire")
+
+    monkeypatch.setattr(KVOffloader, "_out", broken)
+    with pytest.raises(KVSwapError, match="DMA engine on fire"):
+        llm.generate(make_prompts(seed=15, lengths=(6,) * 6), SamplingParams(max_tokens=24, ignore_eos=True))
