@@ -19,6 +19,7 @@ from engine.models.decoder import ModelSpec
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, HostInputs, Step, StepResult
+from engine.structured import allocate_bitmask
 
 NUM_SLOTS = 2
 
@@ -37,6 +38,10 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         self.sampler = Sampler(config.seed, device)
         self.slots = [DecodeSlot(i, config.max_num_seqs, device) for i in range(NUM_SLOTS)]
+        # Host staging for each slot's constraint bitmask (pinned on CUDA so its upload is asynchronous);
+        # per slot because a step's sampling may still read it while the next step's is being built.
+        self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size,
+                                               pin_memory=device.type == "cuda") for _ in self.slots]
         use_thread = device.type == "cpu" and config.cpu_executor_thread and config.pipeline_depth > 1
         self.executor = SerialExecutor() if use_thread else InlineExecutor()
         self._next_step_id = 0
@@ -121,7 +126,8 @@ class ModelRunner:
         if not step.sample_chunks:
             step.sample = self.executor.submit(self._empty_sample_job, step)
             return
-        batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device)
+        batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device,
+                                    self.host_bitmasks[step.slot.index])
         step.sample = self.executor.submit(self._sample_job, step, batch)
 
     def _sample_job(self, step: Step, batch: SamplingBatch) -> StepResult:

@@ -35,7 +35,7 @@ class Sequence:
                  "num_computed", "num_cached", "block_table", "block_hashes", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
-                 "num_emitted_tokens", "preempted", "vocab_size")
+                 "num_emitted_tokens", "preempted", "vocab_size", "constraint")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -70,6 +70,9 @@ class Sequence:
         self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token
         self.num_emitted_tokens = 0
         self.preempted = False  # soft reset requested; applied when inflight_refs drains
+        # engine.structured.TokenConstraint (grammar matcher / allowed ids), set when the request is
+        # admitted; advanced only at commit, so a recompute after preemption never replays it.
+        self.constraint = None
 
     @property
     def num_prompt_tokens(self) -> int:
