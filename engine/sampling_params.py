@@ -56,7 +56,7 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str | tuple[str, ...] | bool:
-        """The constraint itself, canonical: a schema is its sorted-key JSON text."""
+        """The constraint itself, canonical: a schema is its compact JSON text (key order kept)."""
         return getattr(self, self.kind)
 
     @property
@@ -74,7 +74,8 @@ def _schema_text(schema: dict | str) -> str:
     if not isinstance(schema, dict):
         raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        # Key order is kept: it is the order in which the output lists an object's properties.
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"structured_outputs.json is not serializable as JSON: {exc}") from None
 

@@ -44,7 +44,8 @@ class GrammarBackend:
         kind = params.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(params.json, **_json_layout(params))
+                schema = json.dumps(bounded_strings_as_patterns(json.loads(params.json)), ensure_ascii=False)
+                return compiler.compile_json_schema(schema, **_json_layout(params))
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
                                                     **_json_layout(params))
@@ -76,6 +77,33 @@ class GrammarBackend:
 def choice_grammar(choices: tuple[str, ...]) -> str:
     """EBNF accepting exactly one of `choices`. xgrammar's EBNF string literals take JSON escapes."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")  # keys whose values are data, not subschemas
+# One JSON string character that needs no escape, as positive code point ranges: no control characters,
+# no quote or backslash, no surrogates. (A negated class such as [^\x00-\x1f] lets xgrammar 0.2.8's
+# regex path accept overlong UTF-8 byte sequences; positive ranges do not.)
+_PLAIN_JSON_CHAR = "[ !#-\\[\\]-\ud7ff\ue000-\uffff\U00010000-\U0010ffff]"
+
+
+def bounded_strings_as_patterns(schema):
+    """Rewrite `{"type": "string", "minLength": a, "maxLength": b}` as the pattern `^<char>{a,b}$`.
+
+    Why by hand: xgrammar 0.2.8 compiles a length-bounded string to a bare character class that admits
+    raw control characters (U+0000-U+001F), which JSON forbids, so the output fails to parse (xgrammar
+    issue #800, fix not released). Its pattern path builds a JSON-string-aware regex instead. The pattern
+    only narrows the language (no escape sequences), so every output still fits the schema.
+    """
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _NOT_SCHEMAS else bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^{_PLAIN_JSON_CHAR}{{{low},{high}}}$"
+    return out
 
 
 def _json_layout(params: StructuredOutputsParams) -> dict:
