@@ -9,6 +9,7 @@ wrong row fails it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -19,7 +20,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from engine import LLM, AsyncLLM, EngineConfig, LLMEngine, SamplingParams
 from engine.sampling_params import StructuredOutputsParams as SO
 from tiny_models import tokenizer
 
@@ -353,6 +354,32 @@ def test_engine_fails_only_the_request_whose_grammar_does_not_compile(llama):
         engine.add_request(PROMPTS[0], params(so(json=bad_schema)))
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_async_streams_a_bad_grammar_error_a_slow_one_and_plain_ones_side_by_side(llama):
+    """AsyncLLM: the bad grammar's stream raises ValueError; while a slow schema compiles, a plain request
+    streams to the end; then the slow one runs and validates."""
+    allm = AsyncLLM(model=str(llama[0]), device="cpu", block_size=4, num_kv_blocks=256)
+    done: list[str] = []
+
+    async def run(name: str, prompt: str, sp: SamplingParams):
+        outs = [o async for o in allm.generate(prompt, sp)]
+        done.append(name)
+        return outs[-1]
+
+    async def bad():
+        with pytest.raises(ValueError, match=r"structured_outputs\.regex: cannot compile: .*parenthesis"):
+            await run("bad", PROMPTS[0], params(so(regex="(ab")))
+        done.append("bad raised")
+
+    async def main():
+        return await asyncio.gather(run("slow", PROMPTS[0], params(so(json=slow_schema()), max_tokens=3)),
+                                    bad(), run("plain", PROMPTS[1], SamplingParams(max_tokens=16, ignore_eos=True)))
+
+    slow, _, plain = asyncio.run(main())
+    allm.shutdown()
+    assert done.index("plain") < done.index("slow") and "bad raised" in done
+    assert len(plain.token_ids) == 16 and slow.finish_reason == "length" and slow.text.startswith("{")
 
 
 # ---- parameter validation ------------------------------------------------------------------------------------
