@@ -212,12 +212,13 @@ class LLMEngine:
                              error="KV cache exhausted: the request needs more blocks than the engine has")]
 
     def _commit(self, step: Step) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         try:
             result = self.runner.wait(step)
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("step %d failed", step.id)
             return self._fail_step(step, exc)
-        self._record_timing(step, result)
+        self._record_timing(step, result, time.perf_counter() - t0)
         touched: dict[str, Sequence] = {}
         for c in step.chunks:
             c.seq.inflight_refs -= 1
@@ -323,14 +324,15 @@ class LLMEngine:
             self.scheduler.release_if_idle(c.seq)
         return outputs
 
-    def _record_timing(self, step: Step, result: StepResult) -> None:
+    def _record_timing(self, step: Step, result: StepResult, wait_s: float) -> None:
         now = time.monotonic()
         period = now - self._last_commit_time if self._last_commit_time is not None else 0.0
         self._last_commit_time = now
         self.counters["steps"] += 1
         self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
                                  "period_s": period, "num_tokens": step.num_tokens,
-                                 "num_seqs": len(step.chunks)}
+                                 "num_seqs": len(step.chunks), "finalize_s": step.finalize_s,
+                                 "commit_wait_s": wait_s, "sample_wait_s": result.sample_wait_s}
 
     # ---- sizing and stats ---------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:

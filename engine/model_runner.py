@@ -104,7 +104,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             rows = torch.tensor(h.logits_indices, dtype=torch.long, device=dev)
             step.logits = self.model.logits(hidden.index_select(0, rows))  # [R, vocab] float32
-        step.forward_s = time.perf_counter() - t0
+        step.forward_end = time.perf_counter()
+        step.forward_s = step.forward_end - t0
 
     def _metadata(self, h: HostInputs) -> AttentionMetadata:
         dev = self.device
@@ -126,8 +127,10 @@ class ModelRunner:
         if not step.sample_chunks:
             step.sample = self.executor.submit(self._empty_sample_job, step)
             return
+        t0 = time.perf_counter()
         batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device,
                                     self.host_bitmasks[step.slot.index])
+        step.finalize_s = time.perf_counter() - t0
         step.sample = self.executor.submit(self._sample_job, step, batch)
 
     def _sample_job(self, step: Step, batch: SamplingBatch) -> StepResult:
@@ -143,7 +146,8 @@ class ModelRunner:
                 logprobs=None if out.logprobs is None else out.logprobs.tolist(),
                 top_ids=None if out.top_ids is None else out.top_ids.tolist(),
                 top_logprobs=None if out.top_logprobs is None else out.top_logprobs.tolist(),
-                forward_s=step.forward_s, sample_s=time.perf_counter() - t0)
+                forward_s=step.forward_s, sample_s=time.perf_counter() - t0,
+                sample_wait_s=max(0.0, t0 - step.forward_end))
         step.logits = None
         return result
 
