@@ -14,14 +14,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from engine import DEFAULT_MODEL_DIR, LLM, SamplingParams
+from engine import SamplingParams
 from engine.sampling_params import StructuredOutputsParams as SO
 from serve_cluster import serve_cluster
+from test_serve_app import ERROR_KEYS, MODEL, chat_ids, client, oracle, tokenizer, user  # noqa: F401 (fixtures)
 
-MODEL = "tandem-default"
-ERROR_KEYS = {"message", "type", "param", "code"}
 SCHEMA = {"type": "object", "required": ["name", "size", "tags"], "properties": {
     "name": {"type": "string", "maxLength": 12},
     "size": {"type": "integer", "minimum": 0, "maximum": 1000},
@@ -34,29 +32,6 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=cluster.api_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    llm = LLM()
-    yield llm
-    llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True)
-
-
-def chat_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def offline(oracle, prompt_ids: list[int], constraint: SO | None, max_tokens: int = 200, **kw):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, structured_outputs=constraint, **kw)
     return oracle.generate([prompt_ids], params)[0]
@@ -66,12 +41,12 @@ def offline(oracle, prompt_ids: list[int], constraint: SO | None, max_tokens: in
 def test_chat_response_format_json_schema_equals_offline_engine(client, oracle, tokenizer):
     q = "Describe the os module as JSON."
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": q}], temperature=0, max_tokens=200,
+        model=MODEL, messages=user(q), temperature=0, max_tokens=200,
         response_format={"type": "json_schema", "json_schema": {"name": "mod", "schema": SCHEMA, "strict": True}})
     text = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
-    assert text == offline(oracle, chat_ids(tokenizer, q), SO(json=SCHEMA)).text
+    assert text == offline(oracle, chat_ids(tokenizer, user(q)), SO(json=SCHEMA)).text
 
 
 def test_completion_response_format_json_object(client, oracle, tokenizer):
@@ -90,7 +65,7 @@ def test_completion_response_format_json_object(client, oracle, tokenizer):
      lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None and "\n" not in t),
 ], ids=["guided_regex", "guided_choice", "guided_grammar", "guided_json", "structured_outputs"])
 def test_vllm_extras_constrain_streamed_chat(client, extra, check):
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name one."}],
+    stream = client.chat.completions.create(model=MODEL, messages=user("Name one."),
                                             temperature=0.7, seed=3, max_tokens=200, stream=True,
                                             extra_body=extra)
     chunks = list(stream)
@@ -113,7 +88,7 @@ def test_length_mid_structure_and_logit_bias(client, oracle, tokenizer):
 
 # ---- bad input is a 400 naming the field -----------------------------------------------------------------------
 def chat(extra: dict) -> dict:
-    return {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **extra}
+    return {"messages": user("x"), "max_tokens": 8, **extra}
 
 
 BAD = [
@@ -151,6 +126,6 @@ def test_bad_structured_input_is_400_naming_the_field(cluster, body, param, text
 
 
 def test_server_serves_after_bad_grammars(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick."}],
+    r = client.chat.completions.create(model=MODEL, messages=user("Pick."),
                                        max_tokens=8, extra_body={"guided_choice": ["a", "b"]})
     assert r.choices[0].message.content in ("a", "b")
