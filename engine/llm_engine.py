@@ -121,8 +121,6 @@ class LLMEngine:
         """Move requests whose grammar finished compiling to the scheduler; fail those it rejected."""
         outputs, waiting = [], []
         for seq, compiled in self.compiling:
-            if seq.finalized:  # aborted while compiling
-                continue
             if not compiled.done():
                 waiting.append((seq, compiled))
                 continue
@@ -168,6 +166,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.seq.finalized:
             return None
+        self.compiling = [(seq, f) for seq, f in self.compiling if seq is not req.seq]
         return self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:

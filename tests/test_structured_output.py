@@ -248,6 +248,21 @@ def test_preempted_constrained_requests_are_not_replayed_into_their_matcher(llam
         small.shutdown()
 
 
+def test_constraints_that_leave_no_token_end_the_request_cleanly(llm2):
+    """min_tokens forbids the stop token a complete grammar needs: the request ends "stop" with its complete
+    match. allowed_token_ids disjoint from the grammar: nothing can be produced, the request is aborted.
+    Neither commits the token drawn from an all -inf row, and the engine serves on."""
+    letters = list(range(67, 80))  # 'a'..'m' in the test tokenizer
+    outs = llm2.generate(PROMPTS[:3], [params(so(choice=["ab"]), temperature=0, min_tokens=5),
+                                       params(so(regex="[0-9]{2}"), temperature=1.0, seed=1,
+                                              allowed_token_ids=letters),
+                                       params(so(regex="[a-m]{3}"), temperature=0, allowed_token_ids=letters)])
+    assert (outs[0].finish_reason, outs[0].text) == ("stop", "ab")
+    assert (outs[1].finish_reason, outs[1].token_ids) == ("abort", [])
+    assert outs[2].finish_reason == "stop" and re.fullmatch("[a-m]{3}", outs[2].text)
+    assert_clean(llm2)
+
+
 # ---- allowed_token_ids and logit_bias against HF ---------------------------------------------------------------
 def test_allowed_token_ids_and_logit_bias_follow_hf(llm2, llama):
     _, hf = llama
@@ -293,6 +308,21 @@ def test_slow_compile_does_not_delay_other_requests(llama):
     slow_out = finished[slow][0]
     assert slow_out.finish_reason == "length" and slow_out.error is None and slow_out.text.startswith("{")
     assert finished[slow][1] > fast_s
+    engine.check_integrity()
+    engine.shutdown()
+
+
+def test_abort_while_compiling_frees_the_request(llama):
+    engine = LLMEngine(EngineConfig(model=str(llama[0]), device="cpu", block_size=4, num_kv_blocks=256))
+    release = threading.Event()
+    real_compile = engine.structured.backend.compile
+    engine.structured.backend.compile = lambda p: release.wait(10) and real_compile(p)
+    rid = engine.add_request(PROMPTS[0], params(so(regex="[a-z]{4}")))
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort" and not engine.has_unfinished()
+    assert engine.stats()["num_compiling"] == 0
+    release.set()
+    assert engine.step() == []
     engine.check_integrity()
     engine.shutdown()
 
