@@ -8,8 +8,8 @@ same batch all unconstrained, at pipeline_depth 1 (blocking) and 2 (pipelined), 
 Workload (seeded): `--batch` requests, each `--max-tokens` tokens, all running to max_tokens so every setting
 does the same work: plain rows ignore EOS; constrained rows follow an unbounded JSON array of records
 (ints with ranges, strings with a pattern, enum tags) of at least 100 items, so their grammar never ends
-before max_tokens and every one of their steps needs a mask. Seeded sampling at temperature 0.8. One warm-up run per setting
-(excluded, also compiles the schema), then `--repeats` rounds that run every setting once in turn (so
+before max_tokens and every one of their steps needs a mask. Seeded sampling at temperature 0.8. One
+warm-up run per setting (excluded, also compiles the schema), then `--repeats` rounds that run every setting once in turn (so
 load from other processes hits all settings alike); medians are printed.
 
 Per-step figures (medians over the steps of all measured runs, engine.last_step_timing): `forward` and
@@ -35,7 +35,8 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 
-RECORDS = {"type": "array", "minItems": 100, "items": {"type": "object", "required": ["id", "name", "tags"], "properties": {
+RECORDS = {"type": "array", "minItems": 100, "items": {"type": "object", "required": ["id", "name", "tags"],
+                                                      "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 9999},
     "name": {"type": "string", "pattern": "^[A-Za-z][a-z]{1,11}$"},
     "tags": {"type": "array", "items": {"enum": ["io", "net", "os", "sys"]}, "maxItems": 3}}}}

@@ -49,8 +49,10 @@ SCHEMAS = {
         "v": {"const": "fixed"}, "opt": {"type": "string", "maxLength": 4},
         "list": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3}, "maxItems": 4}}},
     "defs_ref": {"$defs": {"pt": {"type": "object", "required": ["x", "y"], "properties": {
-        "x": {"type": "integer", "minimum": 0, "maximum": 99}, "y": {"type": "integer", "minimum": 0, "maximum": 99}}}},
-        "type": "object", "required": ["a", "b"], "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}},
+        "x": {"type": "integer", "minimum": 0, "maximum": 99},
+        "y": {"type": "integer", "minimum": 0, "maximum": 99}}}},
+        "type": "object", "required": ["a", "b"],
+        "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}}},
 }
 REGEXES = [r"[a-z]{1,8}@[a-z]{2,6}\.(com|org|net)", r"\d{3}-\d{4}", r"(0|[1-9]\d{0,2})(\.\d{1,2})?",
            r"[A-Z][a-z]{0,6}( [A-Z][a-z]{0,6}){0,2}", r"#[0-9a-fA-F]{6}", r"\(\d{1,3}, ?\d{1,3}\)",

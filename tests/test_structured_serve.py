@@ -12,7 +12,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from engine import SamplingParams

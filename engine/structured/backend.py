@@ -8,6 +8,7 @@ xgrammar-specific lives in this file.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -60,10 +61,6 @@ class GrammarBackend:
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         return xgr.GrammarMatcher(compiled)
 
-    @property
-    def bitmask_width(self) -> int:
-        return bitmask_width(self.vocab_size)
-
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
@@ -112,10 +109,10 @@ def _json_layout(params: StructuredOutputsParams) -> dict:
     return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
-def _reason(exc: RuntimeError) -> str:
+def _reason(exc: Exception) -> str:
     """xgrammar's message without its C++ source location prefix ("[time] file.cc:123: ")."""
     text = str(exc).strip()
-    head, sep, rest = text.partition(".cc:")
+    _, sep, rest = text.partition(".cc:")
     if sep:
         text = rest.split(": ", 1)[-1] if ": " in rest else rest
     if text.startswith("Check failed:") and " is false: " in text:
@@ -150,11 +147,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
-_BATCH_MATCHER: xgr.BatchGrammarMatcher | None = None
-
-
+@functools.cache
 def _batch_matcher() -> xgr.BatchGrammarMatcher:
-    global _BATCH_MATCHER
-    if _BATCH_MATCHER is None:
-        _BATCH_MATCHER = xgr.BatchGrammarMatcher(max_threads="auto")
-    return _BATCH_MATCHER
+    return xgr.BatchGrammarMatcher(max_threads="auto")

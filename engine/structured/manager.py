@@ -8,7 +8,6 @@ replays its committed tokens through the forward only; its matcher is not touche
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,8 +18,6 @@ from engine.sampling_params import SamplingParams
 from engine.structured.backend import (CompiledGrammar, GrammarBackend, GrammarMatcher, fill_bitmask_batch,
                                        ids_to_bitmask)
 
-logger = logging.getLogger(__name__)
-
 COMPILE_WORKERS = 4  # a slow schema holds one worker; xgrammar releases the GIL while it compiles
 CACHE_SIZE = 512  # compiled grammars kept per engine (= per tokenizer)
 
@@ -28,21 +25,15 @@ CACHE_SIZE = 512  # compiled grammars kept per engine (= per tokenizer)
 class TokenConstraint:
     """One request's constraint state: its grammar matcher and/or its allowed_token_ids mask."""
 
-    __slots__ = ("matcher", "allowed", "num_accepted")
+    __slots__ = ("matcher", "allowed")
 
     def __init__(self, matcher: GrammarMatcher | None, allowed: torch.Tensor | None):
         self.matcher = matcher
         self.allowed = allowed  # [ceil(V/32)] int32, allowed_token_ids as a bitmask row
-        self.num_accepted = 0  # tokens the matcher has accepted (= committed output tokens)
 
     def accept(self, token: int) -> bool:
         """Advance at commit; False when the grammar rejects the token (nothing was allowed)."""
-        if self.matcher is None:
-            return True
-        if not self.matcher.accept_token(token):
-            return False
-        self.num_accepted += 1
-        return True
+        return self.matcher is None or self.matcher.accept_token(token)
 
     @property
     def terminated(self) -> bool:
