@@ -54,6 +54,9 @@ class AsyncLLM:
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         seq = self.engine.make_sequence(prompt, params, request_id)  # raises ValueError on bad input
+        compiled = self.engine.structured.compile_async(seq.params)
+        if compiled is not None:  # compiles on the grammar pool; a bad grammar raises ValueError here
+            await asyncio.shield(asyncio.wrap_future(compiled))  # shield: the future is shared (cache)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:

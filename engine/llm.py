@@ -31,6 +31,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = self._params_per_prompt(prompts, params)
+        self._compile(params_list)
         ids = []
         try:
             for prompt, p in zip(prompts, params_list):
@@ -60,6 +61,15 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return list(params)
+
+    def _compile(self, params_list: list[SamplingParams]) -> None:
+        """Compile every grammar (in parallel, off this thread) and raise the first bad one's ValueError
+        before anything runs; the engine then finds them in its cache."""
+        futures = [self.engine.structured.compile_async(p) for p in params_list
+                   if isinstance(p, SamplingParams)]
+        for f in futures:
+            if f is not None:
+                f.result()
 
     def _drain(self) -> None:
         while self.engine.has_unfinished():

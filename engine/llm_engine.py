@@ -2,8 +2,10 @@
 
 With pipeline_depth=2 the forward of t+1 is queued before the CPU commits t, so commit bookkeeping
 (appending tokens, detokenizing, stop checks, streaming) overlaps the forward. Sampling t+1 is queued after
-commit t, so everything sampling depends on (penalties, min_tokens, later grammar masks) is current.
+commit t, so everything sampling depends on (penalties, min_tokens, grammar masks) is current: a grammar
+matcher advances at commit t and the mask for t+1 is built from it at finalize, with no rollback ever.
 pipeline_depth=1 runs the same code with the commit right after its own finalize: the blocking baseline.
+Requests with a grammar wait outside the scheduler until it is compiled (engine.structured, on a thread pool).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +32,11 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from engine.slot import Step, StepResult
+from engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+COMPILE_POLL_S = 0.02  # idle wait for a grammar compile when nothing else can run
 
 
 @dataclass(slots=True)
@@ -62,10 +69,13 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduler, admission_margin=config.admission_margin,
                                    cpu_pool=self.cpu_pool)
+        self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
+                                                  sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
+        self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
         self.inflight: Step | None = None
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
-                         "zombie_rows": 0}
+                         "zombie_rows": 0, "constrained_tokens": 0}
         self.last_step_timing: dict[str, float] = {}
         self._last_commit_time: float | None = None
 
@@ -94,11 +104,37 @@ class LLMEngine:
         return seq
 
     def add_sequence(self, seq: Sequence, stream: bool) -> None:
+        """Queue a validated sequence. One whose grammar is still compiling waits outside the scheduler
+        (nothing else waits for it); a grammar already known not to compile raises ValueError here."""
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
+        compiled = self.structured.compile_async(seq.params)
+        if compiled is not None and compiled.done():
+            compiled.result()  # raises the compile error, before anything is queued
         self.requests[seq.request_id] = _Request(seq, stream)
-        self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
+        if compiled is None or compiled.done():
+            self._admit(seq, compiled)
+        else:
+            self.compiling.append((seq, compiled))
+
+    def _admit(self, seq: Sequence, compiled: Future | None) -> None:
+        seq.constraint = self.structured.constraint(seq.params, compiled and compiled.result())
+        self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar finished compiling to the scheduler; fail those it rejected."""
+        outputs, waiting = [], []
+        for seq, compiled in self.compiling:
+            if not compiled.done():
+                waiting.append((seq, compiled))
+                continue
+            try:
+                self._admit(seq, compiled)
+            except ValueError as exc:
+                outputs.append(self._finish(self.requests[seq.request_id], "abort", error=str(exc)))
+        self.compiling = waiting
+        return outputs
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -119,9 +155,12 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                              f"(the prompt must leave room for at least one generated token)")
-        for tid in params.stop_token_ids:
-            if tid >= self.spec.vocab_size:
-                raise ValueError(f"stop_token_ids must be in [0, {self.spec.vocab_size}); got {tid}")
+        for name, tids in (("stop_token_ids", params.stop_token_ids),
+                           ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in tids if t >= self.spec.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}")
         blocks = -(-(len(ids) + 1) // self.config.block_size)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
@@ -132,6 +171,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.seq.finalized:
             return None
+        self.compiling = [(seq, f) for seq, f in self.compiling if seq is not req.seq]
         return self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
@@ -140,7 +180,7 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One tick: launch the next step, commit the previous one, finalize (sample) the launched one."""
-        outputs: list[RequestOutput] = []
+        outputs = self._admit_compiled() if self.compiling else []
         launched = None
         was_idle = self.inflight is None  # a commit below may free blocks: only then can nothing run
         slot = self.runner.free_slot()
@@ -159,6 +199,9 @@ class LLMEngine:
                 self.inflight = launched
         elif was_idle and self.scheduler.has_work():
             outputs += self._end_stuck()
+        elif self.inflight is None and self.compiling and not outputs:
+            # Only grammars are left to wait for: sleep until one compiles instead of spinning.
+            wait_futures([f for _, f in self.compiling], timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
         return outputs
 
     def _end_stuck(self) -> list[RequestOutput]:
@@ -173,6 +216,7 @@ class LLMEngine:
                              error="KV cache exhausted: the request needs more blocks than the engine has")]
 
     def _commit(self, step: Step) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         try:
             result = self.runner.wait(step)
         except KVSwapError:
@@ -180,7 +224,7 @@ class LLMEngine:
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("step %d failed", step.id)
             return self._fail_step(step, exc)
-        self._record_timing(step, result)
+        self._record_timing(step, result, time.perf_counter() - t0)
         touched: dict[str, Sequence] = {}
         for c in step.chunks:
             c.seq.inflight_refs -= 1
@@ -203,6 +247,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, result: StepResult, row: int) -> None:
         token = result.tokens[row]
+        if seq.constraint is not None and not self._accept_constrained(seq, token):
+            return
         seq.token_ids.append(token)
         self.counters["generation_tokens"] += 1
         if seq.first_token_time is None:
@@ -218,8 +264,26 @@ class LLMEngine:
                 return
         if seq.detok.add(token, check_stops=seq.num_output_tokens >= seq.params.min_tokens):
             seq.finish_reason = "stop"
+        elif seq.constraint is not None and seq.constraint.terminated:
+            seq.finish_reason = "stop"  # the grammar ended on its stop token (also under ignore_eos)
         elif len(seq.token_ids) >= seq.max_total_len:
             seq.finish_reason = "length"
+
+    def _accept_constrained(self, seq: Sequence, token: int) -> bool:
+        """Advance the request's matcher with its newly committed token (the only place it advances).
+
+        A rejected token was sampled from a row whose constraints left nothing allowed (e.g. min_tokens
+        banning the stop token of a finished grammar): the request ends without it, as "stop" when the
+        output is already a complete match."""
+        if seq.constraint.accept(token):
+            self.counters["constrained_tokens"] += 1
+            return True
+        complete = seq.constraint.completed
+        logger.warning("request %s: constraints allowed no token (min_tokens or allowed_token_ids "
+                       "against the grammar); ending it as %s", seq.request_id,
+                       "stop" if complete else "abort")
+        seq.finish_reason = "stop" if complete else "abort"
+        return False
 
     def _maybe_finish(self, req: _Request) -> RequestOutput | None:
         seq = req.seq
@@ -266,14 +330,15 @@ class LLMEngine:
             self.scheduler.release_if_idle(c.seq)
         return outputs
 
-    def _record_timing(self, step: Step, result: StepResult) -> None:
+    def _record_timing(self, step: Step, result: StepResult, wait_s: float) -> None:
         now = time.monotonic()
         period = now - self._last_commit_time if self._last_commit_time is not None else 0.0
         self._last_commit_time = now
         self.counters["steps"] += 1
         self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
                                  "period_s": period, "num_tokens": step.num_tokens,
-                                 "num_seqs": len(step.chunks)}
+                                 "num_seqs": len(step.chunks), "finalize_s": step.finalize_s,
+                                 "commit_wait_s": wait_s, "sample_wait_s": result.sample_wait_s}
 
     # ---- sizing and stats ---------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -311,7 +376,8 @@ class LLMEngine:
             "num_waiting": len(sched.waiting), "num_running": len(sched.running),
             "num_swapped": len(sched.swapped),
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-            "pipeline_depth": self.config.pipeline_depth, **self.counters,
+            "pipeline_depth": self.config.pipeline_depth, "num_compiling": len(self.compiling),
+            "grammar_compiles": self.structured.num_compiles, **self.counters,
         }
 
     def check_integrity(self) -> None:
@@ -328,6 +394,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+        self.structured.shutdown()
 
 
 def _resolve_device(device: str) -> torch.device:

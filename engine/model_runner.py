@@ -20,6 +20,7 @@ from engine.models.decoder import ModelSpec
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, HostInputs, Step, StepResult
+from engine.structured import allocate_bitmask
 
 NUM_SLOTS = 2
 
@@ -39,6 +40,10 @@ class ModelRunner:
         self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
         self.sampler = Sampler(config.seed, device)
         self.slots = [DecodeSlot(i, config.max_num_seqs, device) for i in range(NUM_SLOTS)]
+        # Host staging for each slot's constraint bitmask (pinned on CUDA so its upload is asynchronous);
+        # per slot because a step's sampling may still read it while the next step's is being built.
+        self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size,
+                                               pin_memory=device.type == "cuda") for _ in self.slots]
         use_thread = device.type == "cpu" and config.cpu_executor_thread and config.pipeline_depth > 1
         self.executor = SerialExecutor() if use_thread else InlineExecutor()
         self._next_step_id = 0
@@ -103,7 +108,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             rows = torch.tensor(h.logits_indices, dtype=torch.long, device=dev)
             step.logits = self.model.logits(hidden.index_select(0, rows))  # [R, vocab] float32
-        step.forward_s = time.perf_counter() - t0
+        step.forward_end = time.perf_counter()
+        step.forward_s = step.forward_end - t0
 
     def _metadata(self, h: HostInputs) -> AttentionMetadata:
         dev = self.device
@@ -125,7 +131,10 @@ class ModelRunner:
         if not step.sample_chunks:
             step.sample = self.executor.submit(self._empty_sample_job, step)
             return
-        batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device)
+        t0 = time.perf_counter()
+        batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device,
+                                    self.host_bitmasks[step.slot.index])
+        step.finalize_s = time.perf_counter() - t0
         step.sample = self.executor.submit(self._sample_job, step, batch)
 
     def _sample_job(self, step: Step, batch: SamplingBatch) -> StepResult:
@@ -141,7 +150,8 @@ class ModelRunner:
                 logprobs=None if out.logprobs is None else out.logprobs.tolist(),
                 top_ids=None if out.top_ids is None else out.top_ids.tolist(),
                 top_logprobs=None if out.top_logprobs is None else out.top_logprobs.tolist(),
-                forward_s=step.forward_s, sample_s=time.perf_counter() - t0)
+                forward_s=step.forward_s, sample_s=time.perf_counter() - t0,
+                sample_wait_s=max(0.0, t0 - step.forward_end))
         step.logits = None
         return result
 

@@ -1,8 +1,11 @@
-"""Token sampling for one step: penalties, min_tokens, temperature, top-k/top-p/min-p, per-request seeds.
+"""Token sampling for one step: penalties, min_tokens, logit_bias, constraint masks, temperature,
+top-k/top-p/min-p, per-request seeds.
 
 Sampling parameters are gathered on the host into a `SamplingBatch` (tensors built from Python lists, no
 device reads); the math itself never synchronizes: the random draw is an exponential race
 (argmax of p / Exp(1), equivalent to sampling from p) so no multinomial/cumsum-search sync is needed.
+Constrained rows (grammar, allowed_token_ids) get an int32 bitmask built on the host after the previous
+commit (engine.structured) and applied here, before any sampling math: masked tokens become -inf.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Sequence
+from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -30,9 +34,17 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
     num_logprobs: int  # -1: no row wants logprobs; else max top-k asked (0 = chosen token only)
     all_greedy: bool  # decided on the host, so skipping the random path never reads the device
+    logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]]  # (row, token ids [n], biases [n])
+    # Allowed tokens of constrained rows: int32 [R, ceil(V/32)], bit j of row r set = token j allowed.
+    # Filled on the host from the matchers (after the previous commit), then copied to the device;
+    # on CUDA that copy belongs on the copy stream from a pinned buffer (never a synchronous copy).
+    bitmask: torch.Tensor | None
+    bitmask_rows: list[int]  # rows the bitmask applies to; other rows are unconstrained
 
     @classmethod
-    def build(cls, seqs: list[Sequence], device: torch.device) -> "SamplingBatch":
+    def build(cls, seqs: list[Sequence], device: torch.device,
+              bitmask_buffer: torch.Tensor | None = None) -> "SamplingBatch":
+        """`bitmask_buffer`: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's)."""
         ps = [s.params for s in seqs]
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps],
                                    dtype=torch.float32, device=device)
@@ -48,8 +60,26 @@ class SamplingBatch:
         banned = [(i, sorted(s.eos_token_ids | set(s.params.stop_token_ids))) for i, s in enumerate(seqs)
                   if s.num_output_tokens < s.params.min_tokens]
         asked = [p.logprobs for p in ps if p.logprobs is not None]
+        bias = [(i, torch.tensor(list(p.logit_bias), dtype=torch.long, device=device),
+                 torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device))
+                for i, p in enumerate(ps) if p.logit_bias]
+        bitmask, rows = _constraint_bitmask(seqs, device, bitmask_buffer)
         return cls(temperature, greedy, top_k, top_p, min_p, pen, banned,
-                   [s.generator for s in seqs], max(asked) if asked else -1, all(p.greedy for p in ps))
+                   [s.generator for s in seqs], max(asked) if asked else -1, all(p.greedy for p in ps),
+                   bias, bitmask, rows)
+
+
+def _constraint_bitmask(seqs: list[Sequence], device: torch.device,
+                        buffer: torch.Tensor | None) -> tuple[torch.Tensor | None, list[int]]:
+    # A finalized row is a zombie (finished at the commit just made): its token is discarded, no mask.
+    constraints = [None if s.finalized else s.constraint for s in seqs]
+    if all(c is None for c in constraints):
+        return None, []
+    if buffer is None:
+        buffer = allocate_bitmask(len(seqs), seqs[0].vocab_size)
+    host = buffer[:len(seqs)]
+    rows = fill_bitmask(constraints, host)
+    return host.to(device, non_blocking=True), rows
 
 
 @dataclass(slots=True)
@@ -92,10 +122,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits  # [R, V] float32
-        if batch.penalties or batch.banned:
-            logits = self._apply_penalties(logits.clone(), batch)
-            for row, ids in batch.banned:
-                logits[row, ids] = _NEG_INF
+        if batch.penalties or batch.banned or batch.logit_bias or batch.bitmask_rows:
+            logits = self._edit_logits(logits.clone(), batch)
         tokens = logits.argmax(dim=-1)
         if not batch.all_greedy:
             tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
@@ -107,6 +135,19 @@ class Sampler:
             return SamplerOutput(tokens, chosen, None, None)
         top_lp, top_ids = lp.topk(batch.num_logprobs, dim=-1)
         return SamplerOutput(tokens, chosen, top_ids, top_lp)
+
+    @classmethod
+    def _edit_logits(cls, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Penalties, then min_tokens bans, logit_bias, and last the constraint mask (so nothing a
+        constraint forbids can come back)."""
+        logits = cls._apply_penalties(logits, batch)
+        for row, ids in batch.banned:
+            logits[row, ids] = _NEG_INF
+        for row, ids, values in batch.logit_bias:
+            logits[row].index_add_(0, ids, values)
+        if batch.bitmask_rows:
+            apply_bitmask(logits, batch.bitmask, batch.bitmask_rows)
+        return logits
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

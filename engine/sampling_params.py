@@ -2,9 +2,90 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's StructuredOutputsParams); set exactly one of:
+
+      json         a JSON schema (dict, or its JSON text): the output is one JSON value valid against it
+      regex        the output fully matches this regular expression
+      choice       the output is exactly one of these strings
+      grammar      an EBNF grammar (xgrammar/GBNF syntax, root rule `root`)
+      json_object  True: the output is one JSON object (OpenAI's response_format json_object)
+
+    disable_any_whitespace: JSON without free whitespace (one fixed layout: `{"a": 1, "b": 2}`);
+    by default JSON may carry whitespace between tokens, a bounded amount per gap.
+    Schemas, regexes and grammars are compiled by the engine; one it cannot compile fails the request
+    with a ValueError naming `structured_outputs.<kind>` and the problem.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _choices(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"structured_outputs.{name} must be a boolean, got {getattr(self, name)!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str | tuple[str, ...] | bool:
+        """The constraint itself, canonical: a schema is its compact JSON text (key order kept)."""
+        return getattr(self, self.kind)
+
+    @property
+    def cache_key(self) -> tuple:
+        """Equal for constraints that compile to the same grammar (the compile cache's key)."""
+        return self.kind, self.spec, self.disable_any_whitespace
+
+
+def _schema_text(schema: dict | str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        # Key order is kept: it is the order in which the output lists an object's properties.
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"structured_outputs.json is not serializable as JSON: {exc}") from None
+
+
+def _choices(choice) -> tuple[str, ...]:
+    if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not choice:
+        raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {choice!r}")
+    if not all(isinstance(c, str) and c for c in choice):
+        raise ValueError(f"structured_outputs.choice must contain non-empty strings only, got {choice!r}")
+    return tuple(choice)
 
 
 @dataclass(slots=True)
@@ -31,6 +112,11 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; 0: chosen token only; k: chosen + top-k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding: a grammar (see StructuredOutputsParams), a whitelist of token ids, and
+    # OpenAI's logit_bias (token id -> value in [-100, 100] added to the logit before sampling).
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -38,6 +124,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.top_k = -1 if self.top_k in (0, None) else self.top_k
         self._validate()
+        self._validate_constraints()
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +159,40 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+    def _validate_constraints(self) -> None:
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                   StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {self.allowed_token_ids!r}")
+            for tid in self.allowed_token_ids:
+                _check_int("allowed_token_ids", tid, 0)
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+
+    @property
+    def constrained(self) -> bool:
+        """True when some tokens may be forbidden at a step (a grammar or a whitelist)."""
+        return self.structured_outputs is not None or self.allowed_token_ids is not None
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """Token id (int, or its decimal string as OpenAI's JSON sends it) -> bias in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        _check_int("logit_bias token id", tid, 0)
+        _check_float("logit_bias value", value, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
+        out[tid] = float(value)
+    return out
 
 
 def _normalize_stop(stop: list[str] | str | None) -> tuple[str, ...]:

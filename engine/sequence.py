@@ -36,7 +36,7 @@ class Sequence:
                  "num_computed", "num_cached", "block_table", "block_hashes", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
-                 "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks")
+                 "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -73,6 +73,9 @@ class Sequence:
         self.preempted = False  # offload / soft reset requested; applied when inflight_refs drains
         # While swapped: the host block holding each block-table entry (engine.cpu_block_pool).
         self.cpu_blocks: list[int] | None = None
+        # engine.structured.TokenConstraint (grammar matcher / allowed ids), set when the request is
+        # admitted; advanced only at commit, so a recompute or swap-in after preemption never replays it.
+        self.constraint = None
 
     @property
     def num_prompt_tokens(self) -> int:

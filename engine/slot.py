@@ -52,6 +52,7 @@ class StepResult:
     top_logprobs: list[list[float]] | None
     forward_s: float
     sample_s: float
+    sample_wait_s: float = 0.0  # the worker idled this long between the forward and sampling (CPU executor)
 
 
 @dataclass(slots=True)
@@ -68,3 +69,5 @@ class Step:
     sample: Future | None = None
     logits: torch.Tensor | None = None  # [num_sampling_rows, vocab], set by the forward job
     forward_s: float = 0.0
+    forward_end: float = 0.0  # perf_counter when the forward job ended
+    finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from cluster.protocol import GenerateChunk, GenerateRequest
 from engine.models import load_hf_config
 from serve_app.errors import APIError, bad_request, from_engine_failure, install_handlers, param_of
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
 from serve_app.responses import Accumulated, ResponseBuilder, sse
 
 logger = logging.getLogger("ray.serve")
@@ -108,7 +108,8 @@ class OpenAIIngress:
         try:
             params = body.sampling_params()
         except ValueError as exc:
-            raise bad_request(str(exc), param=param_of(str(exc))) from None
+            message = structured_error(str(exc), body.structured_source)
+            raise bad_request(message, param=param_of(message)) from None
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}",
@@ -116,7 +117,13 @@ class OpenAIIngress:
         request_id = uuid.uuid4().hex
         stream = self.engine.generate.remote(GenerateRequest(request_id, prompt_ids, params))
         builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
-        first = await _first_chunk(stream)  # errors before any output become proper HTTP statuses
+        try:
+            first = await _first_chunk(stream)  # errors before any output become proper HTTP statuses
+        except APIError as err:  # a grammar that does not compile: name the field the client set
+            if err.param == "structured_outputs":
+                err.message = structured_error(err.message, body.structured_source)
+                err.param = param_of(err.message)
+            raise
         first.delta_text = echo + first.delta_text
         if body.stream:
             return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs),

@@ -2,19 +2,56 @@
 
 Unknown fields are accepted and ignored, as the OpenAI API does; known fields are type-checked here and
 range-checked by SamplingParams, whose ValueError names the field.
+
+Structured output comes from OpenAI's `response_format` or one of the vLLM extras (`guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, or the `structured_outputs` object); at most one per
+request. All map onto one engine StructuredOutputsParams; `structured_source` remembers which request
+field it came from, so an error about it names that field.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: {"name", "schema", "strict", "description"}."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request object (the same fields as the engine's params)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -42,6 +79,15 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output and token constraints
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @field_validator("n")
     @classmethod
@@ -58,7 +104,36 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self._structured(), logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids)
+
+    @property
+    def structured_source(self) -> str | None:
+        """The request field that asked for structured output (None: plain text)."""
+        sources = self._structured_sources()
+        return sources[0] if sources else None
+
+    def _structured_sources(self) -> list[str]:
+        sources = [name for name in (*_GUIDED, "structured_outputs") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            sources.insert(0, "response_format")
+        return sources
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        """Raises ValueError (naming `structured_outputs...`; the ingress renames it to the source)."""
+        sources = self._structured_sources()
+        if len(sources) > 1:
+            raise ValueError(f"{sources[0]}: only one structured output constraint per request; got "
+                             f"{', '.join(sources)}")
+        if not sources:
+            return None
+        source = sources[0]
+        if source == "response_format":
+            return _from_response_format(self.response_format)
+        if source == "structured_outputs":
+            return StructuredOutputsParams(**self.structured_outputs.model_dump(by_alias=True))
+        return StructuredOutputsParams(**{_GUIDED[source]: getattr(self, source)})
 
     @property
     def include_usage(self) -> bool:
@@ -117,3 +192,19 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs)
+
+
+def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ValueError("response_format.json_schema.schema is required when type is json_schema")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+
+def structured_error(message: str, source: str | None) -> str:
+    """Name the request field the user set in an engine message about `structured_outputs.<kind>`."""
+    if source in (None, "structured_outputs"):
+        return message
+    field = "response_format.json_schema.schema" if source == "response_format" else source
+    return re.sub(r"^structured_outputs(\.\w+)?", field, message)
