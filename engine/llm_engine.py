@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -21,13 +22,16 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, StepRecord, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from engine.slot import Step, StepResult
 
 logger = logging.getLogger(__name__)
+
+# Step records kept for the metrics side to drain; older ones are dropped if nobody drains (offline use).
+STEP_RECORDS_MAX = 4096
 
 
 @dataclass(slots=True)
@@ -62,7 +66,8 @@ class LLMEngine:
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
                          "zombie_rows": 0}
         self.last_step_timing: dict[str, float] = {}
-        self._last_commit_time: float | None = None
+        self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
+        self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -127,7 +132,9 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.seq.finalized:
             return None
-        return self._finish(req, "abort")
+        out = self._finish(req, "abort")
+        self._note_idle()
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.inflight is not None
@@ -154,7 +161,12 @@ class LLMEngine:
                 self.inflight = launched
         elif was_idle and self.scheduler.has_work():
             outputs += self._end_stuck()
+        self._note_idle()
         return outputs
+
+    def _note_idle(self) -> None:
+        if not self.has_unfinished():
+            self._last_commit_time = None  # the time until the next request is idle, not a bubble
 
     def _end_stuck(self) -> list[RequestOutput]:
         """Nothing could run and nothing is in flight: the running requests hold the whole KV cache and
@@ -178,6 +190,8 @@ class LLMEngine:
         for c in step.chunks:
             c.seq.inflight_refs -= 1
             touched[c.seq.request_id] = c.seq
+            if c.seq.first_scheduled_time is None:
+                c.seq.first_scheduled_time = step.launch_time
         for row, c in enumerate(step.sample_chunks):
             c.seq.num_pending -= 1
             if c.seq.finalized:
@@ -238,6 +252,7 @@ class LLMEngine:
         start = seq.num_emitted_tokens
         seq.num_emitted_tokens = seq.num_output_tokens
         out_ids = seq.output_token_ids
+        now = time.monotonic()
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             token_ids=out_ids, text=seq.detok.text, finished=seq.finalized, finish_reason=seq.finish_reason,
@@ -245,7 +260,8 @@ class LLMEngine:
             delta_token_ids=out_ids[start:], delta_text=seq.detok.take_delta(seq.finalized),
             delta_logprobs=None if seq.logprobs is None else seq.logprobs[start:],
             num_cached_tokens=seq.num_cached, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=time.monotonic() if seq.finalized else None)
+            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+            finish_time=now if seq.finalized else None, output_time=now)
 
     def _fail_step(self, step: Step, exc: Exception) -> list[RequestOutput]:
         outputs = []
@@ -261,12 +277,22 @@ class LLMEngine:
 
     def _record_timing(self, step: Step, result: StepResult) -> None:
         now = time.monotonic()
-        period = now - self._last_commit_time if self._last_commit_time is not None else 0.0
+        period = now - self._last_commit_time if self._last_commit_time is not None else None
         self._last_commit_time = now
         self.counters["steps"] += 1
         self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
-                                 "period_s": period, "num_tokens": step.num_tokens,
+                                 "period_s": period or 0.0, "num_tokens": step.num_tokens,
                                  "num_seqs": len(step.chunks)}
+        self.step_records.append(StepRecord(len(step.chunks), step.num_tokens, result.forward_s,
+                                            result.sample_s, period))
+
+    def drain_step_records(self) -> list[StepRecord]:
+        """Take the step records accumulated since the last drain. Safe from another thread: the loop
+        only appends, and deque append/popleft are atomic."""
+        records = []
+        while self.step_records:
+            records.append(self.step_records.popleft())
+        return records
 
     # ---- sizing and stats ---------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
