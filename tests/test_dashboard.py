@@ -8,6 +8,7 @@ share; the exported names follow Ray's documented export rules (ray_ prefix, _to
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import promql_parser
@@ -131,3 +132,12 @@ def test_exported_names_follow_rays_export_rules():
 def test_check_catalog_rejects_specs_ray_would_drop(bad):
     with pytest.raises(ValueError):
         m.check_catalog((bad,))
+
+
+def test_readme_names_exactly_the_catalogued_metrics():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    named = set(re.findall(r"\bray_tandem_\w+", readme))
+    known = m.exported_series() | {spec.exported for spec in m.ALL_METRICS}  # histograms by their base name
+    assert named <= known, f"README names unknown series: {sorted(named - known)}"
+    missing = [spec.exported for spec in m.ALL_METRICS if spec.exported not in named]
+    assert not missing, f"README does not list: {missing}"
