@@ -109,7 +109,8 @@ def _h(name, description, buckets, labels=()):
 
 
 # ---- the ingress (OpenAIIngress replicas) --------------------------------------------------------------
-REQUESTS = _c("tandem_requests", "HTTP requests by endpoint, status code and finish reason.",
+REQUESTS = _c("tandem_requests", "Generation requests (completions, chat) by endpoint, status code and "
+              "finish reason, plus every error response of any route.",
               (ENDPOINT, STATUS_CODE, FINISH_REASON))
 QUEUE_TIME = _h("tandem_request_queue_time_seconds",
                 "Time before the first engine step, by part (serve: ingress -> engine; engine: waiting).",

@@ -7,7 +7,6 @@ picks the replica. Streamed chunks are flushed as soon as each engine commit arr
 # No `from __future__ import annotations`: FastAPI must see the real request-model classes.
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -19,8 +18,8 @@ from transformers import AutoTokenizer
 
 from cluster.metrics import IngressMetrics, RequestTiming
 from cluster.protocol import GenerateChunk, GenerateRequest
-from engine.models import load_hf_config
 from dashboards.metrics import STATUS_CLIENT_CLOSED
+from engine.models import load_hf_config
 from serve_app.errors import APIError, bad_request, from_engine_failure, install_handlers, param_of
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.responses import Accumulated, ResponseBuilder, sse
