@@ -33,9 +33,17 @@ class GenerateChunk:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    # The engine's timestamps (its own monotonic clock; see RequestOutput): the ingress subtracts the
+    # engine's share from what it measured itself to get the time spent in Serve.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    output_time: float = 0.0
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> "GenerateChunk":
         return cls(out.request_id, out.delta_text, out.delta_token_ids, out.delta_logprobs, out.finished,
                    out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
-                   out.error)
+                   out.error, out.arrival_time, out.first_scheduled_time, out.first_token_time,
+                   out.finish_time, out.output_time)

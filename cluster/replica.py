@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from engine import AsyncLLM, EngineConfig
+from cluster.metrics import EngineMetrics
 from cluster.protocol import GenerateChunk, GenerateRequest
 
 
@@ -18,10 +19,14 @@ class EngineReplica:
     def __init__(self, engine_config: dict):
         self.config = EngineConfig(**engine_config)
         self.llm = AsyncLLM(self.config)
+        self.metrics = EngineMetrics(self.llm)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream a request's commits. Cancellation (client gone) aborts it and frees its KV blocks."""
+        self.metrics.request_arrived(request.ingress_time)
+        last_token_time = None
         async for out in self.llm.generate(request.prompt_token_ids, request.params, request.request_id):
+            last_token_time = self.metrics.output(out, last_token_time)
             yield GenerateChunk.from_output(out)
 
     async def abort(self, request_id: str) -> None:
@@ -52,6 +57,9 @@ class EngineReplica:
                 "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"]}
 
     def __del__(self):
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.stop()
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()

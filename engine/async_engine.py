@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepRecord
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,10 @@ class AsyncLLM:
     def stats(self) -> dict:
         """A snapshot refreshed by the loop thread after every tick."""
         return dict(self._stats)
+
+    def drain_step_records(self) -> list[StepRecord]:
+        """Per-step timing records since the last drain (for the metrics exporter, any thread)."""
+        return self.engine.drain_step_records()
 
     def shutdown(self) -> None:
         self._stopping = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_offload import KVSwapError
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, StepRecord, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
@@ -37,6 +38,8 @@ from engine.structured import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 COMPILE_POLL_S = 0.02  # idle wait for a grammar compile when nothing else can run
+# Step records kept for the metrics side to drain; older ones are dropped if nobody drains (offline use).
+STEP_RECORDS_MAX = 4096
 
 
 @dataclass(slots=True)
@@ -77,7 +80,8 @@ class LLMEngine:
         self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
                          "zombie_rows": 0, "constrained_tokens": 0}
         self.last_step_timing: dict[str, float] = {}
-        self._last_commit_time: float | None = None
+        self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
+        self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -172,7 +176,9 @@ class LLMEngine:
         if req is None or req.seq.finalized:
             return None
         self.compiling = [(seq, f) for seq, f in self.compiling if seq is not req.seq]
-        return self._finish(req, "abort")
+        out = self._finish(req, "abort")
+        self._note_idle()
+        return out
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.inflight is not None
@@ -202,7 +208,12 @@ class LLMEngine:
         elif self.inflight is None and self.compiling and not outputs:
             # Only grammars are left to wait for: sleep until one compiles instead of spinning.
             wait_futures([f for _, f in self.compiling], timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+        self._note_idle()
         return outputs
+
+    def _note_idle(self) -> None:
+        if not self.has_unfinished():
+            self._last_commit_time = None  # the time until the next request is idle, not a bubble
 
     def _end_stuck(self) -> list[RequestOutput]:
         """Nothing could run and nothing is in flight: the running requests hold the whole KV cache and
@@ -229,6 +240,8 @@ class LLMEngine:
         for c in step.chunks:
             c.seq.inflight_refs -= 1
             touched[c.seq.request_id] = c.seq
+            if c.seq.first_scheduled_time is None:
+                c.seq.first_scheduled_time = step.launch_time
         for row, c in enumerate(step.sample_chunks):
             c.seq.num_pending -= 1
             if c.seq.finalized:
@@ -309,6 +322,7 @@ class LLMEngine:
         start = seq.num_emitted_tokens
         seq.num_emitted_tokens = seq.num_output_tokens
         out_ids = seq.output_token_ids
+        now = time.monotonic()
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             token_ids=out_ids, text=seq.detok.text, finished=seq.finalized, finish_reason=seq.finish_reason,
@@ -316,7 +330,8 @@ class LLMEngine:
             delta_token_ids=out_ids[start:], delta_text=seq.detok.take_delta(seq.finalized),
             delta_logprobs=None if seq.logprobs is None else seq.logprobs[start:],
             num_cached_tokens=seq.num_cached, arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=time.monotonic() if seq.finalized else None)
+            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+            finish_time=now if seq.finalized else None, output_time=now)
 
     def _fail_step(self, step: Step, exc: Exception) -> list[RequestOutput]:
         outputs = []
@@ -332,13 +347,23 @@ class LLMEngine:
 
     def _record_timing(self, step: Step, result: StepResult, wait_s: float) -> None:
         now = time.monotonic()
-        period = now - self._last_commit_time if self._last_commit_time is not None else 0.0
+        period = now - self._last_commit_time if self._last_commit_time is not None else None
         self._last_commit_time = now
         self.counters["steps"] += 1
         self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
-                                 "period_s": period, "num_tokens": step.num_tokens,
+                                 "period_s": period or 0.0, "num_tokens": step.num_tokens,
                                  "num_seqs": len(step.chunks), "finalize_s": step.finalize_s,
                                  "commit_wait_s": wait_s, "sample_wait_s": result.sample_wait_s}
+        self.step_records.append(StepRecord(len(step.chunks), step.num_tokens, result.forward_s,
+                                            result.sample_s, period))
+
+    def drain_step_records(self) -> list[StepRecord]:
+        """Take the step records accumulated since the last drain. Safe from another thread: the loop
+        only appends, and deque append/popleft are atomic."""
+        records = []
+        while self.step_records:
+            records.append(self.step_records.popleft())
+        return records
 
     # ---- sizing and stats ---------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:

@@ -20,6 +20,7 @@ from engine.models.decoder import ModelSpec
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, HostInputs, Step, StepResult
+from engine.step_timer import FORWARD_END, FORWARD_START, SAMPLE_END, SAMPLE_START
 from engine.structured import allocate_bitmask
 
 NUM_SLOTS = 2
@@ -93,7 +94,7 @@ class ModelRunner:
         return h
 
     def _forward_job(self, step: Step, h: HostInputs, prev_sampled: torch.Tensor | None, swaps) -> None:
-        t0 = time.perf_counter()
+        step.slot.timer.mark(FORWARD_START)
         with torch.inference_mode():
             if swaps:  # KV copies the scheduler decided on since the last step, ordered before this forward
                 self.offloader.run(swaps)
@@ -108,8 +109,8 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             rows = torch.tensor(h.logits_indices, dtype=torch.long, device=dev)
             step.logits = self.model.logits(hidden.index_select(0, rows))  # [R, vocab] float32
+        step.slot.timer.mark(FORWARD_END)
         step.forward_end = time.perf_counter()
-        step.forward_s = step.forward_end - t0
 
     def _metadata(self, h: HostInputs) -> AttentionMetadata:
         dev = self.device
@@ -139,31 +140,37 @@ class ModelRunner:
 
     def _sample_job(self, step: Step, batch: SamplingBatch) -> StepResult:
         t0 = time.perf_counter()
+        step.slot.timer.mark(SAMPLE_START)
         with torch.inference_mode():
             out = self.sampler(step.logits, batch)
             n = out.tokens.shape[0]
             step.slot.sampled[:n].copy_(out.tokens)
             if step.slot.host_sampled is not step.slot.sampled:
                 step.slot.host_sampled[:n].copy_(step.slot.sampled[:n], non_blocking=True)
+            step.slot.timer.mark(SAMPLE_END)
             result = StepResult(
                 tokens=step.slot.host_sampled[:n].tolist(),
                 logprobs=None if out.logprobs is None else out.logprobs.tolist(),
                 top_ids=None if out.top_ids is None else out.top_ids.tolist(),
                 top_logprobs=None if out.top_logprobs is None else out.top_logprobs.tolist(),
-                forward_s=step.forward_s, sample_s=time.perf_counter() - t0,
+                forward_s=0.0, sample_s=0.0,  # filled from the slot's timer at wait()
                 sample_wait_s=max(0.0, t0 - step.forward_end))
         step.logits = None
         return result
 
     @staticmethod
     def _empty_sample_job(step: Step) -> StepResult:
-        return StepResult([], None, None, None, step.forward_s, 0.0)
+        step.slot.timer.mark(SAMPLE_START)
+        step.slot.timer.mark(SAMPLE_END)
+        return StepResult([], None, None, None, 0.0, 0.0)
 
     def wait(self, step: Step) -> StepResult:
         """Block until `step`'s tokens are readable on the host (re-raises a failed forward or sample)."""
         try:
             step.forward.result()
-            return step.sample.result()
+            result = step.sample.result()
+            result.forward_s, result.sample_s = step.slot.timer.read()
+            return result
         finally:
             step.slot.busy = False
 

@@ -34,7 +34,26 @@ class RequestOutput:
     delta_text: str = ""
     delta_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    # Engine clock (time.monotonic() of the engine's process): only differences between these mean anything.
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # launch of the first step that computed this request
     first_token_time: float | None = None
     finish_time: float | None = None
+    output_time: float = 0.0  # when this output was produced (its tokens committed)
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Timing of one committed step, appended by the engine loop and drained in batches by the metrics
+    side (the engine itself does nothing more with it).
+
+    forward_s / sample_s: device time (CUDA events on GPU, wall time of the compute thread on CPU).
+    period_s: time since the previous commit, or None when the engine was idle in between (an idle engine
+    has no bubble to measure)."""
+
+    num_seqs: int
+    num_tokens: int
+    forward_s: float
+    sample_s: float
+    period_s: float | None

@@ -36,7 +36,8 @@ class Sequence:
                  "num_computed", "num_cached", "block_table", "block_hashes", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
-                 "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint")
+                 "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
+                 "first_scheduled_time")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -62,6 +63,7 @@ class Sequence:
             self.generator = torch.Generator(device=device)  # on the device whose noise it draws
             self.generator.manual_seed(params.seed)
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # launch time of the first step that included it
         self.first_token_time: float | None = None
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.scheduler import ScheduledChunk
+from engine.step_timer import StepTimer
 
 
 class DecodeSlot:
@@ -24,6 +25,7 @@ class DecodeSlot:
         self.sampled = torch.zeros(max_rows, dtype=torch.long, device=device)  # [max_num_seqs]
         self.host_sampled = self.sampled if device.type == "cpu" else torch.zeros(
             max_rows, dtype=torch.long, pin_memory=True)
+        self.timer = StepTimer(device)
         self.busy = False
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,28 +66,34 @@ def from_engine_failure(exc: BaseException) -> APIError:
     return APIError(500, "internal engine error", type_="server_error", code="internal_error")
 
 
-def install_handlers(app: FastAPI) -> None:
-    """Every error leaves as an OpenAI error body: validation 400, unknown routes 404, the rest 500."""
+def install_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:
+    """Every error leaves as an OpenAI error body: validation 400, unknown routes 404, the rest 500.
+    `on_error(request, status)` sees each one (the ingress counts them)."""
+
+    def respond(request: Request, error: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(request, error.status)
+        return error.response()
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = exc.errors()[0]
         loc = [p for p in err.get("loc", ()) if p != "body"]
         # A JSON syntax error's loc is a character offset, not a field.
         param = None if err.get("type") == "json_invalid" else ".".join(map(str, loc)) or None
         message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
-        return bad_request(message, param=param).response()
+        return respond(request, bad_request(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_=type_).response()
+        return respond(request, APIError(exc.status_code, str(exc.detail), type_=type_))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in the ingress")
-        return APIError(500, "internal server error", type_="server_error").response()
+        return respond(request, APIError(500, "internal server error", type_="server_error"))

@@ -16,7 +16,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
+from cluster.metrics import IngressMetrics, RequestTiming
 from cluster.protocol import GenerateChunk, GenerateRequest
+from dashboards.metrics import STATUS_CLIENT_CLOSED
 from engine.models import load_hf_config
 from serve_app.errors import APIError, bad_request, from_engine_failure, install_handlers, param_of
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
@@ -25,7 +27,20 @@ from serve_app.responses import Accumulated, ResponseBuilder, sse
 logger = logging.getLogger("ray.serve")
 
 api = FastAPI(title="Tandem", description="OpenAI-compatible LLM serving on Ray Serve")
-install_handlers(api)
+
+
+def _endpoint(request: Request) -> str:
+    """The matched route (bounded label values); "other" for paths that match none."""
+    return getattr(request.scope.get("route"), "path", None) or "other"
+
+
+def _count_error(request: Request, status: int) -> None:
+    metrics = getattr(request.app.state, "tandem_metrics", None)
+    if metrics is not None:
+        metrics.count(_endpoint(request), status, "error")
+
+
+install_handlers(api, on_error=_count_error)
 
 
 async def _first_chunk(stream) -> GenerateChunk:
@@ -46,6 +61,8 @@ class OpenAIIngress:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.vocab_size = load_hf_config(model_dir).vocab_size
         self.max_model_len = max_model_len
+        self.metrics = IngressMetrics()
+        api.state.tandem_metrics = self.metrics  # read by the error handlers, which see every failure
 
     # ---- routes ------------------------------------------------------------------------------------------
     @api.get("/health")
@@ -63,6 +80,7 @@ class OpenAIIngress:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
+        timing = RequestTiming()
         self._check_model(body.model)
         prompt_ids = self._encode_prompt(body.prompt)
         if body.echo and body.logprobs is not None:
@@ -70,10 +88,11 @@ class OpenAIIngress:
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             self.tokenizer.decode(prompt_ids)
         return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
-                                 request=request, echo=echo)
+                                 request=request, timing=timing, echo=echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        timing = RequestTiming()
         self._check_model(body.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -82,7 +101,8 @@ class OpenAIIngress:
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
         prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request)
+        return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request,
+                                 timing=timing)
 
     # ---- request handling --------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -100,7 +120,7 @@ class OpenAIIngress:
         return prompt
 
     async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
-                     echo: str = ""):
+                     timing: RequestTiming, echo: str = ""):
         if len(prompt_ids) >= self.max_model_len:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                               f"has {len(prompt_ids)} tokens", param="messages" if chat else "prompt",
@@ -115,7 +135,8 @@ class OpenAIIngress:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}",
                               param="stop_token_ids")
         request_id = uuid.uuid4().hex
-        stream = self.engine.generate.remote(GenerateRequest(request_id, prompt_ids, params))
+        stream = self.engine.generate.remote(GenerateRequest(request_id, prompt_ids, params,
+                                                             ingress_time=timing.receipt_wall))
         builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
         try:
             first = await _first_chunk(stream)  # errors before any output become proper HTTP statuses
@@ -124,40 +145,57 @@ class OpenAIIngress:
                 err.message = structured_error(err.message, body.structured_source)
                 err.param = param_of(err.message)
             raise
+        timing.chunk(first)
         first.delta_text = echo + first.delta_text
         if body.stream:
-            return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs),
+            return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs,
+                                               timing, _endpoint(request)),
                                      media_type="text/event-stream")
         acc = Accumulated()
         try:
             acc.add(first)
             async for chunk in stream:
+                timing.chunk(chunk)
                 acc.add(chunk)
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise from_engine_failure(exc) from None
         finally:
             stream.cancel()
+        self._finished(timing, _endpoint(request), acc.finish_reason)
         return builder.full(acc, want_logprobs)
 
     async def _sse(self, stream, first: GenerateChunk, builder: ResponseBuilder, include_usage: bool,
-                   want_logprobs: bool) -> AsyncIterator[str]:
+                   want_logprobs: bool, timing: RequestTiming, endpoint: str) -> AsyncIterator[str]:
         """SSE events, one per engine commit. A client that goes away cancels this generator, which
         cancels the replica call; the engine then aborts the request and frees its blocks."""
         last = first
+        status, reason = STATUS_CLIENT_CLOSED, "abort"  # unless the stream runs to its end
         try:
             if builder.chat:
                 yield sse(builder.first_chat_chunk())
             yield sse(builder.chunk(first, want_logprobs))
             async for chunk in stream:
+                timing.chunk(chunk)
                 last = chunk
                 yield sse(builder.chunk(chunk, want_logprobs))
             if include_usage:
                 yield sse(builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens))
+            status, reason = 200, last.finish_reason
         except Exception as exc:  # noqa: BLE001 - reported in-band: headers are already sent
-            yield sse(from_engine_failure(exc).body())
+            error = from_engine_failure(exc)
+            status, reason = error.status, "error"
+            yield sse(error.body())
         finally:
             stream.cancel()
+            if status == 200:
+                self._finished(timing, endpoint, reason)
+            else:
+                self.metrics.count(endpoint, status, reason)
         yield sse("[DONE]")
+
+    def _finished(self, timing: RequestTiming, endpoint: str, finish_reason: str | None) -> None:
+        self.metrics.finished(timing)
+        self.metrics.count(endpoint, 200, finish_reason or "unknown")
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -24,6 +24,8 @@ ENGINE_DEPLOYMENT = "EngineReplica"
 class ServeCluster:
     app_name: str
     port: int
+    temp_dir: str = ""
+    metrics_port: int | None = None  # Ray's Prometheus export port, when asked for
 
     @property
     def base_url(self) -> str:
@@ -80,8 +82,11 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: floa
 
 
 @contextlib.contextmanager
-def serve_cluster(app_args: dict, num_cpus: int = 8) -> Iterator[ServeCluster]:
-    """Start a private Ray cluster, Serve on a free loopback port, and build_app(app_args) at route "/"."""
+def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> Iterator[ServeCluster]:
+    """Start a private Ray cluster, Serve on a free loopback port, and build_app(app_args) at route "/".
+
+    metrics=True also exports Ray's metrics on a free port and starts the Ray dashboard (on loopback),
+    which is what writes the session's Prometheus and Grafana configs."""
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns token auth on by default
     import ray
     from ray import serve
@@ -89,10 +94,13 @@ def serve_cluster(app_args: dict, num_cpus: int = 8) -> Iterator[ServeCluster]:
     from serve_app import build_app
 
     temp_dir = tempfile.mkdtemp(prefix="tdr", dir="/tmp")  # short: Ray puts unix sockets under it
-    cluster = ServeCluster(app_name=f"tandem{uuid.uuid4().hex[:6]}", port=free_port())
+    cluster = ServeCluster(app_name=f"tandem{uuid.uuid4().hex[:6]}", port=free_port(), temp_dir=temp_dir,
+                           metrics_port=free_port() if metrics else None)
+    extra = dict(_metrics_export_port=cluster.metrics_port, include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=free_port()) if metrics else dict(include_dashboard=False)
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
-                 namespace=f"tandem-test-{uuid.uuid4().hex[:8]}", log_to_driver=False)
+        ray.init(num_cpus=num_cpus, _temp_dir=temp_dir, namespace=f"tandem-test-{uuid.uuid4().hex[:8]}",
+                 log_to_driver=False, **extra)
         serve.start(http_options={"host": "127.0.0.1", "port": cluster.port})
         serve.run(build_app(app_args), name=cluster.app_name, route_prefix="/")
         yield cluster

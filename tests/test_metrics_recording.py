@@ -1,0 +1,174 @@
+"""The recorders in cluster/metrics.py, with Ray's metric objects replaced by recording fakes.
+
+Expected values are worked out by hand from the synthetic inputs (times, block counts); the end-to-end
+export through a real Ray cluster is tests/test_metrics_e2e.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster.metrics import EngineMetrics, IngressMetrics, MetricsBuffer, RequestTiming
+from cluster.protocol import GenerateChunk
+from dashboards import metrics as m
+from engine.outputs import RequestOutput, StepRecord
+
+IDLE_PERIOD = 3600.0  # the flush thread never fires on its own: tests call flush()
+
+
+class Recorded:
+    """Stands in for a ray.serve.metrics object; keeps every call."""
+
+    def __init__(self, spec: m.MetricSpec):
+        self.spec = spec
+        self.calls: list[tuple[str, float, dict | None]] = []
+
+    def inc(self, value, tags=None):
+        self.calls.append(("inc", value, tags))
+
+    def observe(self, value, tags=None):
+        self.calls.append(("observe", value, tags))
+
+    def set(self, value, tags=None):
+        self.calls.append(("set", value, tags))
+
+    def values(self, tags=None) -> list[float]:
+        return [v for _, v, t in self.calls if tags is None or t == tags]
+
+
+class FakeLLM:
+    def __init__(self, stats: dict, records: list[StepRecord] = ()):
+        self._stats, self.records = stats, list(records)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def drain_step_records(self) -> list[StepRecord]:
+        out, self.records = self.records, []
+        return out
+
+
+STATS = {"kv_blocks_total": 200, "kv_blocks_free": 150, "cpu_blocks_total": 0, "cpu_blocks_free": 0,
+         "num_waiting": 3, "num_running": 2, "num_preemptions": 4, "num_soft_resets": 4, "num_offloads": 0,
+         "prompt_tokens": 1000, "generation_tokens": 77, "prefix_cache_hit_tokens": 32,
+         "prefix_cache_queried_tokens": 64, "steps": 9}  # no num_swapped / num_swap_ins: not reported yet
+
+
+@pytest.fixture
+def engine_metrics():
+    llm = FakeLLM(dict(STATS))
+    em = EngineMetrics(llm, period_s=IDLE_PERIOD, factory=Recorded)
+    yield em, llm, em.buffer.metrics
+    em.stop()
+
+
+def test_engine_state_becomes_gauges_and_missing_keys_read_as_zero(engine_metrics):
+    em, llm, metrics = engine_metrics
+    em.buffer.flush()
+    assert metrics[m.KV_USAGE.name].values({m.POOL: "device"}) == [0.25]
+    assert metrics[m.KV_USAGE.name].values({m.POOL: "cpu"}) == [0.0]  # empty pool: 0, not a division error
+    assert metrics[m.KV_BLOCKS.name].values({m.POOL: "device"}) == [200.0]
+    assert metrics[m.WAITING.name].values() == [3.0] and metrics[m.SWAPPED.name].values() == [0.0]
+    assert metrics[m.PREEMPTIONS.name].values() == [4.0] and metrics[m.SWAP_INS.name].values() == [0.0]
+    assert metrics[m.GENERATION_TOKENS.name].values() == [77.0]
+    llm._stats.update(kv_blocks_free=200, num_running=0, num_waiting=0)  # idle again
+    em.buffer.flush()
+    assert metrics[m.KV_USAGE.name].values({m.POOL: "device"})[-1] == 0.0
+    assert metrics[m.RUNNING.name].values()[-1] == 0.0
+
+
+def test_step_records_become_step_histograms(engine_metrics):
+    em, llm, metrics = engine_metrics
+    llm.records = [StepRecord(4, 4, 0.006, 0.002, None),   # first after idle: no period
+                   StepRecord(4, 4, 0.006, 0.002, 0.010),  # 2 ms bubble
+                   StepRecord(8, 300, 0.030, 0.002, 0.025)]  # overlapped: busy > period
+    em.buffer.flush()
+    assert metrics[m.STEP_FORWARD.name].values() == [0.006, 0.006, 0.030]
+    assert metrics[m.BATCH_SIZE.name].values() == [4, 4, 8]
+    assert metrics[m.STEP_TOKENS.name].values() == [4, 4, 300]
+    assert metrics[m.STEP_PERIOD.name].values() == [0.010, 0.025]
+    assert metrics[m.STEP_BUBBLE.name].values() == pytest.approx([0.002, 0.0])
+    assert metrics[m.STEP_BUSY.name].values() == pytest.approx([0.8, 1.0])
+    # Exact running sums beside each histogram (Ray's own _sum is rebuilt from bucket midpoints).
+    assert metrics[m.STEP_TOKENS.sum_spec.name].values() == [308.0]
+    assert metrics[m.STEP_BUBBLE.sum_spec.name].values() == pytest.approx([0.002])
+    llm.records = [StepRecord(1, 1, 0.001, 0.0, 0.004)]
+    em.buffer.flush()
+    assert metrics[m.STEP_TOKENS.sum_spec.name].values() == [308.0, 309.0]  # cumulative
+
+
+def output(arrival, scheduled, first, at, n_tokens, finished=False) -> RequestOutput:
+    return RequestOutput("r", None, [1, 2, 3], [7] * n_tokens, "", finished=finished,
+                         finish_reason="length" if finished else None, delta_token_ids=[7],
+                         arrival_time=arrival, first_scheduled_time=scheduled, first_token_time=first,
+                         finish_time=at if finished else None, output_time=at)
+
+
+def test_engine_request_timings(engine_metrics):
+    em, _, metrics = engine_metrics
+    prev = None
+    for i, at in enumerate([10.5, 10.6, 10.8]):  # arrival 10.0, scheduled 10.1, first token 10.5
+        prev = em.output(output(10.0, 10.1, 10.5, at, i + 1, finished=i == 2), prev)
+    em.request_arrived(time.time() - 0.25)
+    em.buffer.flush()
+    engine = {m.PART: "engine"}
+    assert metrics[m.ITL.name].values(engine) == pytest.approx([0.1, 0.2])
+    assert metrics[m.TTFT.name].values(engine) == pytest.approx([0.5])
+    assert metrics[m.QUEUE_TIME.name].values(engine) == pytest.approx([0.1])
+    assert metrics[m.E2E.name].values(engine) == pytest.approx([0.8])
+    [serve_queue] = metrics[m.QUEUE_TIME.name].values({m.PART: "serve"})
+    assert 0.25 <= serve_queue < 1.0
+
+
+def chunk(n_tokens: int, engine_at: float, finished: bool = False) -> GenerateChunk:
+    return GenerateChunk("r", "x", [7], None, finished, "stop" if finished else None, 3, n_tokens, 0,
+                         arrival_time=100.0, first_scheduled_time=100.05, first_token_time=100.2,
+                         finish_time=engine_at if finished else None, output_time=engine_at)
+
+
+def test_ingress_serve_share_is_ingress_time_minus_engine_time():
+    im = IngressMetrics(period_s=IDLE_PERIOD, factory=Recorded)
+    timing = RequestTiming()
+    timing.receipt = 50.0  # the ingress's clock; the engine's runs elsewhere (100.0 at arrival)
+    timing.first, timing.first_at = chunk(1, 100.2), 50.35  # engine TTFT 0.2, ingress 0.35
+    timing.last, timing.last_at = chunk(11, 101.2, True), 51.45  # engine e2e 1.2, ingress 1.45
+    im.finished(timing)
+    im.count("/v1/completions", 200, "stop")
+    im.buffer.flush()
+    serve = {m.PART: "serve"}
+    metrics = im.buffer.metrics
+    assert metrics[m.TTFT.name].values(serve) == pytest.approx([0.15])
+    assert metrics[m.TTFT.sum_spec.name].values(serve) == pytest.approx([0.15])
+    assert metrics[m.E2E.name].values(serve) == pytest.approx([0.25])
+    assert metrics[m.ITL.name].values(serve) == pytest.approx([(1.1 - 1.0) / 10])
+    assert metrics[m.REQUESTS.name].calls == [("inc", 1, {m.ENDPOINT: "/v1/completions",
+                                                          m.STATUS_CODE: "200", m.FINISH_REASON: "stop"})]
+    im.stop()
+
+
+def test_request_timing_keeps_first_token_chunk_and_last_chunk():
+    timing = RequestTiming()
+    for c in (chunk(1, 1.0), chunk(2, 2.0), chunk(2, 3.0, True)):
+        timing.chunk(c)
+    assert timing.first.output_time == 1.0 and timing.last.output_time == 3.0
+    assert timing.receipt <= timing.first_at <= timing.last_at
+
+
+def test_flush_thread_applies_pending_updates_and_survives_a_failing_collect():
+    calls = {"n": 0}
+
+    def collect():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("engine stats unavailable")
+
+    buf = MetricsBuffer([m.REQUESTS], collect, period_s=0.05, factory=Recorded)
+    buf.add(m.REQUESTS, 1, {m.ENDPOINT: "x", m.STATUS_CODE: "200", m.FINISH_REASON: "stop"})
+    deadline = time.monotonic() + 5
+    while calls["n"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    buf.stop()
+    assert calls["n"] >= 3
+    assert len(buf.metrics[m.REQUESTS.name].calls) == 1
