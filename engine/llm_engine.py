@@ -59,8 +59,8 @@ class LLMEngine:
                                    policy=config.scheduler, admission_margin=config.admission_margin)
         self.requests: dict[str, _Request] = {}
         self.inflight: Step | None = None
-        self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
-                         "zombie_rows": 0}
+        self.counters = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                         "requests_finished": 0, "zombie_rows": 0}
         self.last_step_timing: dict[str, float] = {}
         self._last_commit_time: float | None = None
 
@@ -264,9 +264,13 @@ class LLMEngine:
         period = now - self._last_commit_time if self._last_commit_time is not None else 0.0
         self._last_commit_time = now
         self.counters["steps"] += 1
+        self.counters["graph_steps"] += step.graph_size is not None
+        # forward/sample/device_period: the device timeline (CUDA events; the worker's clock on CPU);
+        # period_s: between commits on the host.
         self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
-                                 "period_s": period, "num_tokens": step.num_tokens,
-                                 "num_seqs": len(step.chunks)}
+                                 "period_s": period, "device_period_s": result.period_s,
+                                 "num_tokens": step.num_tokens, "num_seqs": len(step.chunks),
+                                 "num_samples": len(step.sample_chunks), "graph_size": step.graph_size}
 
     # ---- sizing and stats ---------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -292,7 +296,8 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
             "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-            "pipeline_depth": self.config.pipeline_depth, **self.counters,
+            "pipeline_depth": self.config.pipeline_depth, "attention_backend": self.runner.backend_name,
+            "cuda_graph_sizes": self.runner.graphs.sizes if self.runner.graphs else [], **self.counters,
         }
 
     def check_integrity(self) -> None:

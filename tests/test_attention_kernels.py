@@ -195,7 +195,7 @@ def test_modules_import_without_triton():
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
         "import torch\n"
         "from engine.attention import get_backend, resolve_backend, triton_paged\n"
-        "import engine.model_runner, engine.attention.flash\n"
+        "import engine.cuda_graphs, engine.model_runner, engine.attention.flash\n"
         "assert not triton_paged.AVAILABLE\n"
         "try:\n    resolve_backend('triton', torch.device('cpu'), 16)\nexcept ValueError as e:\n    print('E1', e)\n"
         "try:\n    get_backend('triton')\nexcept ValueError as e:\n    print('E2', e)\n"
