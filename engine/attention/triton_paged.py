@@ -65,13 +65,15 @@ if AVAILABLE:
     def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         # The interpreter's 16-bit float dot is wrong (triton 3.9): there, multiply in fp32 instead.
         if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, b, input_precision=PRECISION)
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b, input_precision=PRECISION)
+        return out
 
     @triton.jit
     def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
         """The sequence owning query tile `tile`: sequence i's tiles start at qsl[i] // BLOCK_Q + i."""
-        lo = 0
+        lo: tl.int32 = 0
         hi = num_seqs
         while lo < hi:
             mid = (lo + hi) // 2
@@ -191,6 +193,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _dim(n: int) -> int:
+    """A power-of-two tile dimension >= 16 (tl.dot's minimum on GPUs) covering n."""
+    return max(16, _pow2(n))
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -211,7 +218,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                           block_n: int = 64, num_splits: int | None = None,
+                           block_n: int | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] over caches [num_blocks, block_size, Hkv, D]; returns [T, H, D].
 
@@ -227,7 +234,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     decode = num_tokens == num_seqs
     if decode:
-        block_q, block_m = 1, max(16, _pow2(group))
+        block_q, block_m = 1, _dim(group)
         num_tiles = num_seqs
         splits = num_splits or _auto_splits(q.device, num_seqs * hkv)
     else:
@@ -240,21 +247,31 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if splits > 1:
         part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32 rounding (exact-ish vs torch)
+    default_n, num_warps = launch_config(head_dim, decode)
     _paged_attention_kernel[(num_tiles, hkv, splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         num_seqs, scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_pow2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=splits,
-        DECODE=decode, SLIDING=sliding_window is not None, PRECISION=precision,
-        UPCAST=INTERPRETED and q.dtype != torch.float32)
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_dim(head_dim),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n or default_n,
+        NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding_window is not None, PRECISION=precision,
+        UPCAST=INTERPRETED and q.dtype != torch.float32, num_warps=num_warps)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_D=_pow2(head_dim), NUM_SPLITS=splits)
     return out
+
+
+def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps). Chosen from sm_90 compiles (scripts/compile_kernels.py) to stay clear of
+    register spills: 64-key tiles spill at head_dim 128 (the per-key block gather keeps 64-bit addresses
+    live), 32-key tiles with 8 warps do not. Not yet tuned by timing on a GPU."""
+    if head_dim >= 128 or not decode:
+        return 32, 8
+    return 32, 4
 
 
 def _auto_splits(device: torch.device, programs: int) -> int:
@@ -273,7 +290,8 @@ class TritonPagedAttention:
     name = "triton"
     supports_graphs = True
 
-    def __init__(self, sliding_window: int | None = None, block_n: int = 64, num_splits: int | None = None):
+    def __init__(self, sliding_window: int | None = None, block_n: int | None = None,
+                 num_splits: int | None = None):
         if not AVAILABLE:
             raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
         self.sliding_window = sliding_window
