@@ -297,7 +297,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "pipeline_depth": self.config.pipeline_depth, "attention_backend": self.runner.backend_name,
-            "cuda_graph_sizes": self.runner.graphs.sizes if self.runner.graphs else [], **self.counters,
+            "cuda_graph_max_batch_size": self.runner.graphs.sizes[-1] if self.runner.graphs else 0,
+            **self.counters,
         }
 
     def check_integrity(self) -> None:

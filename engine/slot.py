@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampling_params import MAX_LOGPROBS
 from engine.scheduler import ScheduledChunk
 from engine.step_buffers import BufferLimits, StepBuffers
-
-MAX_LOGPROBS = 20  # engine.sampling_params caps `logprobs` here
 
 
 class DecodeSlot:

@@ -124,6 +124,7 @@ if AVAILABLE:
 
         # Keys this tile needs: up to its last query's position; split into NUM_SPLITS BLOCK_N-aligned slices.
         key_hi = ctx + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        key_hi = tl.where(q_tile * BLOCK_Q < q_len, key_hi, 0)  # surplus prefill tiles: no rows, no keys
         key_lo = 0
         if SLIDING:
             key_lo = tl.maximum(ctx + q_tile * BLOCK_Q - window + 1, 0)
