@@ -156,3 +156,9 @@ def test_attention_backend_is_validated(tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     with pytest.raises(ValueError, match="flash_attn"):
         LLM(str(path), device="cpu", attention_backend="flash_attn")
+
+
+def test_every_backend_declares_whether_it_can_be_captured():
+    from engine.attention import _BACKENDS
+    assert {name: cls.supports_graphs for name, cls in _BACKENDS.items()} == {
+        "torch": False, "triton": True, "flash_attn": True}

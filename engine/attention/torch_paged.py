@@ -34,6 +34,7 @@ class TorchPagedAttention:
     """Decode rows are attended in one batched SDPA call; each multi-token chunk gets its own call."""
 
     name = "torch"
+    supports_graphs = False  # plans each step from host lists
 
     def __init__(self, sliding_window: int | None = None):
         self.sliding_window = sliding_window
