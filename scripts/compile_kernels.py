@@ -67,14 +67,20 @@ def attention_variant(dtype: str, head_dim: int, group: int, block_size: int, de
     return _signature(tp._paged_attention_kernel, pointers, cx), tp.launch_config(head_dim, decode)[1]
 
 
-def other_kernels() -> list[tuple[str, ASTSource]]:
-    store = _signature(tp._store_kv_kernel, {n: "*bf16" for n in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr")}
-                       | {"slot_ptr": "*i64"},
-                       dict(NUM_KV_HEADS=2, HEAD_DIM=64, BLOCK_H=2, BLOCK_D=64, BLOCK_SIZE=16))
+def store_variant(dtype: str, kv_heads: int, head_dim: int, block_size: int) -> ASTSource:
+    pointers = {n: f"*{dtype}" for n in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr")} | {"slot_ptr": "*i64"}
+    return _signature(tp._store_kv_kernel, pointers,
+                      dict(NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=tp._pow2(kv_heads),
+                           BLOCK_D=tp._pow2(head_dim), BLOCK_SIZE=block_size))
+
+
+def other_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
     merge = _signature(tp._merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
                                                   "out_ptr": "*bf16"},
                        dict(NUM_HEADS=14, HEAD_DIM=64, BLOCK_D=64, NUM_SPLITS=8))
-    return [("store_kv bf16", (store, 4)), ("merge_splits 8", (merge, 4))]
+    return [("store_kv bf16", (store_variant("bf16", 2, 64, 16), 4)),
+            ("store_kv fp32 MQA, block 12", (store_variant("fp32", 1, 32, 12), 4)),
+            ("merge_splits 8", (merge, 4))]
 
 
 def resource_usage(cubin: bytes) -> str:
