@@ -11,6 +11,7 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 SCHEDULER_POLICIES = ("fifo", "prefill_first")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")  # engine.attention checks they can run
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,8 @@ class EngineConfig:
     pipeline_depth: int = 2
     cuda_graphs: bool = True
     seed: int = 0
+    # "auto" (flash_attn / triton / torch on cuda, torch on cpu) or a name in engine/attention's registry.
+    attention_backend: str = "auto"
     # Fraction of KV blocks kept free before new prefills are held back (HF's safety margin).
     admission_margin: float = 0.05
     # KV pool size when num_kv_blocks is None, as a fraction of free device memory (cuda) or a byte cap (cpu).
@@ -47,6 +50,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, _DTYPES)
         _choice("device", self.device, _DEVICES)
         _choice("scheduler", self.scheduler, SCHEDULER_POLICIES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -1,21 +1,76 @@
-"""Where forwards and sampling run: an ordered work queue, the CPU stand-in for a CUDA stream.
+"""Where forwards and sampling run, in order: CUDA streams on a GPU, a worker thread (or inline) on CPU.
 
 Jobs run strictly in submission order, so a forward that reads the previous step's sampled tokens always
-runs after that sampling, exactly as kernels queued on one stream would. Waiting on a job's Future is the
-CPU counterpart of waiting on a CUDA event.
+runs after that sampling, exactly as kernels queued on one stream would. On CUDA a job's body only enqueues
+kernels on the compute stream; each step's sampled tokens go to pinned host memory on a copy stream,
+anchored to an event recorded right after sampling, and the commit's only wait is on that copy's event.
+On CPU a Future stands in for the event and the "copies" are plain copies.
+
+Every executor also timestamps four points of each step (forward start/end, sampling start/end) on the
+device timeline — CUDA events, or the worker's clock on CPU — for the engine's per-step timings.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+import torch
 
-class SerialExecutor:
+FWD_START, FWD_END, SAMPLE_START, SAMPLE_END = range(4)
+_RING = 4  # timestamp sets kept: in-flight steps (2) plus the previous one a period is measured from
+
+
+class _HostExecutor:
+    """CPU: timestamps from the worker's clock, Futures as dependencies, plain copies."""
+
+    compute_stream = None
+
+    def __init__(self) -> None:
+        self._marks = [[0.0] * 4 for _ in range(_RING)]
+        self._deps: list[Future] = []
+
+    def stream_context(self):
+        return contextlib.nullcontext()
+
+    def mark(self, step_id: int, point: int) -> None:
+        self._marks[step_id % _RING][point] = time.perf_counter()
+
+    def elapsed(self, a: tuple[int, int], b: tuple[int, int]) -> float:
+        """Seconds from point a to point b, each (step id, point); both must have been reached."""
+        return self._marks[b[0] % _RING][b[1]] - self._marks[a[0] % _RING][a[1]]
+
+    def wait_before_next_forward(self, dep: Future) -> None:
+        self._deps.append(dep)
+
+    def take_deps(self) -> list:
+        deps, self._deps = self._deps, []
+        return deps
+
+    def wait_on(self, deps: list[Future]) -> None:
+        for dep in deps:
+            dep.result()
+
+    def before_sampling(self, slot) -> None:
+        """Nothing to order: the slot's previous copy-out finished before its commit released it."""
+
+    @staticmethod
+    def copy_to_host(slot, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def wait_copied(self, slot) -> None:
+        """The copies ran inside the sample job, whose Future the caller has already waited on."""
+
+
+class SerialExecutor(_HostExecutor):
     """One worker thread: the engine thread plans and commits while the worker runs the forward
     (torch kernels release the GIL, so the two overlap)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-compute")
 
     def submit(self, fn: Callable, *args) -> Future:
@@ -25,16 +80,87 @@ class SerialExecutor:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-class InlineExecutor:
-    """Runs each job at submission (debugging, and CUDA, where the launch itself is asynchronous)."""
+class InlineExecutor(_HostExecutor):
+    """Runs each job at submission (debugging, pipeline_depth=1 on CPU)."""
 
     def submit(self, fn: Callable, *args) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:  # delivered at wait(), like an error surfacing at an event
-            fut.set_exception(exc)
-        return fut
+        return _run_now(fn, *args)
 
     def shutdown(self) -> None:
         pass
+
+
+class StreamExecutor:
+    """CUDA: one compute stream for every forward and sampling, a copy stream for device-to-host copies.
+
+    submit() runs the job on the calling thread with the compute stream current: it returns as soon as the
+    kernels are enqueued (errors raised while enqueuing are delivered at wait, like the CPU executors')."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.compute_stream = torch.cuda.Stream(device)
+        self.copy_stream = torch.cuda.Stream(device)
+        self._marks = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(_RING)]
+        self._deps: list[torch.cuda.Event] = []
+
+    def stream_context(self):
+        return torch.cuda.stream(self.compute_stream)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        with torch.cuda.stream(self.compute_stream):
+            return _run_now(fn, *args)
+
+    def mark(self, step_id: int, point: int) -> None:
+        self._marks[step_id % _RING][point].record(self.compute_stream)
+
+    def elapsed(self, a: tuple[int, int], b: tuple[int, int]) -> float:
+        # Both events precede the step's copy-done event, which the commit has waited on: no sync here.
+        return self._marks[a[0] % _RING][a[1]].elapsed_time(self._marks[b[0] % _RING][b[1]]) / 1e3
+
+    def wait_before_next_forward(self, dep: torch.cuda.Event) -> None:
+        """E.g. a KV swap-in copy's event on a side stream: the next forward will not start before it."""
+        self._deps.append(dep)
+
+    def take_deps(self) -> list:
+        deps, self._deps = self._deps, []
+        return deps
+
+    def wait_on(self, deps: list[torch.cuda.Event]) -> None:
+        for dep in deps:
+            self.compute_stream.wait_event(dep)
+
+    def before_sampling(self, slot) -> None:
+        # Write-after-read: the slot's previous device-to-host copy must have read `sampled` first.
+        self.compute_stream.wait_event(slot.copy_done)
+
+    def copy_to_host(self, slot, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue dst.copy_(src) for each pair on the copy stream, after everything sampled so far."""
+        slot.sampled_ready.record(self.compute_stream)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(slot.sampled_ready)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self.copy_stream)  # a fresh sampler output must outlive the copy
+            slot.copy_done.record(self.copy_stream)
+
+    def wait_copied(self, slot) -> None:
+        # The commit's one wait (Photon): the host buffers are read right after this.
+        slot.copy_done.synchronize()  # sync-ok: waits on the copy-done event only
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(device: torch.device, threaded: bool):
+    if device.type == "cuda":
+        return StreamExecutor(device)
+    return SerialExecutor() if threaded else InlineExecutor()
+
+
+def _run_now(fn: Callable, *args) -> Future:
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as exc:  # delivered at wait(), like an error surfacing at an event
+        fut.set_exception(exc)
+    return fut

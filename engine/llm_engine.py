@@ -77,8 +77,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
         self.inflight: Step | None = None
-        self.counters = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0,
-                         "zombie_rows": 0, "constrained_tokens": 0}
+        self.counters = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                         "requests_finished": 0, "zombie_rows": 0, "constrained_tokens": 0}
         self.last_step_timing: dict[str, float] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
         self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
@@ -350,10 +350,15 @@ class LLMEngine:
         period = now - self._last_commit_time if self._last_commit_time is not None else None
         self._last_commit_time = now
         self.counters["steps"] += 1
+        self.counters["graph_steps"] += step.graph_size is not None
+        # forward/sample/device_period: the device timeline (CUDA events; the worker's clock on CPU);
+        # period_s: between commits on the host.
         self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
-                                 "period_s": period or 0.0, "num_tokens": step.num_tokens,
-                                 "num_seqs": len(step.chunks), "finalize_s": step.finalize_s,
-                                 "commit_wait_s": wait_s, "sample_wait_s": result.sample_wait_s}
+                                 "period_s": period or 0.0, "device_period_s": result.period_s,
+                                 "num_tokens": step.num_tokens, "num_seqs": len(step.chunks),
+                                 "num_samples": len(step.sample_chunks), "graph_size": step.graph_size,
+                                 "finalize_s": step.finalize_s, "commit_wait_s": wait_s,
+                                 "sample_wait_s": result.sample_wait_s}
         self.step_records.append(StepRecord(len(step.chunks), step.num_tokens, result.forward_s,
                                             result.sample_s, period))
 
@@ -402,7 +407,9 @@ class LLMEngine:
             "num_swapped": len(sched.swapped),
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "pipeline_depth": self.config.pipeline_depth, "num_compiling": len(self.compiling),
-            "grammar_compiles": self.structured.num_compiles, **self.counters,
+            "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
+            "cuda_graph_max_batch_size": self.runner.graphs.sizes[-1] if self.runner.graphs else 0,
+            **self.counters,
         }
 
     def check_integrity(self) -> None:

@@ -1,9 +1,11 @@
 """Token sampling for one step: penalties, min_tokens, logit_bias, constraint masks, temperature,
 top-k/top-p/min-p, per-request seeds.
 
-Sampling parameters are gathered on the host into a `SamplingBatch` (tensors built from Python lists, no
-device reads); the math itself never synchronizes: the random draw is an exponential race
-(argmax of p / Exp(1), equivalent to sampling from p) so no multinomial/cumsum-search sync is needed.
+Sampling parameters are gathered on the host into a `SamplingBatch`: per-row values go into the slot's
+fixed buffers (engine/step_buffers.py: pinned staging, non-blocking copy), variable-size ones through pinned
+memory, so building a batch never synchronizes with the device; the math itself never synchronizes either:
+the random draw is an exponential race (argmax of p / Exp(1), equivalent to sampling from p) so no
+multinomial/cumsum-search sync is needed.
 Constrained rows (grammar, allowed_token_ids) get an int32 bitmask built on the host after the previous
 commit (engine.structured) and applied here, before any sampling math: masked tokens become -inf.
 """
@@ -30,7 +32,7 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [R] float32
     min_p: torch.Tensor | None  # [R] float32
     penalties: list["_RowPenalty"]  # rows with repetition/presence/frequency penalties
-    banned: list[tuple[int, list[int]]]  # (row, token ids) masked to -inf (min_tokens: eos + stop ids)
+    banned: list[tuple[int, torch.Tensor]]  # (row, token ids) masked to -inf (min_tokens: eos + stop ids)
     generators: list[torch.Generator | None]  # per row; None = the engine's generator
     num_logprobs: int  # -1: no row wants logprobs; else max top-k asked (0 = chosen token only)
     all_greedy: bool  # decided on the host, so skipping the random path never reads the device
@@ -42,26 +44,27 @@ class SamplingBatch:
     bitmask_rows: list[int]  # rows the bitmask applies to; other rows are unconstrained
 
     @classmethod
-    def build(cls, seqs: list[Sequence], device: torch.device,
+    def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
               bitmask_buffer: torch.Tensor | None = None) -> "SamplingBatch":
-        """`bitmask_buffer`: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's)."""
+        """buffers: the slot's StepBuffers (per-row fields are staged and uploaded there); None allocates.
+        bitmask_buffer: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's; pinned on CUDA)."""
         ps = [s.params for s in seqs]
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps],
-                                   dtype=torch.float32, device=device)
-        greedy = torch.tensor([p.greedy for p in ps], dtype=torch.bool, device=device)
+        put = _uploader(device, buffers)
+        temperature = put("temperature", [p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32)
+        greedy = put("greedy", [p.greedy for p in ps], torch.bool)
         top_k = top_p = min_p = None
         if any(p.top_k > 0 for p in ps):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else 1 << 30 for p in ps], device=device)
+            top_k = put("top_k", [p.top_k if p.top_k > 0 else 1 << 30 for p in ps], torch.long)
         if any(p.top_p < 1.0 for p in ps):
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device)
+            top_p = put("top_p", [p.top_p for p in ps], torch.float32)
         if any(p.min_p > 0.0 for p in ps):
-            min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
+            min_p = put("min_p", [p.min_p for p in ps], torch.float32)
         pen = [_RowPenalty.build(i, s, device) for i, s in enumerate(seqs) if s.params.needs_penalties]
-        banned = [(i, sorted(s.eos_token_ids | set(s.params.stop_token_ids))) for i, s in enumerate(seqs)
-                  if s.num_output_tokens < s.params.min_tokens]
+        banned = [(i, to_device(sorted(s.eos_token_ids | set(s.params.stop_token_ids)), torch.long, device))
+                  for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         asked = [p.logprobs for p in ps if p.logprobs is not None]
-        bias = [(i, torch.tensor(list(p.logit_bias), dtype=torch.long, device=device),
-                 torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device))
+        bias = [(i, to_device(list(p.logit_bias), torch.long, device),
+                 to_device(list(p.logit_bias.values()), torch.float32, device))
                 for i, p in enumerate(ps) if p.logit_bias]
         bitmask, rows = _constraint_bitmask(seqs, device, bitmask_buffer)
         return cls(temperature, greedy, top_k, top_p, min_p, pen, banned,
@@ -98,11 +101,27 @@ class _RowPenalty:
         p = seq.params
         seen = counts = None
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=device)
+            seen = to_device(sorted(set(seq.token_ids)), torch.long, device)
         if p.presence_penalty or p.frequency_penalty:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=device)
-            counts = torch.bincount(out, minlength=seq.vocab_size)
+            out = to_device(seq.output_token_ids, torch.long, device)
+            # scatter_add, not bincount: bincount on CUDA reads the max back to size its output (a sync).
+            counts = torch.zeros(seq.vocab_size, dtype=torch.long, device=device).scatter_add_(
+                0, out, torch.ones_like(out))
         return cls(row, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seen, counts)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device` without a synchronizing copy (on CUDA: pinned, non-blocking;
+    the caching host allocator keeps the pinned block until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def _uploader(device: torch.device, buffers):
+    """put(field, values, dtype) -> the values on `device`: into the slot's fixed buffers when given."""
+    if buffers is not None:
+        return lambda name, values, dtype: buffers.put(name, values)
+    return lambda name, values, dtype: to_device(values, dtype, device)
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -152,8 +152,8 @@ class SamplingParams:
         if self.seed is not None and self.seed > 2**64 - 1:
             raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
-        if self.logprobs is not None and self.logprobs > _MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for tid in self.stop_token_ids:
             _check_int("stop_token_ids", tid, 0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -7,25 +7,34 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampling_params import MAX_LOGPROBS
 from engine.scheduler import ScheduledChunk
-from engine.step_timer import StepTimer
+from engine.step_buffers import BufferLimits, StepBuffers
 
 
 class DecodeSlot:
     """The working set of one in-flight step, allocated once and reused.
 
-    `sampled` is where the step's sampler writes its tokens on the device; the next step's forward gathers
-    its pending input tokens from it, so the CPU never waits for them. `host_sampled` is the landing site of
-    the device-to-host copy (the same tensor on CPU; pinned memory on CUDA). A slot is busy from launch until
-    its commit has read `host_sampled`; the engine alternates between two slots.
+    `inputs` holds the step's fixed-address input buffers (and their host staging); the forward writes the
+    sampling rows' logits into `logits` and the sampler its tokens into `sampled`. The next step's forward
+    gathers its pending input tokens from `sampled`, so the CPU never waits for them. The `host_*` tensors
+    (pinned on CUDA) are the landing site of the device-to-host copy the commit reads. A slot is busy from
+    launch until its commit has read them; the engine alternates between two slots. On CUDA the slot's
+    `sampled_ready` event anchors that copy (recorded right after sampling) and `copy_done` marks it read.
     """
 
-    def __init__(self, index: int, max_rows: int, device: torch.device):
+    def __init__(self, index: int, limits: BufferLimits, vocab_size: int, device: torch.device):
         self.index = index
-        self.sampled = torch.zeros(max_rows, dtype=torch.long, device=device)  # [max_num_seqs]
-        self.host_sampled = self.sampled if device.type == "cpu" else torch.zeros(
-            max_rows, dtype=torch.long, pin_memory=True)
-        self.timer = StepTimer(device)
+        rows, pin = limits.max_seqs, device.type == "cuda"
+        self.inputs = StepBuffers(limits, device)
+        self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)  # [max_seqs, V]
+        self.sampled = torch.zeros(rows, dtype=torch.long, device=device)  # [max_seqs]
+        self.host_sampled = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
+        self.host_logprobs = torch.zeros(rows, dtype=torch.float32, pin_memory=pin)
+        self.host_top_ids = torch.zeros(rows, MAX_LOGPROBS, dtype=torch.long, pin_memory=pin)
+        self.host_top_logprobs = torch.zeros(rows, MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin)
+        self.sampled_ready = torch.cuda.Event() if pin else None
+        self.copy_done = torch.cuda.Event() if pin else None
         self.busy = False
 
 
@@ -46,7 +55,10 @@ class HostInputs:
 
 @dataclass(slots=True)
 class StepResult:
-    """What a commit reads: tokens and logprobs on the host, plus timings of the device work."""
+    """What a commit reads: tokens and logprobs on the host, plus timings of the device work.
+
+    forward_s / sample_s: device time of the step's forward and sampling (CUDA events; wall time of the
+    worker on CPU). period_s: from the previous step's forward start to this one's (0.0 for the first)."""
 
     tokens: list[int]
     logprobs: list[float] | None
@@ -54,7 +66,8 @@ class StepResult:
     top_logprobs: list[list[float]] | None
     forward_s: float
     sample_s: float
-    sample_wait_s: float = 0.0  # the worker idled this long between the forward and sampling (CPU executor)
+    period_s: float = 0.0
+    sample_wait_s: float = 0.0  # the compute queue idled this long between the forward and sampling
 
 
 @dataclass(slots=True)
@@ -69,7 +82,6 @@ class Step:
     launch_time: float
     forward: Future | None = None
     sample: Future | None = None
-    logits: torch.Tensor | None = None  # [num_sampling_rows, vocab], set by the forward job
-    forward_s: float = 0.0
-    forward_end: float = 0.0  # perf_counter when the forward job ended
+    graph_size: int | None = None  # padded batch size of the CUDA graph replayed, None = eager forward
+    num_logprobs: int = -1  # what the sampler produced: -1 none, 0 chosen token only, k top-k too
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)

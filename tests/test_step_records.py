@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.step_timer import FORWARD_END, FORWARD_START, SAMPLE_END, SAMPLE_START, StepTimer
+from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, InlineExecutor, StreamExecutor
 
 PROMPTS = [[5 + i, 17, 42 + i, 9, 300 + 7 * i] * (i + 1) for i in range(5)]
 MAX_TOKENS = 12
@@ -59,10 +59,14 @@ def test_idle_time_is_not_a_period(engine):
     run(engine, PROMPTS[:1])
     engine.drain_step_records()
     time.sleep(0.3)
+    t0 = time.perf_counter()
     run(engine, PROMPTS[:1])
+    wall = time.perf_counter() - t0
     records = engine.drain_step_records()
     assert records[0].period_s is None  # the 0.3 s idle gap is not a bubble
-    assert all(r.period_s < 0.3 for r in records[1:])
+    # Every later period lies inside the second run (a count of the idle gap would not fit): a bound on
+    # wall time measured here, not on how fast a step is on a loaded machine.
+    assert sum(r.period_s for r in records[1:]) <= wall
 
 
 def test_request_timestamps_are_ordered(engine):
@@ -79,30 +83,36 @@ def test_request_timestamps_are_ordered(engine):
         assert sum(len(o.delta_token_ids) for o in outs) == MAX_TOKENS
 
 
-def test_cpu_step_timer_measures_wall_time_of_each_phase():
-    timer = StepTimer(torch.device("cpu"))
-    timer.mark(FORWARD_START)
+def _phases(ex, step_id):
+    return (ex.elapsed((step_id, FWD_START), (step_id, FWD_END)),
+            ex.elapsed((step_id, SAMPLE_START), (step_id, SAMPLE_END)))
+
+
+def test_cpu_executor_times_each_phase_on_the_worker_clock():
+    ex = InlineExecutor()
+    ex.mark(7, FWD_START)
     time.sleep(0.05)
-    timer.mark(FORWARD_END)
-    timer.mark(SAMPLE_START)
+    ex.mark(7, FWD_END)
+    ex.mark(7, SAMPLE_START)
     time.sleep(0.02)
-    timer.mark(SAMPLE_END)
-    forward_s, sample_s = timer.read()
+    ex.mark(7, SAMPLE_END)
+    forward_s, sample_s = _phases(ex, 7)
     assert 0.05 <= forward_s < 0.5 and 0.02 <= sample_s < 0.5
 
 
 @pytest.mark.gpu
-def test_cuda_step_timer_measures_device_time_not_launch_time():
-    timer = StepTimer(torch.device("cuda"))
+def test_cuda_executor_times_device_time_not_launch_time():
+    ex = StreamExecutor(torch.device("cuda"))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    timer.mark(FORWARD_START)
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time; the host returns at once
-    timer.mark(FORWARD_END)
+    ex.mark(3, FWD_START)
+    with torch.cuda.stream(ex.compute_stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time; the host returns at once
+    ex.mark(3, FWD_END)
     launched = time.perf_counter() - t0
-    timer.mark(SAMPLE_START)
-    timer.mark(SAMPLE_END)
+    ex.mark(3, SAMPLE_START)
+    ex.mark(3, SAMPLE_END)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    forward_s, sample_s = timer.read()
+    forward_s, sample_s = _phases(ex, 3)
     assert launched < forward_s <= wall and 0 <= sample_s < forward_s

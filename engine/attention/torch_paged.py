@@ -49,6 +49,7 @@ class TorchPagedAttention:
     gets its own call."""
 
     name = "torch"
+    supports_graphs = False  # plans each step from host lists
 
     def __init__(self, sliding_window: int | None = None):
         self.sliding_window = sliding_window

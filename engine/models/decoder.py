@@ -152,6 +152,8 @@ class DecoderLM(nn.Module):
             x = layer(x, positions, self.rotary, kv, meta)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, vocab] float32; written into `out` (a fixed buffer) when given."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [rows, vocab]
+        logits = F.linear(hidden, weight)
+        return logits.float() if out is None else out.copy_(logits)

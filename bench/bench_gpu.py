@@ -1,0 +1,484 @@
+#!/usr/bin/env python3
+"""GPU runtime benchmarks on random-weight models with real shapes (Qwen2.5-0.5B, Llama-3.2-1B, Qwen2.5-1.5B).
+
+    python bench/bench_gpu.py photon|graphs|throughput|bs1|all [--device cuda|cpu] [--tiny] [--models ...]
+                              [--out bench/results]
+
+photon      Photon's tables: per-step forward, sampling and period (steady-state medians, device timeline) at
+            1, 8 and 32 streams; blocking (pipeline_depth=1) vs pipelined (2) step times, L, the cost model's
+            predicted speedup T_block / T_pipe x (1 - z) vs the observed one; GPU idle per step.
+            Requests sample (temperature 1) and end on EOS after ~110 tokens on average (EOS is a set of
+            vocab/110 ids), so finished requests ride one more step as zombies, as in Photon.
+graphs      pegainfer's view: per decode step, kernel time vs gap (step period minus kernel time), with and
+            without CUDA graphs, from torch.profiler's device activity.
+throughput  the nano-vllm workload (256 sequences, prompt and output lengths uniform in [100, 1024], EOS
+            ignored) through Tandem and through transformers' continuous batching (generate_batch's manager,
+            given each request's own max_new_tokens) on the same weights, in the same run.
+bs1         one sequence decoding: time per token vs the weight-bandwidth floor (weight bytes / measured
+            device memory bandwidth), GB/s beside tok/s, with transformers' generate as the peer.
+
+Every figure is printed with the device name; each subcommand writes <name>_<device>.json and .md (and a
+PNG when matplotlib is installed) under --out. Warm-up runs are excluded; step figures are medians.
+`--device cpu --tiny` runs the same code on toy-sized models of the same families (a smoke run; CPU numbers
+say nothing about the GPU targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+from gpu_models import MODEL_NAMES, Checkpoint, build_checkpoint, machine, memory_bandwidth  # noqa: E402
+
+TARGETS = {"period_vs_fwd_smp": "period within 5% of forward + sampling",
+           "speedup_vs_model": "pipelined speedup within +-3 points of the cost model",
+           "throughput_vs_hf": "throughput at least 1.5x transformers' continuous batching",
+           "bs1_vs_floor": "bs=1 time per token within 1.5x the weight-bandwidth floor"}
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    device: str
+    tiny: bool
+    models: list[str]
+    out: Path
+    streams: list[int] = field(default_factory=lambda: [1, 8, 32])
+    seed: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    def scaled(self, gpu: int, cpu: int) -> int:
+        """A workload size: the GPU figure, or a small one for CPU smoke runs."""
+        return gpu if self.device == "cuda" and not self.tiny else cpu
+
+
+_checkpoints: dict[str, Checkpoint] = {}
+_tmp = tempfile.TemporaryDirectory(prefix="tandem_bench_")
+
+
+def checkpoint(name: str, s: Settings) -> Checkpoint:
+    if name not in _checkpoints:
+        _checkpoints.clear()  # one model's weights on the device at a time
+        release()
+        t0 = time.perf_counter()
+        _checkpoints[name] = build_checkpoint(name, Path(_tmp.name), s.device, s.dtype, s.tiny)
+        print(f"[{name}] random weights written in {time.perf_counter() - t0:.1f} s", flush=True)
+    return _checkpoints[name]
+
+
+def make_llm(ck: Checkpoint, s: Settings, **kw) -> LLM:
+    cfg = dict(device=s.device, dtype=str(s.dtype).removeprefix("torch."), block_size=16,
+               max_model_len=s.scaled(4096, 1024))
+    return LLM(str(ck.path), **{**cfg, **kw})
+
+
+def release() -> None:
+    """Return freed engines' device memory (call once no reference to them is left)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def with_llm(ck: Checkpoint, s: Settings, fn, **kw):
+    """fn(llm) on a fresh engine that is gone (device memory returned) when this returns."""
+    llm = make_llm(ck, s, **kw)
+    try:
+        warm_up(llm, ck.vocab_size)
+        return fn(llm)
+    finally:
+        llm.shutdown()
+        del llm
+        release()
+
+
+# ---- driving the engine one tick at a time ----------------------------------------------------------------
+@dataclass
+class Run:
+    wall_s: float
+    timings: list[dict]  # engine.last_step_timing of every committed step, in step order
+    output_lens: list[int]
+    counters: dict  # engine counter deltas over the run
+
+
+def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]], on_step=None) -> Run:
+    engine = llm.engine
+    before = dict(engine.counters)
+    timings, lens, seen = [], [], engine.counters["steps"]
+    t0 = time.perf_counter()
+    for prompt, params in requests:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        lens += [len(o.token_ids) for o in engine.step() if o.finished]
+        if engine.counters["steps"] != seen:
+            seen = engine.counters["steps"]
+            timings.append(dict(engine.last_step_timing))
+            if on_step is not None:
+                on_step(len(timings))
+    wall = time.perf_counter() - t0
+    return Run(wall, timings, lens, {k: engine.counters[k] - before[k] for k in before})
+
+
+def warm_up(llm: LLM, vocab: int, n: int = 4) -> None:
+    rng = random.Random(123)
+    llm.generate([[rng.randrange(vocab) for _ in range(40)] for _ in range(n)],
+                 SamplingParams(max_tokens=8, ignore_eos=True))
+
+
+def decode_pairs(timings: list[dict], batch: int) -> list[tuple[dict, float]]:
+    """(step, its device period) for consecutive full pure-decode steps: a step's period is the next step's
+    forward start minus its own (forward + sampling + whatever idle followed)."""
+    full = [t["num_seqs"] == batch and t["num_tokens"] == batch for t in timings]
+    return [(timings[i - 1], timings[i]["device_period_s"]) for i in range(1, len(timings))
+            if full[i - 1] and full[i]]
+
+
+def med(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def ms(x: float) -> float:
+    return round(1e3 * x, 3)
+
+
+# ---- photon -----------------------------------------------------------------------------------------------
+def stream_requests(ck: Checkpoint, s: Settings, streams: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(s.seed * 1000 + streams)
+    n = streams * s.scaled(4 if streams > 1 else 10, 3)
+    plen = s.scaled(64, 16)
+    return [([rng.randrange(ck.vocab_size) for _ in range(plen)],
+             SamplingParams(max_tokens=s.scaled(1024, 200), temperature=1.0, seed=i)) for i in range(n)]
+
+
+def photon(s: Settings) -> list[dict]:
+    rows = []
+    for name in s.models:
+        ck = checkpoint(name, s)
+        runs = {depth: with_llm(ck, s, lambda llm: _stream_runs(llm, ck, s), pipeline_depth=depth,
+                                max_num_seqs=max(s.streams)) for depth in (1, 2)}
+        rows += photon_rows(ck, s, runs)
+    return rows
+
+
+def _stream_runs(llm: LLM, ck: Checkpoint, s: Settings) -> dict[int, Run]:
+    runs = {}
+    for n in s.streams:
+        llm.engine.scheduler.max_num_seqs = n  # n concurrent streams; the engine's buffers fit the largest
+        runs[n] = drive(llm, stream_requests(ck, s, n))
+    return runs
+
+
+def photon_rows(ck: Checkpoint, s: Settings, runs: dict[int, dict[int, Run]]) -> list[dict]:
+    rows, fs_one = [], None
+    for n in s.streams:
+        pipe, block = runs[2][n], runs[1][n]
+        pairs, block_pairs = decode_pairs(pipe.timings, n), decode_pairs(block.timings, n)
+        fwd, smp = med(t["forward_s"] for t, _ in pairs), med(t["sample_s"] for t, _ in pairs)
+        t_pipe, t_block = med(p for _, p in pairs), med(p for _, p in block_pairs)
+        if n == 1:
+            fs_one = fwd + smp
+        # Zombie tax: each zombie row costs a whole step on one stream, else about the marginal cost of a row.
+        c_row = t_pipe if n == 1 else max(0.0, (fwd + smp - fs_one) / (n - 1)) if fs_one else 0.0
+        busy = sum(t["device_period_s"] for t in pipe.timings[1:])
+        z = pipe.counters["zombie_rows"] * c_row / busy if busy else 0.0
+        rows.append({
+            "device": machine(s.device)["device"], "model": ck.name, "streams": n,
+            "forward_ms": ms(fwd), "sampling_ms": ms(smp), "period_ms": ms(t_pipe),
+            "period_over_fwd_smp": round(t_pipe / (fwd + smp), 4),
+            "gpu_idle_ms": ms(med(p - t["forward_s"] - t["sample_s"] for t, p in pairs)),
+            "blocking_idle_ms": ms(med(p - t["forward_s"] - t["sample_s"] for t, p in block_pairs)),
+            "t_block_ms": ms(t_block), "t_pipe_ms": ms(t_pipe),
+            "L": round(statistics.mean(pipe.output_lens), 1), "zombie_rows": pipe.counters["zombie_rows"],
+            "z": round(z, 4), "predicted_speedup_pct": round(100 * (t_block / t_pipe * (1 - z) - 1), 2),
+            "observed_speedup_pct": round(100 * (block.wall_s / pipe.wall_s - 1), 2),
+            "same_outputs": sorted(pipe.output_lens) == sorted(block.output_lens),
+            "steady_steps": len(pairs), "graph_steps": pipe.counters["graph_steps"],
+            "steps": pipe.counters["steps"], "wall_pipe_s": round(pipe.wall_s, 3),
+            "wall_block_s": round(block.wall_s, 3)})
+        print(_line(rows[-1], ["streams", "forward_ms", "sampling_ms", "period_ms", "gpu_idle_ms", "t_block_ms",
+                               "L", "z", "predicted_speedup_pct", "observed_speedup_pct"]), flush=True)
+    return rows
+
+
+# ---- graphs (kernel time vs gap) ----------------------------------------------------------------------------
+def graphs(s: Settings) -> list[dict]:
+    rows = []
+    modes = [True, False] if s.device == "cuda" else [False]
+    for name in s.models:
+        ck = checkpoint(name, s)
+        for use_graphs in modes:
+            # CPU: depth 1 keeps the ops on this thread, the one torch.profiler records.
+            rows += with_llm(ck, s, lambda llm: [kernel_vs_gap(llm, ck, s, n, use_graphs) for n in s.streams],
+                             cuda_graphs=use_graphs, max_num_seqs=max(s.streams),
+                             pipeline_depth=2 if s.device == "cuda" else 1)
+    return rows
+
+
+def kernel_vs_gap(llm: LLM, ck: Checkpoint, s: Settings, batch: int, use_graphs: bool) -> dict:
+    """Profile `window` steady decode steps of `batch` sequences; kernel time from the device activity."""
+    llm.engine.scheduler.max_num_seqs = batch
+    window, warm = s.scaled(30, 8), s.scaled(20, 4)
+    rng = random.Random(batch)
+    reqs = [([rng.randrange(ck.vocab_size) for _ in range(s.scaled(128, 16))],
+             SamplingParams(max_tokens=warm + window + 10, temperature=0, ignore_eos=True)) for _ in range(batch)]
+    prof = _Profiler(s.device)
+    first_decode = 2 + -(-batch * s.scaled(128, 16) // llm.config.max_num_batched_tokens)
+    run = drive(llm, reqs, on_step=lambda i: prof.step(i, first_decode + warm, window))
+    steps = [t for t in run.timings[first_decode + warm:first_decode + warm + window]]
+    period = med(t["device_period_s"] for t in steps[1:])
+    kernel = prof.kernel_s / max(1, prof.steps)
+    row = {"device": machine(s.device)["device"], "model": ck.name, "batch": batch, "graphs": use_graphs,
+           "step_ms": ms(period), "kernel_ms": ms(kernel), "gap_ms": ms(period - kernel),
+           "gap_pct": round(100 * (period - kernel) / period, 2) if period else None,
+           "kernels_per_step": round(prof.kernels / max(1, prof.steps), 1), "profiled_steps": prof.steps,
+           "graph_steps": run.counters["graph_steps"],
+           "window_all_decode": all(t["num_seqs"] == batch == t["num_tokens"] for t in steps),
+           "kernel_source": "CUDA kernels (torch.profiler)" if s.device == "cuda" else "aten op self CPU time"}
+    print(_line(row, ["model", "batch", "graphs", "step_ms", "kernel_ms", "gap_ms", "gap_pct"]), flush=True)
+    return row
+
+
+class _Profiler:
+    """torch.profiler over a window of committed steps; sums device kernel time (CPU: aten self time)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.prof = None
+        self.kernel_s = 0.0
+        self.kernels = 0
+        self.steps = 0
+
+    def step(self, committed: int, start: int, window: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        if committed == start:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        elif committed == start + window and self.prof is not None:
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.steps = window
+            self.kernel_s, self.kernels = self._kernel_time()
+            self.prof = None
+
+    def _kernel_time(self) -> tuple[float, int]:
+        if self.device == "cuda":
+            evs = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not any(k in e.name for k in ("Memcpy", "Memset", "memcpy", "memset"))]
+            return sum(e.time_range.elapsed_us() for e in evs) / 1e6, len(evs)
+        rows = [r for r in self.prof.key_averages() if r.key.startswith("aten::")]
+        return sum(r.self_cpu_time_total for r in rows) / 1e6, sum(r.count for r in rows)
+
+
+# ---- throughput vs transformers ---------------------------------------------------------------------------
+def nano_vllm_workload(ck: Checkpoint, s: Settings) -> list[tuple[list[int], int]]:
+    rng = random.Random(s.seed)
+    num, lo, hi = s.scaled(256, 16), s.scaled(100, 16), s.scaled(1024, 64)
+    return [([rng.randrange(ck.vocab_size) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
+            for _ in range(num)]
+
+
+def throughput(s: Settings) -> list[dict]:
+    rows = []
+    for name in s.models:
+        ck = checkpoint(name, s)
+        work = nano_vllm_workload(ck, s)
+        out_tokens = sum(n for _, n in work)
+        reqs = [(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p, n in work]
+        run = with_llm(ck, s, lambda llm: drive(llm, reqs), max_num_seqs=len(work),
+                       max_num_batched_tokens=s.scaled(8192, 512), max_model_len=s.scaled(2048 + 64, 256))
+        assert sum(run.output_lens) == out_tokens, "every request must produce its full output"
+        hf_s = hf_continuous_batching(ck, work, s)
+        ours_tps, hf_tps = out_tokens / run.wall_s, out_tokens / hf_s
+        rows.append({"device": machine(s.device)["device"], "model": ck.name, "requests": len(work),
+                     "output_tokens": out_tokens, "tandem_s": round(run.wall_s, 2), "tandem_tok_s": round(ours_tps),
+                     "hf_s": round(hf_s, 2), "hf_tok_s": round(hf_tps), "ratio": round(ours_tps / hf_tps, 2),
+                     "tandem_steps": run.counters["steps"], "tandem_graph_steps": run.counters["graph_steps"],
+                     "tandem_weight_GB_s": round(run.counters["steps"] * ck.weight_bytes / run.wall_s / 1e9, 1)})
+        print(_line(rows[-1], ["model", "tandem_tok_s", "hf_tok_s", "ratio", "tandem_weight_GB_s"]), flush=True)
+    return rows
+
+
+def hf_continuous_batching(ck: Checkpoint, work: list[tuple[list[int], int]], s: Settings) -> float:
+    """Seconds for transformers' continuous batching (the manager behind generate_batch) to finish `work`,
+    each request with its own max_new_tokens and EOS disabled. Its warm-up (graph capture) is excluded."""
+    from transformers import GenerationConfig
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+        hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in work),
+                              max_generated_length=max(n for _, n in work), num_requests=len(work))
+    except ImportError:
+        hints = None
+    gen = GenerationConfig(max_new_tokens=max(n for _, n in work), do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    model = ck.hf
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=60,
+                                                   workload_hints=hints) as manager:
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(work):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        done, tokens = 0, 0
+        while done < len(work):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                tokens += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped early")
+        wall = time.perf_counter() - t0
+    if tokens != sum(n for _, n in work):
+        print(f"  note: transformers produced {tokens} tokens, expected {sum(n for _, n in work)}")
+    return wall
+
+
+# ---- bs=1 vs the bandwidth floor --------------------------------------------------------------------------
+def bs1(s: Settings) -> list[dict]:
+    rows = []
+    bandwidth = memory_bandwidth(s.device, nbytes=s.scaled(1 << 31, 1 << 28))
+    for name in s.models:
+        ck = checkpoint(name, s)
+        n_new, plen = s.scaled(512, 64), s.scaled(128, 32)
+        prompt = [random.Random(1).randrange(ck.vocab_size) for _ in range(plen)]
+        req = [(prompt, SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))]
+        run = with_llm(ck, s, lambda llm: drive(llm, req), max_num_seqs=8)
+        per_tok = med(p for _, p in decode_pairs(run.timings, 1))
+        floor = ck.weight_bytes / bandwidth
+        hf_per_tok = hf_generate_per_token(ck, prompt, n_new)
+        rows.append({"device": machine(s.device)["device"], "model": ck.name,
+                     "weight_GB": round(ck.weight_bytes / 1e9, 3), "bandwidth_GB_s": round(bandwidth / 1e9),
+                     "floor_ms": ms(floor), "tandem_ms_per_tok": ms(per_tok),
+                     "tandem_tok_s": round(1 / per_tok, 1), "tandem_GB_s": round(ck.weight_bytes / per_tok / 1e9, 1),
+                     "over_floor": round(per_tok / floor, 2),
+                     "tandem_wall_ms_per_tok": ms(run.wall_s / n_new), "hf_ms_per_tok": ms(hf_per_tok),
+                     "hf_GB_s": round(ck.weight_bytes / hf_per_tok / 1e9, 1), "graph_steps": run.counters["graph_steps"]})
+        print(_line(rows[-1], ["model", "floor_ms", "tandem_ms_per_tok", "tandem_tok_s", "tandem_GB_s",
+                               "over_floor", "hf_ms_per_tok"]), flush=True)
+    return rows
+
+
+def hf_generate_per_token(ck: Checkpoint, prompt: list[int], n_new: int) -> float:
+    """transformers' generate at batch 1 (its default cache): seconds per token after the first."""
+    ids = torch.tensor([prompt], device=ck.hf.device)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ck.hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)  # warm-up
+        times = []
+        for n in (1, n_new):
+            _sync(ck.hf.device)
+            t0 = time.perf_counter()
+            ck.hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            _sync(ck.hf.device)
+            times.append(time.perf_counter() - t0)
+    return (times[1] - times[0]) / (n_new - 1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+def _line(row: dict, keys: list[str]) -> str:
+    return f"  [{row['device']}] " + "  ".join(f"{k}={row[k]}" for k in keys)
+
+
+def write(s: Settings, name: str, rows: list[dict], meta: dict) -> None:
+    s.out.mkdir(parents=True, exist_ok=True)
+    stem = s.out / f"{name}_{s.device}{'_tiny' if s.tiny else ''}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = [f"## {name} on {meta['device']}", "", f"machine: {json.dumps(meta)}", ""]
+    if rows:
+        keys = list(rows[0])
+        md += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        md += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    _plot(stem, name, rows)
+    print(f"wrote {stem}.json / .md", flush=True)
+
+
+def _plot(stem: Path, name: str, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    series = {"photon": ("streams", ["forward_ms", "sampling_ms", "gpu_idle_ms"]),
+              "graphs": ("batch", ["kernel_ms", "gap_ms"]), "throughput": ("model", ["tandem_tok_s", "hf_tok_s"]),
+              "bs1": ("model", ["floor_ms", "tandem_ms_per_tok"])}.get(name)
+    if not series or not rows:
+        return
+    x, ys = series
+    labels = [f"{r['model']}\n{x}={r[x]}" + (f"\ngraphs={r['graphs']}" if "graphs" in r else "") for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
+    bottom = [0.0] * len(rows)
+    for y in ys:
+        vals = [float(r[y] or 0) for r in rows]
+        stacked = name in ("photon", "graphs")
+        ax.bar(range(len(rows)), vals, bottom=bottom if stacked else None, label=y,
+               alpha=1.0 if stacked else 0.6)
+        bottom = [b + v for b, v in zip(bottom, vals)] if stacked else bottom
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_title(f"{name} on {rows[0]['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+
+
+SUBCOMMANDS = {"photon": photon, "graphs": graphs, "throughput": throughput, "bs1": bs1}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=[*SUBCOMMANDS, "all"])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="toy-sized models of the same families")
+    ap.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=list(MODEL_NAMES))
+    ap.add_argument("--streams", nargs="+", type=int, default=None, help="photon/graphs batch sizes")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU runs: torch threads (1: no OpenMP stalls on a shared, loaded machine)")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
+    s = Settings(args.device, args.tiny, args.models, args.out)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    if args.streams:
+        s.streams = sorted(args.streams)
+    elif args.device == "cpu":
+        s.streams = [1, 4, 8]
+    meta = machine(s.device) | {"dtype": str(s.dtype), "tiny": s.tiny, "torch_threads": torch.get_num_threads(),
+                                "targets": TARGETS}
+    print(f"device: {meta['device']}  load: {meta['load_avg']}  torch {meta['torch']}  triton {meta['triton']}",
+          flush=True)
+    for what in (SUBCOMMANDS if args.what == "all" else [args.what]):
+        t0 = time.perf_counter()
+        rows = SUBCOMMANDS[what](s)
+        write(s, what, rows, meta | {"seconds": round(time.perf_counter() - t0, 1),
+                                     "load_avg_end": machine(s.device)["load_avg"]})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Paged attention in Triton: a store kernel (new K/V into their paged slots) and one attention kernel for
+decode and for prefill over a cached prefix, reading K/V through block tables.
+
+Hand-written because no installable library does this job here: flash-attn has no wheels and needs
+block_size % 256 == 0, FlashInfer JIT-compiles with nvcc at first use, and torch's paged FlexAttention is
+private and synchronizes in its bookkeeping. The kernels follow the usual flash-attention recipe (online
+softmax over key tiles; flash-decoding splits of the key range for small decode batches).
+
+Every per-step value the kernels read comes from tensors (slot_mapping, query_start_loc, seq_lens,
+block_tables) and the launch grids depend only on static shapes (tokens, sequences, heads), so a decode step
+can be captured in a CUDA graph. They run on CUDA, and on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1 set before this module is imported), which is how the CPU test suite checks them
+against the PyTorch reference. Importing this module never needs Triton: without it `AVAILABLE` is False.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+try:  # the CPU torch build ships without Triton; the GPU runtime treats it as optional too
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised by a subprocess test that hides triton
+    triton = None
+    tl = None
+
+AVAILABLE = triton is not None
+INTERPRETED = AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+MAX_SPLITS = 16
+
+
+def usable_on(device: torch.device) -> bool:
+    """Triton kernels run on CUDA, or anywhere under the interpreter."""
+    return AVAILABLE and (device.type == "cuda" or INTERPRETED)
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """One program per token: copy its K and V rows ([Hkv, D]) to slot_mapping[t]; -1 = padding."""
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        blk = tl.maximum(slot, 0) // BLOCK_SIZE
+        off = tl.maximum(slot, 0) % BLOCK_SIZE
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        # (h * 0 + slot) broadcasts the scalar first: the interpreter rejects `block & scalar` masks.
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & ((h * 0 + slot) >= 0)
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
+
+    @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        # The interpreter's 16-bit float dot is wrong (triton 3.9): there, multiply in fp32 instead.
+        if UPCAST:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b, input_precision=PRECISION)
+        return out
+
+    @triton.jit
+    def _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+        """The sequence owning query tile `tile`: sequence i's tiles start at qsl[i] // BLOCK_Q + i."""
+        lo: tl.int32 = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            if start <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _paged_attention_kernel(
+            q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+            qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, scale, window,
+            stride_qt, stride_qh, stride_ot, stride_oh,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr,
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """Program (tile, kv head, split): BLOCK_Q query tokens of one sequence times the GROUP query heads
+        sharing kv head `kvh` (BLOCK_M rows), attending keys [0, own position] (or the sliding window) of
+        its sequence; split `split` of NUM_SPLITS covers one slice of that key range."""
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        if DECODE:  # every chunk is one token: tile i is sequence i
+            seq = tile
+            q_start = tl.load(qsl_ptr + seq)
+            q_len = tl.load(qsl_ptr + seq + 1) - q_start
+            q_tile = 0
+        else:
+            seq = _find_seq(qsl_ptr, tile, num_seqs, BLOCK_Q)
+            q_start = tl.load(qsl_ptr + seq)
+            q_len = tl.load(qsl_ptr + seq + 1) - q_start
+            q_tile = tile - (q_start // BLOCK_Q + seq)
+        ctx = tl.load(seq_lens_ptr + seq) - q_len  # positions cached before this chunk
+
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = q_tile * BLOCK_Q + offs_m // GROUP  # token index within the chunk
+        head = kvh * GROUP + offs_m % GROUP
+        row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+        pos = ctx + tok
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                    + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+        # Keys this tile needs: up to its last query's position; split into NUM_SPLITS BLOCK_N-aligned slices.
+        key_hi = ctx + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+        key_hi = tl.where(q_tile * BLOCK_Q < q_len, key_hi, 0)  # surplus prefill tiles: no rows, no keys
+        key_lo = 0
+        if SLIDING:
+            key_lo = tl.maximum(ctx + q_tile * BLOCK_Q - window + 1, 0)
+        per_split = tl.cdiv(tl.cdiv(tl.maximum(key_hi - key_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = key_lo + split * per_split
+        hi = tl.minimum(key_hi, lo + per_split)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            blk = tl.load(bt_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+            in_blk = offs_n % BLOCK_SIZE
+            k = tl.load(kc_ptr + (blk * stride_kb + in_blk * stride_ks + kvh * stride_kh)[None, :]
+                        + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
+            s = _dot(q, k, PRECISION, UPCAST) * scale  # [M, N] fp32
+            ok = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+            if SLIDING:
+                ok = ok & (offs_n[None, :] > pos[:, None] - window)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows stay at p = 0
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + (blk * stride_vb + in_blk * stride_vs + kvh * stride_vh)[:, None]
+                        + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+            m_i = m_new
+
+        row = (q_start + tok).to(tl.int64)
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on padding rows (seq_len 0)
+            tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        else:  # unnormalised partials, merged by _merge_splits_kernel
+            part = (row * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+                             NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                             NUM_SPLITS: tl.constexpr):
+        """One program per (token, head): rescale the splits' partial sums to a common max and normalise."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, NUM_SPLITS)
+        part = (t * NUM_HEADS + h) * NUM_SPLITS + offs_s
+        m = tl.load(part_ml_ptr + part * 2)
+        l = tl.load(part_ml_ptr + part * 2 + 1)
+        m_max = tl.max(m, 0)
+        w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # [S]; empty splits weigh 0
+        total = tl.sum(l * w, 0)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _dim(n: int) -> int:
+    """A power-of-two tile dimension >= 16 (tl.dot's minimum on GPUs) covering n."""
+    return max(16, _pow2(n))
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (-1 = skip)."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d), BLOCK_SIZE=k_cache.shape[1])
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                           block_n: int | None = None, num_splits: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D] over caches [num_blocks, block_size, Hkv, D]; returns [T, H, D].
+
+    A step whose chunks are all single tokens (T == number of sequences) runs in decode mode: one tile per
+    sequence and, when that leaves the GPU underused, the key range split across programs (flash-decoding).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = meta.seq_lens.shape[0]
+    hkv = k_cache.shape[2]
+    group = num_heads // hkv
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0:
+        return out
+    decode = num_tokens == num_seqs
+    if decode:
+        block_q, block_m = 1, _dim(group)
+        num_tiles = num_seqs
+        splits = num_splits or _auto_splits(q.device, num_seqs * hkv)
+    else:
+        block_m = max(64, _pow2(group))
+        block_q = block_m // group
+        num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles find no rows
+        splits = num_splits or 1
+    splits = _pow2(min(splits, MAX_SPLITS))
+    part_acc = part_ml = out  # unused placeholders when not split
+    if splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32 rounding (exact-ish vs torch)
+    default_n, num_warps = launch_config(head_dim, decode)
+    _paged_attention_kernel[(num_tiles, hkv, splits)](
+        q, k_cache, v_cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        num_seqs, scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_dim(head_dim),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n or default_n,
+        NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding_window is not None, PRECISION=precision,
+        UPCAST=INTERPRETED and q.dtype != torch.float32, num_warps=num_warps)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_D=_pow2(head_dim), NUM_SPLITS=splits)
+    return out
+
+
+def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
+    """(BLOCK_N, num_warps). Chosen from sm_90 compiles (scripts/compile_kernels.py) to stay clear of
+    register spills: 64-key tiles spill at head_dim 128 (the per-key block gather keeps 64-bit addresses
+    live), 32-key tiles with 8 warps do not. Not yet tuned by timing on a GPU."""
+    if head_dim >= 128 or not decode:
+        return 32, 8
+    return 32, 4
+
+
+def _auto_splits(device: torch.device, programs: int) -> int:
+    """Enough key-range splits that a small decode batch still fills about two waves of the GPU."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * _num_sms(device.index or 0) // programs)))
+
+
+class TritonPagedAttention:
+    """The CUDA backend: Triton kernels for the cache write and for attention (decode and prefill alike).
+
+    Reads only tensors from the metadata (no host lists), so it can run inside a captured CUDA graph.
+    """
+
+    name = "triton"
+    supports_graphs = True
+
+    def __init__(self, sliding_window: int | None = None, block_n: int | None = None,
+                 num_splits: int | None = None):
+        if not AVAILABLE:
+            raise ValueError("attention backend 'triton' needs the triton package (pip install triton)")
+        self.sliding_window = sliding_window
+        self.block_n = block_n
+        self.num_splits = num_splits
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing to precompute on the host: the kernels read the metadata tensors directly."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
+        store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, self.sliding_window, self.block_n,
+                                      self.num_splits)

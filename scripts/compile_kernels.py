@@ -1,0 +1,115 @@
+"""Compile the Triton attention kernels for a GPU target without a GPU (Triton ships its own ptxas).
+
+    python scripts/compile_kernels.py [--arch 90]
+
+Catches what the Triton interpreter cannot (type errors in the generated IR, unsupported ops, tl.dot shape
+rules) and prints each variant's registers, spills and shared memory. The CPU test suite runs it; on the GPU
+machine the same variants are also compiled and run by the gpu-marked tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, whatever the caller's environment says
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine.attention import triton_paged as tp  # noqa: E402
+
+# (label, dtype, head_dim, group, block_size, decode, splits, sliding)
+ATTENTION_VARIANTS = [
+    ("qwen2.5-0.5b decode", "bf16", 64, 7, 16, True, 1, False),
+    ("qwen2.5-0.5b decode split", "bf16", 64, 7, 16, True, 8, False),
+    ("llama-3.2-1b decode split", "bf16", 64, 4, 16, True, 16, False),
+    ("qwen2.5-1.5b prefill", "bf16", 128, 6, 16, False, 1, False),
+    ("mistral prefill sliding", "bf16", 128, 4, 16, False, 1, True),
+    ("fp32 prefill (tests)", "fp32", 32, 2, 4, False, 1, False),
+    ("fp32 decode split (tests)", "fp32", 16, 2, 4, True, 4, True),
+    ("block 256 decode (flash-attn size)", "fp16", 128, 8, 256, True, 2, False),
+]
+
+
+def _signature(fn, pointers: dict[str, str], constexprs: dict) -> ASTSource:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+
+
+def attention_variant(dtype: str, head_dim: int, group: int, block_size: int, decode: bool, splits: int,
+                      sliding: bool) -> tuple[ASTSource, int]:
+    block_m = tp._dim(group) if decode else max(64, tp._pow2(group))
+    block_n, _ = tp.launch_config(head_dim, decode)
+    cx = dict(NUM_HEADS=group * 2, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tp._dim(head_dim),
+              BLOCK_SIZE=block_size, BLOCK_Q=1 if decode else block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
+              NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding,
+              PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False)
+    ptr = f"*{dtype}"
+    pointers = {"q_ptr": ptr, "kc_ptr": ptr, "vc_ptr": ptr, "out_ptr": ptr, "part_acc_ptr": "*fp32",
+                "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32"}
+    return _signature(tp._paged_attention_kernel, pointers, cx), tp.launch_config(head_dim, decode)[1]
+
+
+def store_variant(dtype: str, kv_heads: int, head_dim: int, block_size: int) -> ASTSource:
+    pointers = {n: f"*{dtype}" for n in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr")} | {"slot_ptr": "*i64"}
+    return _signature(tp._store_kv_kernel, pointers,
+                      dict(NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=tp._pow2(kv_heads),
+                           BLOCK_D=tp._pow2(head_dim), BLOCK_SIZE=block_size))
+
+
+def other_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
+    merge = _signature(tp._merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                                                  "out_ptr": "*bf16"},
+                       dict(NUM_HEADS=14, HEAD_DIM=64, BLOCK_D=64, NUM_SPLITS=8))
+    return [("store_kv bf16", (store_variant("bf16", 2, 64, 16), 4)),
+            ("store_kv fp32 MQA, block 12", (store_variant("fp32", 1, 32, 12), 4)),
+            ("merge_splits 8", (merge, 4))]
+
+
+def resource_usage(cubin: bytes) -> str:
+    """REG / STACK / LOCAL (spills) of the kernel, read by the cuobjdump Triton bundles (if present)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return "-"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return f"{fields.get('REG', '?'):>4} {fields.get('STACK', '?'):>5} {fields.get('LOCAL', '?'):>5}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    args = ap.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    work = [(label, attention_variant(*v)) for label, *v in ATTENTION_VARIANTS] + other_kernels()
+    print(f"triton {triton.__version__}, target sm_{args.arch}")
+    print(f"{'kernel variant':38} {'shared B':>8} {'REG':>4} {'STACK':>5} {'LOCAL':>5}")
+    for label, (src, num_warps) in work:
+        k = triton.compile(src, target=target, options={"num_warps": num_warps})
+        print(f"{label:38} {k.metadata.shared:>8} {resource_usage(k.asm['cubin'])}")
+    print("all kernels compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA GPU: run the GPU tests and the GPU benchmarks, collect the results.
+#
+#   scripts/gpu_check.sh [all|tests|bench|photon|graphs|throughput|bs1] [extra bench/bench_gpu.py args]
+#
+#   tests       pytest: Triton kernels vs the PyTorch reference on CUDA (fp32, bf16), the kernels compiled for
+#               sm_90, graph replay vs eager, pipelined vs blocking, fp32 greedy vs HF, no host sync in the
+#               loop, offload dependency ordering (tests/test_attention_kernels.py, test_gpu_runtime.py,
+#               test_runtime_paths.py)
+#   photon|graphs|throughput|bs1   one benchmark (bench/bench_gpu.py), all three models unless --models ...
+#   bench       the four benchmarks;  all (default): tests, then the four benchmarks
+#
+# Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, pytest; no ray, pydantic or
+# fastapi (engine/ and these tests import none of them). Nothing is downloaded: the benchmark models are
+# random weights with the real configs. Results (JSON, markdown, PNG) are written to bench/results/; when
+# $OUT is set (the device tool's output folder) they are also packed into $OUT/gpu_results.tgz, with
+# $OUT/summary.md (every table of this run) and the logs next to it.
+# Rough durations on an H100: tests ~3 min, photon ~4 min, graphs ~3 min, throughput ~6 min (HF is the slow
+# part; split with --models), bs1 ~2 min. Keep each call under the device tool's 10-minute limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+shift || true
+py=${PYTHON:-python3}
+results=bench/results
+logs=${OUT:-$results}
+mkdir -p "$results" "$logs"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+stamp=$(mktemp)
+status=0
+
+"$py" - <<'EOF' || { echo "no usable CUDA device"; exit 2; }
+import torch, triton, transformers
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+      f"transformers {transformers.__version__}")
+EOF
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,temperature.gpu --format=csv 2>/dev/null || true
+
+run_tests() {
+  "$py" -m pytest -q -p no:cacheprovider -rs tests/test_attention_kernels.py tests/test_gpu_runtime.py \
+    tests/test_runtime_paths.py 2>&1 | tee "$logs/gpu_tests.log"
+  return "${PIPESTATUS[0]}"
+}
+
+run_bench() {
+  local name=$1
+  shift
+  "$py" bench/bench_gpu.py "$name" --device cuda --out "$results" "$@" 2>&1 | tee "$logs/bench_$name.log"
+  return "${PIPESTATUS[0]}"
+}
+
+case "$what" in
+  tests) run_tests || status=$? ;;
+  photon|graphs|throughput|bs1) run_bench "$what" "$@" || status=$? ;;
+  bench|all)
+    if [ "$what" = all ]; then run_tests || status=$?; fi
+    for b in photon graphs throughput bs1; do run_bench "$b" "$@" || status=$?; done ;;
+  *) echo "unknown part: $what (all|tests|bench|photon|graphs|throughput|bs1)"; exit 2 ;;
+esac
+
+# This run's tables in one file, and everything packed for the trip back.
+find "$results" -name '*_cuda*.md' -newer "$stamp" -print0 | sort -z | xargs -0 -r cat > "$logs/summary.md"
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/gpu_results.tgz" -C bench results
+fi
+rm -f "$stamp"
+echo "gpu_check $what: exit status $status; results in $results${OUT:+ and \$OUT}"
+exit "$status"

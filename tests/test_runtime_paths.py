@@ -1,0 +1,164 @@
+"""The GPU runtime's device-independent parts, exercised on CPU.
+
+- The Triton backend (under Triton's interpreter here) inside the whole engine equals Hugging Face fp32
+  greedy, with decode steps replayed from "graphs" recorded on the slots' fixed buffers (emulated capture:
+  the same padded, buffer-driven decode path a CUDA graph runs), at pipeline depth 1 and 2.
+- Step buffers: staging, padding rows, the pending-token gather, exactly as a step reads them.
+- The hot-path modules contain no synchronizing calls.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import triton_paged
+from engine.config import EngineConfig
+from engine.cuda_graphs import capture_sizes
+from engine.slot import HostInputs
+from engine.step_buffers import BufferLimits, StepBuffers
+from test_correctness_hf import assert_matches_hf, make_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_triton = pytest.mark.skipif(not triton_paged.usable_on(torch.device("cpu")),
+                                  reason="triton (interpreter) not available")
+
+
+NEW_TOKENS = 10  # the Triton interpreter is slow: short generations keep these tests quick
+
+
+def run(llm: LLM, prompts) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    llm.check_integrity()
+    return [o.token_ids for o in outs]
+
+
+def triton_llm(path, depth: int, graph_max: int | None, **kw) -> LLM:
+    llm = LLM(str(path), device="cpu", attention_backend="triton", pipeline_depth=depth, block_size=4,
+              max_num_batched_tokens=16, max_num_seqs=8, num_kv_blocks=96, **kw)
+    if graph_max is not None:
+        llm.engine.runner.capture_graphs(max_batch_size=graph_max, emulate=True)
+    return llm
+
+
+@needs_triton
+@pytest.mark.parametrize("family,depth,graph_max", [("llama", 2, 8), ("qwen2", 1, 8), ("mistral", 2, 8),
+                                                    ("qwen3", 2, 2)])
+def test_triton_backend_and_graph_replay_match_hf(tiny_model_factory, family, depth, graph_max):
+    """Chunked prefills interleave with decodes; decodes replay padded graphs (graph_max=2: batches of
+    more than two decodes fall back to eager). Mistral's sliding window (24) is crossed by the longest."""
+    path, hf = tiny_model_factory(family)
+    llm = triton_llm(path, depth, graph_max)
+    prompts = make_prompts(seed=11, lengths=(3, 9, 30, 17, 6))  # 5 decodes replay the graph of 8
+    for prompt, ours in zip(prompts, run(llm, prompts)):
+        assert_matches_hf(hf, prompt, ours, NEW_TOKENS)
+    stats = llm.stats()
+    assert stats["attention_backend"] == "triton"
+    assert 0 < stats["graph_steps"] < stats["steps"]  # decodes replayed, prefills eager
+
+
+@needs_triton
+def test_graph_replay_equals_eager_token_for_token(tiny_model_factory):
+    """Same engine config with and without (emulated) graphs: identical outputs, depth 2."""
+    path, _ = tiny_model_factory("llama")
+    prompts = make_prompts(seed=12, lengths=(5, 12, 2, 21, 8))
+    eager, graphed = triton_llm(path, 2, None), triton_llm(path, 2, 8)
+    assert run(eager, prompts) == run(graphed, prompts)
+    assert eager.stats()["graph_steps"] == 0 and graphed.stats()["graph_steps"] > 0
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert capture_sizes(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        capture_sizes(0)
+
+
+def _host(**fields) -> HostInputs:
+    return HostInputs(**fields)
+
+
+def test_step_buffers_stage_pad_upload_and_gather():
+    bufs = StepBuffers(BufferLimits(max_tokens=8, max_seqs=6, max_blocks=3), torch.device("cpu"))
+    bufs.host["block_tables"].fill_(-7)  # stale staging from an earlier step must not matter
+    # two decodes, one with its token pending on the device (row 1 of the previous slot's samples)
+    h = _host(input_ids=[11, 0], positions=[4, 9], slot_mapping=[20, 41], query_lens=[1, 1], seq_lens=[5, 10],
+              block_tables=[[5, 6], [9, 10, 11]], logits_indices=[0, 1], gather_dst=[1], gather_src=[1])
+    bufs.stage(h, pad_to=4)
+    bufs.upload()
+    bufs.gather_pending(torch.tensor([70, 71, 72]))
+    d = bufs.dev
+    assert d["input_ids"][:4].tolist() == [11, 71, 0, 0]
+    assert d["positions"][:4].tolist() == [4, 9, 0, 0]
+    assert d["slot_mapping"][:4].tolist() == [20, 41, -1, -1]  # padding rows write no KV
+    assert d["seq_lens"][:4].tolist() == [5, 10, 0, 0]  # ... and attend to nothing
+    assert d["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
+    assert d["block_tables"][:2].tolist() == [[5, 6, -7], [9, 10, 11]]
+    meta = bufs.metadata(block_size=4, h=h)
+    assert meta.block_tables.shape == (4, 3) and meta.query_lens_host == [1, 1]
+    graph_meta = bufs.metadata(block_size=4, full_width=True)
+    assert graph_meta.seq_lens_host == [] and graph_meta.block_tables.data_ptr() == d["block_tables"].data_ptr()
+    # A later, smaller eager step through the same buffers: same addresses, narrower views.
+    bufs.stage(_host(input_ids=[1, 2, 3], positions=[0, 1, 2], slot_mapping=[0, 1, 2], query_lens=[3],
+                     seq_lens=[3], block_tables=[[0]], logits_indices=[2]))
+    bufs.upload()
+    meta = bufs.metadata(block_size=4)
+    assert meta.query_start_loc.tolist() == [0, 3] and meta.block_tables.tolist() == [[0]]
+    assert meta.slot_mapping.data_ptr() == d["slot_mapping"].data_ptr()
+
+
+def test_step_buffers_reject_oversized_steps():
+    bufs = StepBuffers(BufferLimits(max_tokens=2, max_seqs=2, max_blocks=1), torch.device("cpu"))
+    with pytest.raises(ValueError, match="exceeds the slot buffers"):
+        bufs.stage(_host(input_ids=[1, 2, 3], positions=[0, 1, 2], slot_mapping=[0, 1, 2], query_lens=[3],
+                         seq_lens=[3], block_tables=[[0]], logits_indices=[2]))
+
+
+# ---- the hot path does not synchronize -------------------------------------------------------------------------
+HOT_PATH = ["engine/model_runner.py", "engine/executor.py", "engine/step_buffers.py", "engine/cuda_graphs.py",
+            "engine/sampler.py", "engine/slot.py", "engine/models/decoder.py",
+            "engine/attention/triton_paged.py", "engine/attention/flash.py"]
+BANNED = re.compile(r"\.item\(\)|\.cpu\(\)|\.tolist\(\)|\.numpy\(\)|torch\.cuda\.synchronize|\.synchronize\(\)")
+# A line may still hold one of these when it reads host memory or is the one documented wait: its comment
+# says which ("# host memory", "# sync-ok: ...", or the commit's event wait).
+ALLOWED = re.compile(r"# host memory|# sync-ok:|# host views")
+
+
+def hot_path_violations(text: str) -> list[str]:
+    bad = []
+    for line in text.splitlines():
+        code = line.split("#", 1)[0]
+        if BANNED.search(code) and not ALLOWED.search(line):
+            bad.append(line.strip())
+    return bad
+
+
+def test_hot_path_has_no_synchronizing_calls():
+    found = {f: hot_path_violations((ROOT / f).read_text()) for f in HOT_PATH}
+    assert {f: v for f, v in found.items() if v} == {}
+
+
+def test_hot_path_check_catches_a_sync():
+    assert hot_path_violations("x = logits.argmax().item()\ny = t.cpu()  # why\n") == [
+        "x = logits.argmax().item()", "y = t.cpu()  # why"]
+    assert hot_path_violations("tokens = host.tolist()  # host memory\n") == []
+
+
+def test_attention_backend_is_validated(tiny_model_factory):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton, flash_attn"):
+        EngineConfig(attention_backend="xformers")
+    path, _ = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match="flash_attn"):
+        LLM(str(path), device="cpu", attention_backend="flash_attn")
+
+
+def test_every_backend_declares_whether_it_can_be_captured():
+    from engine.attention import _BACKENDS
+    assert {name: cls.supports_graphs for name, cls in _BACKENDS.items()} == {
+        "torch": False, "triton": True, "flash_attn": True}
