@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import create_engine
 from engine.outputs import RequestOutput, StepRecord
 from engine.sampling_params import SamplingParams
 
@@ -32,7 +32,7 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
-        self.engine = LLMEngine(config or EngineConfig(**kwargs))
+        self.engine = create_engine(config or EngineConfig(**kwargs))
         self.tokenizer = self.engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -85,6 +85,9 @@ class AsyncLLM:
     def check_health(self) -> None:
         if self.dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"engine loop is not running: {self.dead!r}")
+        broken = self.engine.health_error()
+        if broken is not None:
+            raise EngineDeadError(broken)
 
     def stats(self) -> dict:
         """A snapshot refreshed by the loop thread after every tick."""

@@ -43,6 +43,15 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 512 * 1024**2
     # CPU forwards run on a dedicated thread so the two slots overlap (torch ops release the GIL).
     cpu_executor_thread: bool = True
+    # Pipeline parallelism (engine/pipeline, cluster/pipeline.py): the layers split over this many stage
+    # actors; 1 = the single-device engine. The pp_* switches turn SiPipe's three techniques off for the
+    # ablation benchmark: CPU sampling on the driver, token-safe execution (two input-buffer versions per
+    # stage, prepared before the hidden states arrive), structure-aware hidden-state transmission.
+    pipeline_parallel_size: int = 1
+    pp_cpu_sampling: bool = True
+    pp_token_safe: bool = True
+    pp_structure_aware: bool = True
+    pp_stage_num_cpus: float = 1.0  # logical CPUs each stage actor reserves (plus one GPU on cuda)
 
     def __post_init__(self) -> None:
         model = str(self.model) if self.model is not None else str(DEFAULT_MODEL_DIR)
@@ -62,7 +71,15 @@ class EngineConfig:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if self.pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 or 2, got {self.pipeline_depth!r}")
-        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_executor_thread"):
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if isinstance(self.pp_stage_num_cpus, bool) or not isinstance(self.pp_stage_num_cpus, (int, float)) \
+                or self.pp_stage_num_cpus < 0:
+            raise ValueError(f"pp_stage_num_cpus must be a number >= 0, got {self.pp_stage_num_cpus!r}")
+        if self.pipeline_parallel_size > 1 and (self.num_cpu_blocks or self.swap_space_gb):
+            raise ValueError("num_cpu_blocks/swap_space_gb (KV offload) is not supported with "
+                             "pipeline_parallel_size > 1: preempted requests are soft-reset instead")
+        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_executor_thread", "pp_cpu_sampling",
+                     "pp_token_safe", "pp_structure_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import create_engine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -19,7 +19,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        self.engine = create_engine(self.config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],

@@ -52,26 +52,30 @@ class LLMEngine:
     """Single-device engine. Not thread-safe: one thread calls add_request/abort/step (the async engine
     funnels other threads' calls through its inbox)."""
 
+    # The pipeline-parallel engine samples on the host whatever device its stages run on, and schedules a
+    # sequence only when no step holds it (engine/pipeline/engine.py).
+    samples_on_host = False
+    one_step_per_seq = False
+
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = _resolve_device(config.device)
+        self.compute_device = _resolve_device(config.device)  # where forwards run
+        self.device = torch.device("cpu") if self.samples_on_host else self.compute_device  # sampling
         self.hf_config = load_hf_config(config.model)
         self.spec = model_spec(self.hf_config)
-        self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.compute_device)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
-        num_blocks = self._num_kv_blocks()
         num_cpu_blocks = self._num_cpu_blocks()
-        self.runner = ModelRunner(config, self.hf_config, self.spec, self.device, self.dtype, num_blocks,
-                                  self.max_model_len, num_cpu_blocks)
+        self.runner, num_blocks = self._make_runner(num_cpu_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduler, admission_margin=config.admission_margin,
-                                   cpu_pool=self.cpu_pool)
+                                   cpu_pool=self.cpu_pool, one_step_per_seq=self.one_step_per_seq)
         self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
                                                   sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
@@ -82,6 +86,20 @@ class LLMEngine:
         self.last_step_timing: dict[str, float] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
         self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
+
+    def _make_runner(self, num_cpu_blocks: int) -> tuple[ModelRunner, int]:
+        num_blocks = self._num_kv_blocks()
+        runner = ModelRunner(self.config, self.hf_config, self.spec, self.device, self.dtype, num_blocks,
+                             self.max_model_len, num_cpu_blocks)
+        return runner, num_blocks
+
+    def health_error(self) -> str | None:
+        """Why the engine cannot serve any more (None while it can); the replica's health check reads it."""
+        return None
+
+    def inflight_steps(self) -> list[Step]:
+        """Launched steps not yet committed, oldest first."""
+        return [self.inflight] if self.inflight is not None else []
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -181,7 +199,7 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.inflight is not None
+        return bool(self.requests) or bool(self.inflight_steps())
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -206,10 +224,13 @@ class LLMEngine:
         elif was_idle and self.scheduler.has_work():
             outputs += self._end_stuck()
         elif self.inflight is None and self.compiling and not outputs:
-            # Only grammars are left to wait for: sleep until one compiles instead of spinning.
-            wait_futures([f for _, f in self.compiling], timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+            self._wait_for_compile()
         self._note_idle()
         return outputs
+
+    def _wait_for_compile(self) -> None:
+        """Only grammars are left to wait for: sleep until one compiles instead of spinning."""
+        wait_futures([f for _, f in self.compiling], timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
 
     def _note_idle(self) -> None:
         if not self.has_unfinished():
@@ -405,7 +426,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
             "num_waiting": len(sched.waiting), "num_running": len(sched.running),
             "num_swapped": len(sched.swapped),
-            "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.compute_device), "dtype": str(self.dtype).removeprefix("torch."),
             "pipeline_depth": self.config.pipeline_depth, "num_compiling": len(self.compiling),
             "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
             "cuda_graph_max_batch_size": self.runner.graphs.sizes[-1] if self.runner.graphs else 0,
@@ -415,8 +436,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Assert block accounting; when idle, every block must be free."""
         live = {id(r.seq): r.seq for r in self.requests.values()}
-        if self.inflight is not None:  # zombies: finished, blocks held until their step drains
-            live.update((id(c.seq), c.seq) for c in self.inflight.chunks)
+        for step in self.inflight_steps():  # zombies: finished, blocks held until their step drains
+            live.update((id(c.seq), c.seq) for c in step.chunks)
         live = [s for s in live.values() if not s.released]
         self.block_manager.check_integrity(live)
         self.cpu_pool.check_integrity(c for s in self.scheduler.swapped for c in s.cpu_blocks)
@@ -464,3 +485,16 @@ def _weight_bytes(spec, dtype: torch.dtype) -> int:
     per_layer = attn + 3 * h * i
     emb = v * h * (1 if spec.tie_word_embeddings else 2)
     return (per_layer * spec.num_layers + emb) * torch.tensor([], dtype=dtype).element_size()
+
+
+def create_engine(config: EngineConfig) -> LLMEngine:
+    """The engine `config` asks for: single-device, or pipeline-parallel over Ray stage actors.
+
+    The stage actors are Ray's (cluster/pipeline.py), imported only when pipeline_parallel_size > 1, so the
+    engine package itself stays free of Ray."""
+    if config.pipeline_parallel_size > 1:
+        from cluster.pipeline import make_pipeline_engine
+
+        return make_pipeline_engine(config)
+    return LLMEngine(config)
+

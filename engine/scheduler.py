@@ -76,13 +76,17 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None):
+                 policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None,
+                 one_step_per_seq: bool = False):
         if policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        # Pipeline parallelism: a sequence rides in at most one step at a time, so the steps in flight are
+        # disjoint microbatches and a step never reads a token that is not committed yet.
+        self.one_step_per_seq = one_step_per_seq
         self.margin_blocks = math.ceil(admission_margin * block_manager.num_blocks)
         self._starved = False  # a running sequence could not get blocks in this pass
         self.cpu_pool = cpu_pool if cpu_pool is not None and cpu_pool.num_blocks else None
@@ -151,6 +155,8 @@ class Scheduler:
     def _schedulable(self, seq: Sequence) -> bool:
         # A sequence whose pending token reaches its length cap is done once that token commits: skip the
         # step that would only compute KV nobody reads (no zombie for length-capped requests).
+        if self.one_step_per_seq and seq.inflight_refs:
+            return False
         return not (seq.finalized or seq.preempted) and seq.num_total < seq.max_total_len
 
     def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, budget: list[int]) -> None:

@@ -12,6 +12,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
+from cluster.pipeline import stage_bundles
 from cluster.replica import EngineReplica
 from cluster.router import router_class
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -43,6 +44,10 @@ class AppConfig(BaseModel):
     max_queued_requests: int = Field(default=512, ge=-1)
     replica_num_cpus: float | None = Field(default=None, ge=0)
     ingress_replicas: int = Field(default=1, ge=1)
+    # Pipeline parallelism (engine field pipeline_parallel_size > 1): each replica's placement group holds
+    # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
+    # node, PACK/SPREAD let it span nodes.
+    pp_placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
     engine: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -97,7 +102,8 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
     max_ongoing = cfg.max_ongoing_requests or engine_cfg.max_num_seqs
     actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus if cfg.replica_num_cpus is not None
                                      else (1 if device == "cuda" else 0.5)}
-    if device == "cuda":
+    pp = engine_cfg.pipeline_parallel_size
+    if device == "cuda" and pp == 1:
         actor_options["num_gpus"] = 1
     options: dict[str, Any] = dict(
         name="EngineReplica", ray_actor_options=actor_options, max_ongoing_requests=max_ongoing,
@@ -107,6 +113,10 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
             request_router_class=router_class(cfg.router),
             request_routing_stats_period_s=cfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * cfg.routing_stats_period_s)))
+    if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp
+        options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
+            pp, device, engine_cfg.pp_stage_num_cpus)
+        options["placement_group_strategy"] = cfg.pp_placement_strategy
     if cfg.autoscaling:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=cfg.min_replicas if cfg.min_replicas is not None else 1,

@@ -55,6 +55,8 @@ def build(family: str, root: Path, seed: int = 0, **overrides) -> tuple[Path, to
     config = FAMILIES[family]()
     for k, v in overrides.items():
         setattr(config, k, v)
+    if getattr(config, "layer_types", None):  # one entry per layer (num_hidden_layers may be overridden)
+        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     out = root / family

@@ -133,27 +133,42 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Causal LM over a paged KV cache. `forward` returns hidden states; `logits` projects chosen rows."""
+    """Causal LM over a paged KV cache. `forward` returns hidden states; `logits` projects chosen rows.
 
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding | None, backend):
+    `layers=(start, end)` builds one pipeline stage: only decoder layers [start, end) (indexed locally from
+    0, so `kv_caches` holds this stage's layers only), the embedding on the first stage, the final norm and
+    LM head on the last (which also keeps the embedding when the checkpoint ties it to the head).
+    """
+
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding | None, backend,
+                 layers: tuple[int, int] | None = None):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layer_range = layers or (0, spec.num_layers)
+        start, end = self.layer_range
+        if not 0 <= start < end <= spec.num_layers:
+            raise ValueError(f"layer range {self.layer_range} is not within [0, {spec.num_layers}]")
+        self.is_first, self.is_last = start == 0, end == spec.num_layers
+        tied_head = self.is_last and spec.tie_word_embeddings
+        self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size)
+                             if self.is_first or tied_head else None)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(start, end))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last else None
         self.rotary = rotary
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size,
-                                                                       bias=False)
+        self.lm_head = (nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+                        if self.is_last and not spec.tie_word_embeddings else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage embeds `input_ids`; later stages continue from the previous one's `hidden`."""
+        x = self.embed_tokens(input_ids) if self.is_first else hidden  # [T, hidden]
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv, meta)
-        return self.norm(x)
+        return self.norm(x) if self.is_last else x
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[rows, vocab] float32; written into `out` (a fixed buffer) when given."""
+        """[rows, vocab] float32; written into `out` (a fixed buffer) when given. Last stage only."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         return logits.float() if out is None else out.copy_(logits)

@@ -69,10 +69,11 @@ def rope_tables(config, spec: ModelSpec, max_positions: int) -> RotaryEmbedding:
 
 
 def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
-                dtype: torch.dtype, device: torch.device) -> DecoderLM:
+                dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None) -> DecoderLM:
+    """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights."""
     rotary = rope_tables(config, spec, max_positions)  # fp32 tables, kept out of the dtype cast below
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
-        model = DecoderLM(spec, None, backend)
+        model = DecoderLM(spec, None, backend, layers)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)
     load_weights(model, model_dir)
@@ -92,14 +93,15 @@ def _safetensors_files(model_dir: str) -> list[Path]:
 
 
 def load_weights(model: DecoderLM, model_dir: str) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; fail naming what is missing."""
+    """Copy every checkpoint tensor the model holds into its (possibly fused) parameter; fail naming what
+    is missing. A pipeline stage reads only its own tensors (safetensors loads lazily, by name)."""
     params = dict(model.named_parameters())
     filled: set[tuple[str, int]] = set()
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = _map_name(name, model.spec)
-                if target is None:
+                target = _map_name(name, model.spec, model.layer_range[0])
+                if target is None or target[0] not in params:
                     continue
                 pname, shard = target
                 _copy_into(pname, params[pname], f.get_tensor(name), shard, model.spec)
@@ -110,8 +112,9 @@ def load_weights(model: DecoderLM, model_dir: str) -> None:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for {[m[0] for m in missing[:8]]}")
 
 
-def _map_name(name: str, spec: ModelSpec) -> tuple[str, int] | None:
-    """HF tensor name -> (our parameter name, shard index within a fused parameter)."""
+def _map_name(name: str, spec: ModelSpec, first_layer: int = 0) -> tuple[str, int] | None:
+    """HF tensor name -> (our parameter name, shard index within a fused parameter); layer indices are
+    made local to a stage starting at `first_layer` (names outside the stage are simply not parameters)."""
     if name == "model.embed_tokens.weight":
         return "embed_tokens.weight", 0
     if name == "model.norm.weight":
@@ -121,7 +124,7 @@ def _map_name(name: str, spec: ModelSpec) -> tuple[str, int] | None:
     m = _LAYER_RE.match(name)
     if not m or "rotary_emb" in name:
         return None
-    layer, rest = m.groups()
+    layer, rest = int(m.group(1)) - first_layer, m.group(2)
     for proj, fused, shard in (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1),
                                ("v_proj", "qkv_proj", 2), ("gate_proj", "gate_up_proj", 0),
                                ("up_proj", "gate_up_proj", 1)):

@@ -1,0 +1,192 @@
+"""Pipeline stages as Ray actors, wired together by a Ray compiled graph.
+
+One stage group per engine replica: p StageActors, each holding a contiguous slice of the layers and its
+slice of the paged KV cache (engine/pipeline/stage.py), ganged by a placement group — the Serve replica's
+own when there is one (build_app adds a bundle per stage to the deployment), else one made here
+(STRICT_PACK: one node; PACK lets the stages spread over nodes). The driver (the engine replica, or the
+offline LLM's process) sends each step once into the graph; every stage reads it from the graph's input,
+hidden states go stage to stage, the last stage's logits come back to the driver.
+
+Transport: Ray's compiled graphs (`experimental_compile`) with NCCL between GPU stages and shared-memory
+channels on CPU; the graph keeps p executions in flight, so all stages work on different microbatches at
+once. Structure-aware transmission maps onto the channel's `_static_shape`/`_direct_return` hints: a stage
+sends its hidden states in a fixed layout, so the receiver pre-allocates and no shape metadata travels.
+
+A stage actor that dies breaks the graph: every in-flight and later step fails (its requests end with an
+error, never hang), `healthy()` turns False, and the replica's health check fails so Serve replaces the
+replica, which builds a fresh stage group.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import ray
+from ray.dag import InputNode
+from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.pipeline.stage import StageBatch, StageSpec, StageWorker
+
+logger = logging.getLogger(__name__)
+
+STAGE_START_TIMEOUT_S = 300.0
+
+
+class StageActor:
+    """A StageWorker in its own actor (one GPU each on CUDA; inside the actor it is cuda:0)."""
+
+    def __init__(self, spec: StageSpec):
+        self.worker = StageWorker(spec)
+
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_kv_blocks
+
+    def prepare(self, batch: StageBatch) -> int:
+        return self.worker.prepare(batch)
+
+    def forward(self, version: int, hidden):
+        return self.worker.forward(version, hidden)
+
+    def run(self, batch: StageBatch, hidden):
+        return self.worker.run(batch, hidden)
+
+    def take_busy_s(self) -> float:
+        return self.worker.take_busy_s()
+
+    def backend_name(self) -> str:
+        return type(self.worker.backend).__name__
+
+
+def stage_bundles(num_stages: int, device: str, stage_num_cpus: float) -> list[dict]:
+    """One placement-group bundle per stage."""
+    return [{"GPU": 1, "CPU": stage_num_cpus} if device == "cuda" else {"CPU": stage_num_cpus}
+            for _ in range(num_stages)]
+
+
+class RayStageGroup:
+    """The StageGroup (engine/pipeline/runner.py) of Ray actors driven through a compiled graph.
+
+    `first_bundle`: index of the first stage's bundle in the current placement group (a Serve replica
+    reserves bundle 0 for itself); used only when the caller runs inside a placement group."""
+
+    def __init__(self, specs: list[StageSpec], stage_num_cpus: float = 1.0, strategy: str = "STRICT_PACK",
+                 first_bundle: int = 1):
+        if not ray.is_initialized():
+            ray.init()
+        self.num_stages = len(specs)
+        self.device = specs[0].device
+        self._own_pg = None
+        pg, offset = get_current_placement_group(), first_bundle
+        if pg is None:
+            pg = self._own_pg = placement_group(stage_bundles(self.num_stages, self.device, stage_num_cpus),
+                                                strategy=strategy)
+            ray.get(pg.ready(), timeout=STAGE_START_TIMEOUT_S)
+            offset = 0
+        actor_cls = ray.remote(StageActor)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=stage_num_cpus, num_gpus=1 if self.device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=offset + i)).remote(spec)
+            for i, spec in enumerate(specs)]
+        try:
+            self.num_kv_blocks = min(ray.get([a.num_kv_blocks.remote() for a in self.actors],
+                                             timeout=STAGE_START_TIMEOUT_S))
+            backend = ray.get(self.actors[0].backend_name.remote())
+        except Exception:
+            self.shutdown()
+            raise
+        self.transport = "nccl" if self.device == "cuda" else "shm"
+        self.description = f"pipeline x{self.num_stages} over Ray ({self.transport}, {backend})"
+        self.dag = self._compile(specs[0])
+        self.error: BaseException | None = None
+
+    def _compile(self, spec: StageSpec):
+        """InputNode -> stage 0 -> ... -> stage p-1 -> driver. With token-safe execution each stage's
+        prepare is its own node reading only the graph input, so it runs before upstream hidden states
+        arrive; without, a stage prepares only after it has received them."""
+        with InputNode() as batch:
+            hidden = None
+            for i, actor in enumerate(self.actors):
+                if spec.token_safe:
+                    hidden = actor.forward.bind(actor.prepare.bind(batch), hidden)
+                else:
+                    hidden = actor.run.bind(batch, hidden)
+                if i < self.num_stages - 1:
+                    hidden = hidden.with_tensor_transport(
+                        transport=self.transport, _static_shape=spec.structure_aware,
+                        _direct_return=spec.structure_aware)
+        return hidden.experimental_compile(_max_inflight_executions=self.num_stages + 1)
+
+    def submit(self, batch: StageBatch) -> Future:
+        """Start a step; the Future resolves to the last stage's output (raises if a stage failed)."""
+        if self.error is not None:
+            return _failed(RuntimeError(f"pipeline stage group is broken: {self.error!r}"))
+        try:
+            ref = self.dag.execute(batch)
+        except Exception as exc:  # a dead stage closes the graph's channels
+            return self._broken(exc)
+        return _LazyResult(ref, self)
+
+    def _broken(self, exc: BaseException) -> Future:
+        if self.error is None:
+            logger.error("pipeline stage group failed: %r", exc)
+            self.error = exc
+        return _failed(exc)
+
+    def healthy(self) -> bool:
+        return self.error is None
+
+    def busy_seconds(self) -> list[float]:
+        """Not through the graph (an actor runs one thing at a time): call between steps, when idle."""
+        return ray.get([a.take_busy_s.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        dag, self.dag = getattr(self, "dag", None), None
+        if dag is not None:
+            try:
+                dag.teardown()
+            except Exception:  # noqa: BLE001 - a broken graph may fail to tear down cleanly
+                logger.debug("compiled graph teardown failed", exc_info=True)
+        actors, self.actors = getattr(self, "actors", []), []
+        if not ray.is_initialized():  # the session is gone, and its actors with it
+            return
+        for actor in actors:
+            ray.kill(actor)
+        if self._own_pg is not None:
+            remove_placement_group(self._own_pg)
+            self._own_pg = None
+
+
+class _LazyResult(Future):
+    """A Future over a CompiledDAGRef: its value is fetched (once) when first asked for."""
+
+    def __init__(self, ref, group: RayStageGroup):
+        super().__init__()
+        self._ref, self._group = ref, group
+
+    def result(self, timeout=None):
+        if not self.done():
+            try:
+                self.set_result(ray.get(self._ref))
+            except Exception as exc:  # noqa: BLE001 - a stage died or raised: fail this step
+                if isinstance(exc, (ray.exceptions.RayChannelError, ray.exceptions.ActorDiedError,
+                                    ray.exceptions.RayActorError)):
+                    self._group._broken(exc)
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
+def _failed(exc: BaseException) -> Future:
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
+
+
+def make_pipeline_engine(config):
+    """The engine for `pipeline_parallel_size > 1`: the driver here, the stages as Ray actors."""
+    from engine.pipeline import PipelineEngine
+
+    return PipelineEngine(config, lambda specs: RayStageGroup(specs, stage_num_cpus=config.pp_stage_num_cpus))

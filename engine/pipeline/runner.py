@@ -1,0 +1,120 @@
+"""The driver's side of a pipeline-parallel engine: plans go out to the stages, logits come back, the
+driver samples them on its CPU (SiPipe's CPU sampling, so the last stage is not the straggler).
+
+It keeps the ModelRunner's step interface (launch / finalize / wait) and reuses its host-input assembly,
+sampling job and result reading; what differs is where the forward runs. One DecodeSlot per microbatch in
+flight (one per stage) holds the returned logits, the sampled tokens and the host buffers the commit reads.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.executor import FWD_END, FWD_START, InlineExecutor
+from engine.model_runner import ModelRunner
+from engine.models.decoder import ModelSpec
+from engine.pipeline.stage import StageBatch
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from engine.slot import DecodeSlot, Step
+from engine.step_buffers import BufferLimits
+from engine.structured import allocate_bitmask
+
+
+class StageGroup(Protocol):
+    """The stages of one pipeline, however they are reached (Ray actors, or in process)."""
+
+    num_stages: int
+    num_kv_blocks: int  # the smallest KV capacity over the stages: what the driver's block manager gets
+    description: str
+    error: BaseException | None
+
+    def submit(self, batch: StageBatch) -> Future:
+        """Start `batch` through every stage; the Future gives the last stage's output."""
+
+    def busy_seconds(self) -> list[float]:
+        """Each stage's busy time since the last call (prepare + forward)."""
+
+    def healthy(self) -> bool:
+        """False once a stage has died: every later step fails (`error` says why)."""
+
+    def shutdown(self) -> None: ...
+
+
+class PipelineRunner(ModelRunner):
+    """Driver-side runner: no model, no KV cache; the stages hold those."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, stages: StageGroup, limits: BufferLimits):
+        # Deliberately not ModelRunner.__init__: nothing here lives on an accelerator.
+        self.config = config
+        self.spec = spec
+        self.device = torch.device("cpu")
+        self.block_size = config.block_size
+        self.stages = stages
+        self.backend_name = stages.description
+        self.model = self.kv_cache = self.offloader = self.graphs = None
+        self.sampler = Sampler(config.seed, self.device)
+        self.limits = limits
+        self.slots = [DecodeSlot(i, limits, spec.vocab_size, self.device) for i in range(stages.num_stages)]
+        self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size) for _ in self.slots]
+        self.executor = InlineExecutor()
+        self.sample_on_stage = not config.pp_cpu_sampling
+        self._next_step_id = 0
+
+    def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None = None) -> Step:
+        """Send a planned microbatch down the pipeline. Every token it reads is committed already: the
+        pipeline engine never schedules a sequence that is still in flight."""
+        sample_chunks = [c for c in sched.chunks if c.samples]
+        step = Step(self._next_step_id, slot, sched.chunks, sample_chunks, sched.num_tokens, time.monotonic())
+        self._next_step_id += 1
+        slot.busy = True
+        host = self._host_inputs(step, None)
+        sampling = _row_params([c.seq for c in sample_chunks]) if self.sample_on_stage else None
+        self.executor.mark(step.id, FWD_START)
+        step.forward = self.stages.submit(StageBatch(step.id, host, sampling))
+        return step
+
+    def finalize(self, step: Step) -> None:
+        """Wait for the step's logits, then sample them here (or take the tokens the last stage sampled)."""
+        try:
+            out = step.forward.result()
+        except Exception as exc:  # delivered at wait(), which fails the step's requests
+            step.sample = _failed(exc)
+            return
+        self.executor.mark(step.id, FWD_END)
+        n = len(step.sample_chunks)
+        if self.sample_on_stage:
+            step.slot.sampled[:n].copy_(out)
+            step.slot.host_sampled[:n].copy_(out)
+            step.sample = _done()
+            return
+        if n:
+            step.slot.logits[:n].copy_(out)
+        super().finalize(step)
+
+    def shutdown(self) -> None:
+        self.stages.shutdown()
+
+
+def _row_params(seqs) -> dict[str, list]:
+    ps = [s.params for s in seqs]
+    return {"temperature": [p.temperature if p.temperature > 0 else 1.0 for p in ps],
+            "greedy": [p.greedy for p in ps], "top_k": [p.top_k if p.top_k > 0 else 1 << 30 for p in ps],
+            "top_p": [p.top_p for p in ps], "min_p": [p.min_p for p in ps]}
+
+
+def _failed(exc: Exception) -> Future:
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
+
+
+def _done() -> Future:
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut

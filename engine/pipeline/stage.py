@@ -1,0 +1,209 @@
+"""One pipeline stage: a contiguous slice of the model's layers and the matching slice of the paged KV cache.
+
+A stage only runs forwards. The driver (engine/pipeline/engine.py) owns the scheduler, the block manager
+(one block table for all stages: block ids mean the same thing on every stage), the sampler and the
+detokenizer; each step it sends every stage the same `StageBatch` (the token layout of the step), and the
+stages pass hidden states down the line. The last stage returns the logits of the sampling rows, or, in
+the SiPipe ablation without CPU sampling, the sampled tokens.
+
+Token-safe execution (SiPipe's TSEM): `prepare(batch)` writes a step's inputs into one of two versions of
+the stage's fixed-address input buffers (version = step id % 2) and `forward(version, hidden)` runs the
+layers on that version. The transport runs `prepare` as its own task, so a stage prepares step i while it
+still waits for step i's hidden states from upstream; with two versions the staging of step i+1 can never
+overwrite what step i's (possibly still queued, on CUDA) uploads and forward read.
+
+No Ray here: cluster/pipeline.py wraps a StageWorker in an actor; engine/pipeline/local.py calls it in
+process (tests, and the single-stage baseline of the benchmark).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import get_backend, resolve_backend
+from engine.models import build_model, load_hf_config, model_spec
+from engine.sampler import Sampler, SamplingBatch
+from engine.slot import HostInputs
+from engine.step_buffers import BufferLimits, StepBuffers
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """Everything a stage needs to start (picklable: it travels to the stage actor)."""
+
+    model: str
+    index: int
+    num_stages: int
+    layers: tuple[int, int]  # [start, end) in the full model's numbering
+    block_size: int
+    limits: BufferLimits
+    max_model_len: int
+    dtype: str  # a torch dtype name, e.g. "float32"
+    device: str  # "cpu" | "cuda" (inside a Ray actor the visible GPU is cuda:0)
+    attention_backend: str = "auto"
+    num_kv_blocks: int | None = None  # None: size from the stage's own memory (see kv_capacity)
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_bytes: int = 512 * 1024**2
+    token_safe: bool = True  # two input-buffer versions (TSEM); False: one, prepared after the hidden arrives
+    # Structure-aware transmission (SAT): hidden states leave in a fixed [max_tokens, hidden] layout, so the
+    # receiver knows shape and dtype in advance and takes the step's rows by the token count it already has
+    # from its StageBatch. False: a dict with the tensor and its metadata (structure-unaware).
+    structure_aware: bool = True
+    sample_on_stage: bool = False  # last stage samples (the ablation of SiPipe's CPU sampling)
+    seed: int = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+@dataclass(slots=True)
+class StageBatch:
+    """One step as every stage sees it: the host-side token layout (and, when the last stage samples,
+    the per-row sampling parameters). Sent once per step to all stages; hidden states travel separately."""
+
+    step_id: int
+    inputs: HostInputs
+    sampling: dict[str, list] | None = None  # temperature, greedy, top_k, top_p, min_p (sample_on_stage)
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous, as even as possible; the remainder goes to the first stages (the last one also runs
+    the final norm and the LM head)."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"pipeline_parallel_size must be in [1, {num_layers}] (the model has {num_layers} "
+                         f"layers), got {num_stages}")
+    base, extra = divmod(num_layers, num_stages)
+    bounds, start = [], 0
+    for i in range(num_stages):
+        end = start + base + (i < extra)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class StageWorker:
+    """Holds one stage's weights and KV slice and runs its part of each step's forward."""
+
+    def __init__(self, spec: StageSpec):
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        dtype = getattr(torch, spec.dtype)
+        hf_config = load_hf_config(spec.model)
+        self.model_spec = model_spec(hf_config)
+        backend_name = resolve_backend(spec.attention_backend, self.device, spec.block_size)
+        self.backend = get_backend(backend_name, sliding_window=self.model_spec.sliding_window)
+        self.model = build_model(spec.model, hf_config, self.model_spec, spec.max_model_len, self.backend,
+                                 dtype, self.device, layers=spec.layers)
+        self.num_kv_blocks = spec.num_kv_blocks or self.kv_capacity(dtype)
+        n_layers = spec.layers[1] - spec.layers[0]
+        ms = self.model_spec
+        self.kv_cache = torch.zeros((n_layers, 2, self.num_kv_blocks, spec.block_size, ms.num_kv_heads,
+                                     ms.head_dim), dtype=dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(n_layers)]
+        self.buffers = [StepBuffers(spec.limits, self.device) for _ in range(2 if spec.token_safe else 1)]
+        self.hosts: list[HostInputs | None] = [None] * len(self.buffers)
+        self.sampling: list[dict | None] = [None] * len(self.buffers)
+        # SAT: one fixed-layout output buffer per input version (a send may still read the previous one).
+        # Only on CUDA, where the channel is NCCL and the fixed shape lets Ray skip the shape exchange; the
+        # CPU channel serializes whatever it is given, so there the bare [T, hidden] tensor is sent.
+        fixed = spec.structure_aware and not spec.is_last and self.device.type == "cuda"
+        self.out_bufs = [torch.zeros(spec.limits.max_tokens, ms.hidden_size, dtype=dtype, device=self.device)
+                         for _ in self.buffers] if fixed else None
+        self.sampler = Sampler(spec.seed, self.device) if spec.is_last and spec.sample_on_stage else None
+        self.busy_s = 0.0  # time spent in prepare + forward (the stage's busy fraction, for the benchmark)
+
+    def kv_capacity(self, dtype: torch.dtype) -> int:
+        """KV blocks this stage's memory holds for its own layers (the driver uses the smallest over stages)."""
+        ms, spec = self.model_spec, self.spec
+        elem = torch.tensor([], dtype=dtype).element_size()
+        per_block = 2 * (spec.layers[1] - spec.layers[0]) * spec.block_size * ms.num_kv_heads * ms.head_dim * elem
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * spec.gpu_memory_utilization)
+        else:
+            budget = spec.cpu_kv_cache_bytes
+        useful = spec.limits.max_seqs * -(-spec.max_model_len // spec.block_size)
+        return max(1, min(useful, budget // per_block))
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def prepare(self, batch: StageBatch) -> int:
+        """Stage and upload `batch` into its buffer version; returns the version for forward()."""
+        t0 = _now()
+        version = batch.step_id % len(self.buffers)
+        bufs = self.buffers[version]
+        bufs.stage(batch.inputs)
+        bufs.upload()
+        self.hosts[version] = batch.inputs
+        self.sampling[version] = batch.sampling
+        self.busy_s += _now() - t0
+        return version
+
+    @torch.inference_mode()
+    def forward(self, version: int, hidden) -> torch.Tensor | dict:
+        """Run this stage's layers on the prepared step. Returns its hidden states (see `_send`), or on the
+        last stage float32 logits [rows, vocab] (sampled token ids [rows] when it samples), on the host."""
+        t0 = _now()
+        bufs, host = self.buffers[version], self.hosts[version]
+        meta = bufs.metadata(self.spec.block_size, host)
+        self.backend.prepare(meta)
+        t = bufs.num_tokens
+        ids = bufs.dev["input_ids"][:t] if self.spec.is_first else None
+        if hidden is not None:
+            hidden = _received(hidden)[:t].to(self.device, non_blocking=True)  # [T, hidden]
+        x = self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden)
+        out = self._last_stage_output(x, bufs, version) if self.spec.is_last else self._send(x, version)
+        self.busy_s += _now() - t0
+        return out
+
+    def _send(self, x: torch.Tensor, version: int):
+        if not self.spec.structure_aware:  # the receiver learns the layout from metadata sent along
+            return {"hidden": x, "shape": tuple(x.shape), "dtype": str(x.dtype)}
+        if self.out_bufs is None:
+            return x  # [T, hidden]: the receiver knows T from its StageBatch
+        buf = self.out_bufs[version]
+        buf[:x.shape[0]].copy_(x)
+        return buf  # [max_tokens, hidden]: always the same shape and dtype
+
+    def _last_stage_output(self, x: torch.Tensor, bufs: StepBuffers, version: int) -> torch.Tensor:
+        rows = x.index_select(0, bufs.dev["logits_indices"][:bufs.num_rows])
+        out = self.model.logits(rows)  # [rows, vocab] float32
+        if self.sampler is not None:
+            out = self.sampler(out, _stage_sampling_batch(self.sampling[version], self.device)).tokens
+        return out.cpu()  # the driver samples (or commits) on the host; a no-op on cpu
+
+    def run(self, batch: StageBatch, hidden: torch.Tensor | None) -> torch.Tensor:
+        """prepare + forward in one call (the transport without token-safe execution)."""
+        return self.forward(self.prepare(batch), hidden)
+
+    def take_busy_s(self) -> float:
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
+
+
+def _received(hidden) -> torch.Tensor:
+    return hidden["hidden"] if isinstance(hidden, dict) else hidden
+
+
+def _stage_sampling_batch(params: dict[str, list], device: torch.device) -> SamplingBatch:
+    """The plain per-row parameters the driver shipped (no seeds, penalties, masks or logprobs: the
+    ablation rejects requests that need them)."""
+    def t(name, dtype):
+        return torch.tensor(params[name], dtype=dtype, device=device)
+    greedy = params["greedy"]
+    return SamplingBatch(
+        temperature=t("temperature", torch.float32), greedy=t("greedy", torch.bool),
+        top_k=t("top_k", torch.long), top_p=t("top_p", torch.float32), min_p=t("min_p", torch.float32),
+        penalties=[], banned=[], generators=[None] * len(greedy), num_logprobs=-1, all_greedy=all(greedy),
+        logit_bias=[], bitmask=None, bitmask_rows=[])
+
+
+def _now() -> float:
+    return time.perf_counter()
