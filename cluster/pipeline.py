@@ -20,6 +20,7 @@ replica, which builds a fresh stage group.
 from __future__ import annotations
 
 import logging
+import uuid
 from concurrent.futures import Future
 
 import ray
@@ -85,9 +86,10 @@ class RayStageGroup:
             ray.get(pg.ready(), timeout=STAGE_START_TIMEOUT_S)
             offset = 0
         actor_cls = ray.remote(StageActor)
+        self.name = f"tandem-pp-{uuid.uuid4().hex[:8]}"  # unique: two groups on one node never collide
         self.actors = [
             actor_cls.options(
-                num_cpus=stage_num_cpus, num_gpus=1 if self.device == "cuda" else 0,
+                name=f"{self.name}-stage{i}", num_cpus=stage_num_cpus, num_gpus=1 if self.device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=offset + i)).remote(spec)
             for i, spec in enumerate(specs)]

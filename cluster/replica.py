@@ -13,6 +13,10 @@ from cluster.metrics import EngineMetrics
 from cluster.protocol import GenerateChunk, GenerateRequest
 
 
+class EngineRequestError(RuntimeError):
+    """The engine ended a request because of a failure, not because the client or a limit stopped it."""
+
+
 class EngineReplica:
     """One engine per replica: one GPU when CUDA is visible (inside the actor it is cuda:0), else CPU."""
 
@@ -27,6 +31,10 @@ class EngineReplica:
         last_token_time = None
         async for out in self.llm.generate(request.prompt_token_ids, request.params, request.request_id):
             last_token_time = self.metrics.output(out, last_token_time)
+            if out.finish_reason == "abort" and out.error is not None:
+                # The engine failed the request (a failed step, a dead pipeline stage): an error for the
+                # client (an SSE error event, or a 500), not a normal-looking "abort" finish.
+                raise EngineRequestError(out.error)
             yield GenerateChunk.from_output(out)
 
     async def abort(self, request_id: str) -> None:
