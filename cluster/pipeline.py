@@ -172,7 +172,10 @@ class _LazyResult(Future):
     def result(self, timeout=None):
         if not self.done():
             try:
-                self.set_result(ray.get(self._ref))
+                # No timeout (Ray's default get timeout is 10 s: a long prefill on a slow stage is not a
+                # failure); a dead stage still ends the wait, as the graph tears itself down and the read
+                # raises RayChannelError.
+                self.set_result(self._ref.get(timeout=-1))
             except Exception as exc:  # noqa: BLE001 - a stage died or raised: fail this step
                 if isinstance(exc, (ray.exceptions.RayChannelError, ray.exceptions.ActorDiedError,
                                     ray.exceptions.RayActorError)):

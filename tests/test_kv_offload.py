@@ -327,11 +327,12 @@ def test_seeded_sampling_under_kv_pressure_equals_unpressured_run(tiny_model_fac
         assert llm.stats()["num_preemptions"] > 0
 
 
-def test_pathological_workload_makes_forward_progress(tiny_model_factory):
+@pytest.mark.parametrize("num_cpu_blocks", [16, 0], ids=["offload", "soft_reset"])
+def test_pathological_workload_makes_forward_progress(tiny_model_factory, num_cpu_blocks):
     """Twelve requests each needing 8 of the 12 blocks, all arriving at once, no margin: only one fits at a
     time once they grow. Every request still finishes with its full output, in a bounded number of steps."""
     path, hf = tiny_model_factory("llama")
-    llm = LLM(str(path), block_size=4, num_kv_blocks=12, num_cpu_blocks=16, admission_margin=0.0)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=12, num_cpu_blocks=num_cpu_blocks, admission_margin=0.0)
     prompts = make_prompts(seed=15, lengths=(6,) * 12)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = _run(llm, prompts, params)

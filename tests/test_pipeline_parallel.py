@@ -86,6 +86,23 @@ def test_local_stages_match_hf_and_single_engine(deep_models, family, stages):
     assert engine.stats()["steps"] > MAX_NEW
 
 
+def test_local_stages_under_kv_pressure_soft_reset_and_match_hf(deep_models):
+    """Too few KV blocks: running sequences are preempted (soft reset; a victim still in flight gives its
+    blocks back when its step commits) and every output still equals HF's."""
+    path, hf = deep_models("llama")
+    prompts = make_prompts(seed=7, lengths=(6,) * 8)
+    cfg = EngineConfig(model=str(path), block_size=4, num_kv_blocks=14, admission_margin=0.0,
+                       pipeline_parallel_size=2)
+    engine = PipelineEngine(cfg, LocalStageGroup)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = run_engine(engine, prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == 24
+        assert_matches_hf(hf, prompt, out.token_ids, n=24)
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_soft_resets"] > 0, stats
+
+
 def test_local_stages_prefix_cache_and_seeded_sampling_match_single_engine(deep_models):
     path, _ = deep_models("qwen3")
     shared = make_prompts(seed=2, lengths=(23,))[0]
