@@ -92,6 +92,37 @@ def measure(name: str, engine, prompts, params, repeats: int) -> dict:
     return row
 
 
+# key -> (label, stages: 0 = the plain single engine, -1 = --stages, switches)
+CONFIGS = {
+    "single": ("single engine (no Ray)", 0, {}),
+    "p1": ("p=1 (one stage actor)", 1, {}),
+    "all": ("p={p} SiPipe (all on)", -1, {}),
+    "no_cpu_sampling": ("p={p} w/o CPU sampling", -1, {"pp_cpu_sampling": False}),
+    "no_tsem": ("p={p} w/o token-safe exec", -1, {"pp_token_safe": False}),
+    "no_sat": ("p={p} w/o structure-aware tx", -1, {"pp_structure_aware": False}),
+    "none": ("p={p} none of the three", -1, {"pp_cpu_sampling": False, "pp_token_safe": False,
+                                             "pp_structure_aware": False}),
+}
+
+
+def run_config(key: str, model: str, args, prompts, params) -> dict:
+    label, stages, switches = CONFIGS[key]
+    label = label.format(p=args.stages)
+    if stages == 0:
+        llm = LLM(model, device="cpu", max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False)
+        try:
+            return {"key": key, **measure(f"{label}, {torch.get_num_threads()} thr", llm.engine, prompts, params,
+                                          args.repeats)}
+        finally:
+            llm.shutdown()
+    engine = make_pipeline(model, args, args.stages if stages < 0 else stages, **switches)
+    try:
+        return {"key": key, **measure(label, engine, prompts, params, args.repeats)}
+    finally:
+        engine.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stages", type=int, default=2)
@@ -113,6 +144,8 @@ def main() -> None:
     ap.add_argument("--max-position", type=int, default=1024)
     ap.add_argument("--init-std", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default=",".join(CONFIGS),
+                    help=f"comma-separated subset of {','.join(CONFIGS)} (the first two are the baselines)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -127,32 +160,15 @@ def main() -> None:
             "requests": args.requests, "stage_cpus": args.stage_cpus}
     print(f"machine: {info['machine']['cpu']} ({info['machine']['cores']} cores), device: cpu stages "
           f"({args.stage_cpus} CPU each), model {info['model']}", flush=True)
-    rows = []
     torch.set_num_threads(max(1, int(args.stage_cpus)))  # the single engine gets what one stage gets
-    llm = LLM(model, device="cpu", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-              enable_prefix_caching=False)
-    rows.append(measure(f"single engine (no Ray, {torch.get_num_threads()} thr)", llm.engine, prompts, params,
-                        args.repeats))
-    llm.shutdown()
-    p = args.stages
-    for name, stages, switches in [
-            ("p=1 (one stage actor)", 1, {}),
-            (f"p={p} SiPipe (all on)", p, {}),
-            (f"p={p} w/o CPU sampling", p, {"pp_cpu_sampling": False}),
-            (f"p={p} w/o token-safe exec", p, {"pp_token_safe": False}),
-            (f"p={p} w/o structure-aware tx", p, {"pp_structure_aware": False}),
-            (f"p={p} none of the three", p, {"pp_cpu_sampling": False, "pp_token_safe": False,
-                                              "pp_structure_aware": False})]:
-        engine = make_pipeline(model, args, stages, **switches)
-        try:
-            rows.append(measure(name, engine, prompts, params, args.repeats))
-        finally:
-            engine.shutdown()
-    base = rows[1]["tok_s"]
-    print(f"p={p} vs p=1 throughput: {rows[2]['tok_s'] / base:.2f}x")
+    rows = [run_config(key, model, args, prompts, params) for key in args.only.split(",")]
+    by_key = {r["key"]: r for r in rows}
+    if "p1" in by_key and "all" in by_key:
+        print(f"p={args.stages} vs p=1 throughput: {by_key['all']['tok_s'] / by_key['p1']['tok_s']:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**info, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({**info, "args": {k: str(v) for k, v in vars(args).items()},
+                                         "rows": rows}, indent=2))
     ray.shutdown()
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Serve overhead and routing: TTFT and throughput through HTTP vs the engine called directly,
-1 vs 2 replicas, prefix-aware routing vs Serve's power-of-two-choices, on a shared-prefix workload.
+1 vs 2 replicas, prefix-aware routing vs Serve's power-of-two-choices, on a shared-prefix workload, and the
+TTFT floor of Ray Serve itself (an app of the same shape with no engine) to split the overhead.
 
     RAY_AUTH_MODE=disabled python bench/bench_serve.py --json bench/results/serve_cpu.json
 
@@ -166,6 +167,51 @@ def bench_serve(setting: str, app_args: dict, port: int, warm, prompts, args) ->
     return results
 
 
+def floor_app(max_tokens: int):
+    """Ray Serve alone, shaped like Tandem's path (HTTP proxy -> FastAPI ingress -> streaming handle call to
+    a second deployment -> SSE), with no engine and no tokenizer: each "token" is yielded at once. Its TTFT
+    is the part of Tandem's HTTP overhead that Serve itself costs on this machine."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    api = FastAPI()
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class EchoEngine:
+        async def generate(self, n: int):
+            for i in range(n):
+                yield i
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    @serve.ingress(api)
+    class EchoIngress:
+        def __init__(self, engine):
+            self.engine = engine.options(stream=True)
+
+        @api.post("/v1/completions")
+        async def completions(self, request: Request):
+            body = await request.json()
+            stream = self.engine.generate.remote(body["max_tokens"])
+
+            async def sse():
+                async for i in stream:
+                    yield "data: " + json.dumps({"choices": [{"text": f" t{i}", "finish_reason": None}]}) + "\n\n"
+                usage = {"completion_tokens": body["max_tokens"]}
+                yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\ndata: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+    return EchoIngress.bind(EchoEngine.bind())
+
+
+def bench_floor(port: int, warm, prompts, args) -> list[Result]:
+    serve.run(floor_app(args.max_tokens), name=APP, route_prefix="/")
+    asyncio.run(run_http(port, warm, args, args.concurrency))
+    subset = prompts[: args.ttft_requests]
+    result = summarize("Serve floor (no engine)", subset, 1, asyncio.run(run_http(port, subset, args, 1)))
+    serve.delete(APP)
+    return [result]
+
+
 def bench_direct(warm, prompts, args) -> list[Result]:
     llm = AsyncLLM(**args.engine)
     asyncio.run(run_direct(llm, warm, args, args.concurrency))
@@ -214,6 +260,7 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
+        results += bench_floor(port, warm, prompts, args)
         for setting, app_args in [("http, 1 replica", {"num_replicas": 1}),
                                   ("http, 2 replicas, prefix_aware", {"num_replicas": 2, "router": "prefix_aware"}),
                                   ("http, 2 replicas, pow2", {"num_replicas": 2, "router": "pow2"})]:
@@ -238,8 +285,12 @@ def report(results: list[Result], args) -> None:
     http1 = next(r for r in results if r.setting == "http, 1 replica" and r.concurrency == 1)
     direct_c = next(r for r in results if r.setting.startswith("direct") and r.concurrency > 1)
     http_c = next(r for r in results if r.setting == "http, 1 replica" and r.concurrency > 1)
+    floor = next((r for r in results if r.setting.startswith("Serve floor")), None)
     print(f"Serve TTFT overhead at concurrency 1: {http1.ttft_p50_ms - direct1.ttft_p50_ms:+.1f} ms (p50); "
           f"throughput http/direct at concurrency {args.concurrency}: {http_c.output_tok_s / direct_c.output_tok_s:.2f}")
+    if floor is not None:
+        print(f"of which Ray Serve alone (a no-engine app of the same shape): {floor.ttft_p50_ms:.1f} ms (p50); "
+              f"Tandem's own HTTP-side work: {http1.ttft_p50_ms - direct1.ttft_p50_ms - floor.ttft_p50_ms:+.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "engine"},
