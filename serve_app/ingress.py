@@ -6,6 +6,7 @@ picks the replica. Streamed chunks are flushed as soon as each engine commit arr
 
 # No `from __future__ import annotations`: FastAPI must see the real request-model classes.
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -48,7 +49,10 @@ async def _first_chunk(stream) -> GenerateChunk:
     try:
         return await stream.__anext__()
     except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
-        stream.cancel()
+        # cancel() re-raises the rejection of a call Serve never assigned (BackPressureError): that must not
+        # replace the OpenAI error (Serve would answer with its own plain-text 503 and no Retry-After).
+        with contextlib.suppress(Exception):
+            stream.cancel()
         raise from_engine_failure(exc) from None
 
 
