@@ -19,6 +19,12 @@ _PROMPT_CONTEXT = 4  # prompt tokens primed into the stream so the first output 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         context = prompt_token_ids[-_PROMPT_CONTEXT:]
+        # A prompt (given as token ids) may end inside a UTF-8 character: its text then ends in U+FFFD, and
+        # once output bytes follow, the stream's prefix no longer lines up with the text, so prompt text
+        # would leak into the output. Prime only up to the last whole character.
+        while context and tokenizer.decode(context, skip_special_tokens=params.skip_special_tokens).endswith(
+                "\ufffd"):
+            context = context[:-1]
         self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
         self._tokenizer = tokenizer
         self._stops = params.stop_strings

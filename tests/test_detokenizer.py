@@ -193,3 +193,16 @@ def test_output_without_prompt_decodes_like_the_tokenizer():
     detok = IncrementalDetokenizer(tok, [], SamplingParams())
     deltas, _ = stream(detok, out)
     assert "".join(deltas) == tok.decode(out) == TEXTS[1]
+
+
+def test_prompt_ending_inside_a_character_does_not_leak_into_the_output():
+    """A token-id prompt cut in the middle of a multi-byte character (its text ends in U+FFFD): the output
+    text is the output tokens' own text, with no prompt characters in front."""
+    full = ids_of("ab 日本語")
+    cut = next(i for i in range(1, len(full)) if decode(full[:i]).endswith("\ufffd"))
+    prompt, output = full[:cut], ids_of(" and more text")
+    detok = IncrementalDetokenizer(tokenizer().backend_tokenizer, prompt, SamplingParams())
+    for t in output:
+        detok.add(t)
+    assert detok.text == decode(output)
+

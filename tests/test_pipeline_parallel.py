@@ -103,6 +103,27 @@ def test_local_stages_under_kv_pressure_soft_reset_and_match_hf(deep_models):
     assert stats["num_preemptions"] > 0 and stats["num_soft_resets"] > 0, stats
 
 
+def test_local_stages_structured_output_matches_single_engine(deep_models):
+    """Grammar masks are built at commit and applied by the driver's sampler, as in the single engine."""
+    import re
+
+    from engine.sampling_params import StructuredOutputsParams
+
+    path, _ = deep_models("qwen3")
+    regex = r"\d{3}-\d{4}"
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=s,
+                             structured_outputs=StructuredOutputsParams(regex=regex)) for s in range(3)]
+    params.append(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))  # unconstrained, same batch
+    prompts = make_prompts(seed=8, lengths=(4, 7, 11, 5))
+    single = LLM(str(path), block_size=4).generate(prompts, params)
+    engine = PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2), LocalStageGroup)
+    outs = run_engine(engine, prompts, params)
+    for out, ref in zip(outs, single):
+        assert out.token_ids == ref.token_ids
+    for out in outs[:3]:
+        assert re.fullmatch(regex, out.text), out.text
+
+
 def test_local_stages_prefix_cache_and_seeded_sampling_match_single_engine(deep_models):
     path, _ = deep_models("qwen3")
     shared = make_prompts(seed=2, lengths=(23,))[0]
