@@ -208,6 +208,7 @@ def bench_floor(port: int, warm, prompts, args) -> list[Result]:
     asyncio.run(run_http(port, warm, args, args.concurrency))
     subset = prompts[: args.ttft_requests]
     result = summarize("Serve floor (no engine)", subset, 1, asyncio.run(run_http(port, subset, args, 1)))
+    result.output_tok_s = float("nan")  # nothing is generated: only its TTFT means something
     serve.delete(APP)
     return [result]
 
