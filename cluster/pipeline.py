@@ -1,6 +1,6 @@
 """Pipeline stages as Ray actors, wired together by a Ray compiled graph.
 
-One stage group per engine replica: p StageActors, each holding a contiguous slice of the layers and its
+One stage group per engine replica: p stage actors (engine.pipeline.StageWorker under ray.remote), each holding a contiguous slice of the layers and its
 slice of the paged KV cache (engine/pipeline/stage.py), ganged by a placement group — the Serve replica's
 own when there is one (build_app adds a bundle per stage to the deployment), else one made here
 (STRICT_PACK: one node; PACK lets the stages spread over nodes). The driver (the engine replica, or the
@@ -28,36 +28,12 @@ from ray.dag import InputNode
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from engine.pipeline.runner import failed_future
 from engine.pipeline.stage import StageBatch, StageSpec, StageWorker
 
 logger = logging.getLogger(__name__)
 
 STAGE_START_TIMEOUT_S = 300.0
-
-
-class StageActor:
-    """A StageWorker in its own actor (one GPU each on CUDA; inside the actor it is cuda:0)."""
-
-    def __init__(self, spec: StageSpec):
-        self.worker = StageWorker(spec)
-
-    def num_kv_blocks(self) -> int:
-        return self.worker.num_kv_blocks
-
-    def prepare(self, batch: StageBatch) -> int:
-        return self.worker.prepare(batch)
-
-    def forward(self, version: int, hidden):
-        return self.worker.forward(version, hidden)
-
-    def run(self, batch: StageBatch, hidden):
-        return self.worker.run(batch, hidden)
-
-    def take_busy_s(self) -> float:
-        return self.worker.take_busy_s()
-
-    def backend_name(self) -> str:
-        return type(self.worker.backend).__name__
 
 
 def stage_bundles(num_stages: int, device: str, stage_num_cpus: float) -> list[dict]:
@@ -85,7 +61,7 @@ class RayStageGroup:
                                                 strategy=strategy)
             ray.get(pg.ready(), timeout=STAGE_START_TIMEOUT_S)
             offset = 0
-        actor_cls = ray.remote(StageActor)
+        actor_cls = ray.remote(StageWorker)  # one GPU each on CUDA; inside the actor it is cuda:0
         self.name = f"tandem-pp-{uuid.uuid4().hex[:8]}"  # unique: two groups on one node never collide
         self.actors = [
             actor_cls.options(
@@ -94,9 +70,9 @@ class RayStageGroup:
                     placement_group=pg, placement_group_bundle_index=offset + i)).remote(spec)
             for i, spec in enumerate(specs)]
         try:
-            self.num_kv_blocks = min(ray.get([a.num_kv_blocks.remote() for a in self.actors],
-                                             timeout=STAGE_START_TIMEOUT_S))
-            backend = ray.get(self.actors[0].backend_name.remote())
+            infos = ray.get([a.info.remote() for a in self.actors], timeout=STAGE_START_TIMEOUT_S)
+            self.num_kv_blocks = min(blocks for blocks, _ in infos)
+            backend = infos[0][1]
         except Exception:
             self.shutdown()
             raise
@@ -125,7 +101,7 @@ class RayStageGroup:
     def submit(self, batch: StageBatch) -> Future:
         """Start a step; the Future resolves to the last stage's output (raises if a stage failed)."""
         if self.error is not None:
-            return _failed(RuntimeError(f"pipeline stage group is broken: {self.error!r}"))
+            return failed_future(RuntimeError(f"pipeline stage group is broken: {self.error!r}"))
         try:
             ref = self.dag.execute(batch)
         except Exception as exc:  # a dead stage closes the graph's channels
@@ -136,7 +112,7 @@ class RayStageGroup:
         if self.error is None:
             logger.error("pipeline stage group failed: %r", exc)
             self.error = exc
-        return _failed(exc)
+        return failed_future(exc)
 
     def healthy(self) -> bool:
         return self.error is None
@@ -182,12 +158,6 @@ class _LazyResult(Future):
                     self._group._broken(exc)
                 self.set_exception(exc)
         return super().result(timeout)
-
-
-def _failed(exc: BaseException) -> Future:
-    fut: Future = Future()
-    fut.set_exception(exc)
-    return fut
 
 
 def make_pipeline_engine(config):

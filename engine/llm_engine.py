@@ -199,7 +199,7 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self.inflight_steps())
+        return bool(self.requests) or self.inflight is not None
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -12,6 +12,7 @@ commit (engine.structured) and applied here, before any sampling math: masked to
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,15 @@ class SamplingBatch:
         return cls(temperature, greedy, top_k, top_p, min_p, pen, banned,
                    [s.generator for s in seqs], max(asked) if asked else -1, all(p.greedy for p in ps),
                    bias, bitmask, rows)
+
+
+    def to(self, device: torch.device) -> "SamplingBatch":
+        """This batch with its per-row parameter tensors on `device` (for a batch of plain rows, as the
+        pipeline's last stage receives when it samples: no penalties, masks, biases or seeds to move)."""
+        def move(t):
+            return None if t is None else t.to(device)
+        return dataclasses.replace(self, temperature=move(self.temperature), greedy=move(self.greedy),
+                                   top_k=move(self.top_k), top_p=move(self.top_p), min_p=move(self.min_p))
 
 
 def _constraint_bitmask(seqs: list[Sequence], device: torch.device,

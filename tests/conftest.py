@@ -18,14 +18,20 @@ import tiny_models  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """build(family) -> (checkpoint dir, HF reference model), cached per session."""
+    """get(family, num_hidden_layers=None) -> (checkpoint dir, HF reference model), cached per session
+    (None: the family's default of 2 layers; pipeline tests need more to split)."""
     root = tmp_path_factory.mktemp("tiny_models")
     cache = {}
 
-    def get(family: str):
-        if family not in cache:
-            cache[family] = tiny_models.build(family, root)
-        return cache[family]
+    def get(family: str, num_hidden_layers: int | None = None):
+        key = (family, num_hidden_layers)
+        if key not in cache:
+            if num_hidden_layers is None:
+                cache[key] = tiny_models.build(family, root)
+            else:
+                cache[key] = tiny_models.build(family, root / f"layers{num_hidden_layers}",
+                                               num_hidden_layers=num_hidden_layers)
+        return cache[key]
 
     return get
 

@@ -23,17 +23,10 @@ from test_correctness_hf import MAX_NEW, assert_matches_hf, make_prompts
 LAYERS = 4  # enough for 3 stages
 
 
-@pytest.fixture(scope="module")
-def deep_models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pp_models")
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = tiny_models.build(family, root, num_hidden_layers=LAYERS)
-        return cache[family]
-
-    return get
+@pytest.fixture
+def deep_models(tiny_model_factory):
+    """Tiny checkpoints with LAYERS layers (the shared session factory, so HF references are built once)."""
+    return lambda family: tiny_model_factory(family, num_hidden_layers=LAYERS)
 
 
 def run_engine(engine, prompts, params) -> list:

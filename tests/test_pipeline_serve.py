@@ -33,13 +33,8 @@ def client(cluster):
 
 def stage_actors() -> dict[str, object]:
     """Live stage actors by name (cluster/pipeline.py names them <group>-stage<i>)."""
-    names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-             if e["name"].startswith("tandem-pp-")]
-    actors = {}
-    for e in ray.util.list_named_actors(all_namespaces=True):
-        if e["name"] in names:
-            actors[e["name"]] = ray.get_actor(e["name"], namespace=e["namespace"])
-    return actors
+    return {e["name"]: ray.get_actor(e["name"], namespace=e["namespace"])
+            for e in ray.util.list_named_actors(all_namespaces=True) if e["name"].startswith("tandem-pp-")}
 
 
 def test_completions_and_streams_equal_the_single_engine(cluster, client):

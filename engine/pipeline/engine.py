@@ -70,6 +70,9 @@ class PipelineEngine(LLMEngine):
     def inflight_steps(self) -> list[Step]:
         return list(self.pending)
 
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self.pending)
+
     def step(self) -> list[RequestOutput]:
         """One tick: launch a microbatch into a free slot if any sequence is free to run; commit the oldest
         in-flight one when the pipeline is full or nothing new could start."""

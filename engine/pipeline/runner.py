@@ -15,11 +15,11 @@ from typing import Protocol
 import torch
 
 from engine.config import EngineConfig
-from engine.executor import FWD_END, FWD_START, InlineExecutor
+from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, InlineExecutor
 from engine.model_runner import ModelRunner
 from engine.models.decoder import ModelSpec
 from engine.pipeline.stage import StageBatch
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, Step
 from engine.step_buffers import BufferLimits
@@ -74,7 +74,8 @@ class PipelineRunner(ModelRunner):
         self._next_step_id += 1
         slot.busy = True
         host = self._host_inputs(step, None)
-        sampling = _row_params([c.seq for c in sample_chunks]) if self.sample_on_stage else None
+        sampling = (SamplingBatch.build([c.seq for c in sample_chunks], self.device)
+                    if self.sample_on_stage and sample_chunks else None)
         self.executor.mark(step.id, FWD_START)
         step.forward = self.stages.submit(StageBatch(step.id, host, sampling))
         return step
@@ -84,13 +85,14 @@ class PipelineRunner(ModelRunner):
         try:
             out = step.forward.result()
         except Exception as exc:  # delivered at wait(), which fails the step's requests
-            step.sample = _failed(exc)
+            step.sample = failed_future(exc)
             return
         self.executor.mark(step.id, FWD_END)
         n = len(step.sample_chunks)
-        if self.sample_on_stage:
-            step.slot.sampled[:n].copy_(out)
+        if self.sample_on_stage:  # the tokens came back sampled: only the commit's host buffer to fill
+            self.executor.mark(step.id, SAMPLE_START)
             step.slot.host_sampled[:n].copy_(out)
+            self.executor.mark(step.id, SAMPLE_END)
             step.sample = _done()
             return
         if n:
@@ -101,14 +103,8 @@ class PipelineRunner(ModelRunner):
         self.stages.shutdown()
 
 
-def _row_params(seqs) -> dict[str, list]:
-    ps = [s.params for s in seqs]
-    return {"temperature": [p.temperature if p.temperature > 0 else 1.0 for p in ps],
-            "greedy": [p.greedy for p in ps], "top_k": [p.top_k if p.top_k > 0 else 1 << 30 for p in ps],
-            "top_p": [p.top_p for p in ps], "min_p": [p.min_p for p in ps]}
-
-
-def _failed(exc: Exception) -> Future:
+def failed_future(exc: BaseException) -> Future:
+    """A Future that raises `exc` when its result is asked for."""
     fut: Future = Future()
     fut.set_exception(exc)
     return fut

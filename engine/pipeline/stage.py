@@ -71,7 +71,7 @@ class StageBatch:
 
     step_id: int
     inputs: HostInputs
-    sampling: dict[str, list] | None = None  # temperature, greedy, top_k, top_p, min_p (sample_on_stage)
+    sampling: SamplingBatch | None = None  # built on the driver, plain rows only (sample_on_stage)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -110,7 +110,7 @@ class StageWorker:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(n_layers)]
         self.buffers = [StepBuffers(spec.limits, self.device) for _ in range(2 if spec.token_safe else 1)]
         self.hosts: list[HostInputs | None] = [None] * len(self.buffers)
-        self.sampling: list[dict | None] = [None] * len(self.buffers)
+        self.sampling: list[SamplingBatch | None] = [None] * len(self.buffers)
         # SAT: one fixed-layout output buffer per input version (a send may still read the previous one).
         # Only on CUDA, where the channel is NCCL and the fixed shape lets Ray skip the shape exchange; the
         # CPU channel serializes whatever it is given, so there the bare [T, hidden] tensor is sent.
@@ -119,6 +119,10 @@ class StageWorker:
                          for _ in self.buffers] if fixed else None
         self.sampler = Sampler(spec.seed, self.device) if spec.is_last and spec.sample_on_stage else None
         self.busy_s = 0.0  # time spent in prepare + forward (the stage's busy fraction, for the benchmark)
+
+    def info(self) -> tuple[int, str]:
+        """(KV blocks this stage holds, attention backend class): what the group asks a new stage actor."""
+        return self.num_kv_blocks, type(self.backend).__name__
 
     def kv_capacity(self, dtype: torch.dtype) -> int:
         """KV blocks this stage's memory holds for its own layers (the driver uses the smallest over stages)."""
@@ -176,7 +180,9 @@ class StageWorker:
         rows = x.index_select(0, bufs.dev["logits_indices"][:bufs.num_rows])
         out = self.model.logits(rows)  # [rows, vocab] float32
         if self.sampler is not None:
-            out = self.sampler(out, _stage_sampling_batch(self.sampling[version], self.device)).tokens
+            batch = self.sampling[version]  # None for a step with no sampling rows (a mid-prompt chunk)
+            out = self.sampler(out, batch.to(self.device)).tokens if batch is not None else \
+                torch.empty(0, dtype=torch.long, device=self.device)
         return out.cpu()  # the driver samples (or commits) on the host; a no-op on cpu
 
     def run(self, batch: StageBatch, hidden: torch.Tensor | None) -> torch.Tensor:
@@ -190,19 +196,6 @@ class StageWorker:
 
 def _received(hidden) -> torch.Tensor:
     return hidden["hidden"] if isinstance(hidden, dict) else hidden
-
-
-def _stage_sampling_batch(params: dict[str, list], device: torch.device) -> SamplingBatch:
-    """The plain per-row parameters the driver shipped (no seeds, penalties, masks or logprobs: the
-    ablation rejects requests that need them)."""
-    def t(name, dtype):
-        return torch.tensor(params[name], dtype=dtype, device=device)
-    greedy = params["greedy"]
-    return SamplingBatch(
-        temperature=t("temperature", torch.float32), greedy=t("greedy", torch.bool),
-        top_k=t("top_k", torch.long), top_p=t("top_p", torch.float32), min_p=t("min_p", torch.float32),
-        penalties=[], banned=[], generators=[None] * len(greedy), num_logprobs=-1, all_greedy=all(greedy),
-        logit_bias=[], bitmask=None, bitmask_rows=[])
 
 
 def _now() -> float:
