@@ -117,8 +117,11 @@ class AsyncLLM:
                     self._publish(force=True)
                     self._wake.wait()
                     continue
-                self._deliver(self.engine.step())
+                outputs = self.engine.step()
+                t0 = time.perf_counter()
+                self._deliver(outputs)
                 self._publish()
+                self.engine.host_time["stream"] += time.perf_counter() - t0
         except BaseException as exc:  # the loop is dead: fail every waiting caller, never hang them
             logger.exception("engine loop died")
             self.dead = exc

@@ -9,7 +9,7 @@ from pathlib import Path
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
+_DEVICES = ("auto", "cpu", "cuda", "sim")
 SCHEDULER_POLICIES = ("fifo", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")  # engine.attention checks they can run
 
@@ -52,6 +52,14 @@ class EngineConfig:
     pp_token_safe: bool = True
     pp_structure_aware: bool = True
     pp_stage_num_cpus: float = 1.0  # logical CPUs each stage actor reserves (plus one GPU on cuda)
+    # device="sim": a simulated accelerator (engine/sim): the host side is real, the device's time is modelled
+    # for this GPU profile; the model directory needs only config.json and tokenizer files. sim_eos_rate: the
+    # chance that a generated token is EOS (0: never, unless a grammar's stop token is all that is allowed).
+    sim_gpu: str = "h100"
+    sim_eos_rate: float = 0.0
+    # Kernels one decoder layer launches on the simulated device: None = this engine's decoder as counted
+    # (engine/sim/cost_model.py), e.g. 10 to price a fused forward such as vLLM's.
+    sim_kernels_per_layer: int | None = None
 
     def __post_init__(self) -> None:
         model = str(self.model) if self.model is not None else str(DEFAULT_MODEL_DIR)
@@ -85,6 +93,16 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        from engine.sim.cost_model import SIM_GPUS
+
+        _choice("sim_gpu", self.sim_gpu, SIM_GPUS)
+        if isinstance(self.sim_eos_rate, bool) or not isinstance(self.sim_eos_rate, (int, float)) \
+                or not 0.0 <= self.sim_eos_rate <= 1.0:
+            raise ValueError(f"sim_eos_rate must be a number in [0, 1], got {self.sim_eos_rate!r}")
+        if self.sim_kernels_per_layer is not None:
+            _positive("sim_kernels_per_layer", self.sim_kernels_per_layer)
+        if self.device == "sim" and self.pipeline_parallel_size > 1:
+            raise ValueError("device='sim' runs a single simulated device; pipeline_parallel_size must be 1")
         for name in ("admission_margin", "gpu_memory_utilization", "swap_space_gb"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")

@@ -33,10 +33,12 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
 from engine.slot import Step, StepResult
+from engine.step_runner import StepRunner
 from engine.structured import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+HOST_PHASES = ("schedule", "prepare", "commit", "finalize", "stream", "wait")
 COMPILE_POLL_S = 0.02  # idle wait for a grammar compile when nothing else can run
 # Step records kept for the metrics side to drain; older ones are dropped if nobody drains (offline use).
 STEP_RECORDS_MAX = 4096
@@ -59,11 +61,13 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.compute_device = _resolve_device(config.device)  # where forwards run
+        self.simulated = config.device == "sim"  # engine/sim: host side real, device time modelled
+        self.compute_device = _resolve_device(config.device)  # where forwards run (sim: host tensors)
         self.device = torch.device("cpu") if self.samples_on_host else self.compute_device  # sampling
         self.hf_config = load_hf_config(config.model)
         self.spec = model_spec(self.hf_config)
-        self.dtype = _resolve_dtype(config.dtype, self.hf_config, self.compute_device)
+        self.dtype = _resolve_dtype(config.dtype, self.hf_config,
+                                    torch.device("cuda") if self.simulated else self.compute_device)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
@@ -84,11 +88,19 @@ class LLMEngine:
         self.counters = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
                          "requests_finished": 0, "zombie_rows": 0, "constrained_tokens": 0}
         self.last_step_timing: dict[str, float] = {}
+        # Host time of the loop by phase (seconds, cumulative); "stream" is added by AsyncLLM's delivery,
+        # "wait" is the commit blocked on the device (not host work).
+        self.host_time = dict.fromkeys(HOST_PHASES, 0.0)
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
         self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
 
-    def _make_runner(self, num_cpu_blocks: int) -> tuple[ModelRunner, int]:
+    def _make_runner(self, num_cpu_blocks: int) -> tuple[StepRunner, int]:
         num_blocks = self._num_kv_blocks()
+        if self.simulated:
+            from engine.sim.runner import SimRunner
+
+            return SimRunner(self.config, self.spec, self.dtype, self.max_model_len, self.tokenizer,
+                             num_cpu_blocks), num_blocks
         runner = ModelRunner(self.config, self.hf_config, self.spec, self.device, self.dtype, num_blocks,
                              self.max_model_len, num_cpu_blocks)
         return runner, num_blocks
@@ -208,15 +220,23 @@ class LLMEngine:
         launched = None
         was_idle = self.inflight is None  # a commit below may free blocks: only then can nothing run
         slot = self.runner.free_slot()
+        clock, ht = time.perf_counter, self.host_time
+        t0 = clock()
         if slot is not None and self.scheduler.has_work():
             sched = self.scheduler.schedule()
+            t1 = clock()
+            ht["schedule"] += t1 - t0
             if sched:
                 launched = self.runner.launch(sched, slot, self.inflight)
+                t0 = clock()
+                ht["prepare"] += t0 - t1
         if self.inflight is not None:
             outputs += self._commit(self.inflight)
             self.inflight = None
         if launched is not None:
+            t1 = clock()
             self.runner.finalize(launched)
+            ht["finalize"] += clock() - t1
             if self.config.pipeline_depth == 1:
                 outputs += self._commit(launched)
             else:
@@ -235,6 +255,8 @@ class LLMEngine:
     def _note_idle(self) -> None:
         if not self.has_unfinished():
             self._last_commit_time = None  # the time until the next request is idle, not a bubble
+            if self.simulated:
+                self.runner.note_idle()
 
     def _end_stuck(self) -> list[RequestOutput]:
         """Nothing could run and nothing is in flight: the running requests hold the whole KV cache and
@@ -256,7 +278,15 @@ class LLMEngine:
         except Exception as exc:  # a failed forward fails its requests, not the engine
             logger.exception("step %d failed", step.id)
             return self._fail_step(step, exc)
-        self._record_timing(step, result, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self.host_time["wait"] += t1 - t0
+        self._record_timing(step, result, t1 - t0)
+        try:
+            return self._commit_tokens(step, result)
+        finally:
+            self.host_time["commit"] += time.perf_counter() - t1
+
+    def _commit_tokens(self, step: Step, result: StepResult) -> list[RequestOutput]:
         touched: dict[str, Sequence] = {}
         for c in step.chunks:
             c.seq.inflight_refs -= 1
@@ -398,7 +428,12 @@ class LLMEngine:
             return cfg.num_kv_blocks
         per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        if self.device.type == "cuda":
+        if self.simulated:
+            from engine.sim.cost_model import profile
+
+            memory = profile(cfg.sim_gpu).memory_bytes
+            budget = int(memory * cfg.gpu_memory_utilization) - _weight_bytes(self.spec, self.dtype)
+        elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_utilization) - _weight_bytes(self.spec, self.dtype)
         else:
@@ -429,8 +464,10 @@ class LLMEngine:
             "device": str(self.compute_device), "dtype": str(self.dtype).removeprefix("torch."),
             "pipeline_depth": self.config.pipeline_depth, "num_compiling": len(self.compiling),
             "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
-            "cuda_graph_max_batch_size": self.runner.graphs.sizes[-1] if self.runner.graphs else 0,
+            "cuda_graph_max_batch_size": self.runner.max_graph_batch_size(),
             **self.counters,
+            **{f"host_{phase}_s": t for phase, t in self.host_time.items()},
+            **(self.runner.device_stats() if self.simulated else {}),
         }
 
     def check_integrity(self) -> None:
@@ -451,6 +488,8 @@ class LLMEngine:
 
 
 def _resolve_device(device: str) -> torch.device:
+    if device == "sim":
+        return torch.device("cpu")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

@@ -37,7 +37,7 @@ class Sequence:
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
-                 "first_scheduled_time")
+                 "first_scheduled_time", "sim_key")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -78,6 +78,7 @@ class Sequence:
         # engine.structured.TokenConstraint (grammar matcher / allowed ids), set when the request is
         # admitted; advanced only at commit, so a recompute or swap-in after preemption never replays it.
         self.constraint = None
+        self.sim_key: int | None = None  # a simulated device's per-request token key (engine/sim/tokens.py)
 
     @property
     def num_prompt_tokens(self) -> int:

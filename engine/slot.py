@@ -23,11 +23,13 @@ class DecodeSlot:
     `sampled_ready` event anchors that copy (recorded right after sampling) and `copy_done` marks it read.
     """
 
-    def __init__(self, index: int, limits: BufferLimits, vocab_size: int, device: torch.device):
+    def __init__(self, index: int, limits: BufferLimits, vocab_size: int, device: torch.device,
+                 logits: bool = True, transfer=None):
         self.index = index
         rows, pin = limits.max_seqs, device.type == "cuda"
-        self.inputs = StepBuffers(limits, device)
-        self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)  # [max_seqs, V]
+        self.inputs = StepBuffers(limits, device, transfer)
+        # [max_seqs, V]; None where no forward writes logits here (a simulated device models them)
+        self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device) if logits else None
         self.sampled = torch.zeros(rows, dtype=torch.long, device=device)  # [max_seqs]
         self.host_sampled = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
         self.host_logprobs = torch.zeros(rows, dtype=torch.float32, pin_memory=pin)

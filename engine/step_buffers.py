@@ -42,8 +42,11 @@ class BufferLimits:
 class StepBuffers:
     """Device tensors a step reads, their host staging, and the sizes of the step staged last."""
 
-    def __init__(self, limits: BufferLimits, device: torch.device):
+    def __init__(self, limits: BufferLimits, device: torch.device, transfer=None):
+        """transfer: None to copy staging into device tensors; or a callable(nbytes, copies) that is told
+        what each upload would move instead (a simulated device prices it; no device tensors exist)."""
         self.limits = limits
+        self.transfer = transfer
         pin = device.type == "cuda"
         sizes = {"tokens": limits.max_tokens, "seqs": limits.max_seqs, "seqs+1": limits.max_seqs + 1}
         self.dev: dict[str, torch.Tensor] = {}
@@ -52,12 +55,14 @@ class StepBuffers:
             self._add(name, (sizes[dim],), dtype, device, pin)
         self._add("block_tables", (limits.max_seqs, limits.max_blocks), torch.int32, device, pin)
         self.np = {name: t.numpy() for name, t in self.host.items()}  # host views written by stage()
-        self.gathered = torch.zeros(limits.max_seqs, dtype=torch.long, device=device)
+        self._row_bytes = {name: t[0].numel() * t.element_size() for name, t in self.host.items()}
+        self.gathered = torch.zeros(limits.max_seqs, dtype=torch.long, device=device) if transfer is None else None
         self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.width = 0
 
     def _add(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device, pin: bool) -> None:
-        self.dev[name] = torch.zeros(shape, dtype=dtype, device=device)
         self.host[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        if self.transfer is None:
+            self.dev[name] = torch.zeros(shape, dtype=dtype, device=device)
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
     def stage(self, h, pad_to: int | None = None) -> None:
@@ -101,6 +106,10 @@ class StepBuffers:
         counts = {"input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
                   "block_tables": s, "logits_indices": self.num_rows, "gather_dst": self.num_gather,
                   "gather_src": self.num_gather}
+        if self.transfer is not None:
+            used = [(name, c) for name, c in counts.items() if c]
+            self.transfer(sum(c * self._row_bytes[name] for name, c in used), len(used))
+            return
         for name, count in counts.items():
             if count:
                 self.dev[name][:count].copy_(self.host[name][:count], non_blocking=True)
@@ -129,6 +138,9 @@ class StepBuffers:
         """Stage one per-row sampling field and enqueue its upload now; returns the device view."""
         k = len(values)
         self.np[name][:k] = values
+        if self.transfer is not None:
+            self.transfer(k * self._row_bytes[name], 1)
+            return self.host[name][:k]
         dev = self.dev[name][:k]
         dev.copy_(self.host[name][:k], non_blocking=True)
         return dev

@@ -31,7 +31,9 @@ class AppConfig(BaseModel):
 
     model: str = str(DEFAULT_MODEL_DIR)
     served_model_name: str | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "sim": a simulated accelerator (engine/sim; pick it with the engine fields sim_gpu, sim_eos_rate):
+    # the replicas run the real host side at modelled GPU speed, so the HTTP path can be measured at GPU rates.
+    device: Literal["auto", "cpu", "cuda", "sim"] = "auto"
     num_replicas: int | None = Field(default=None, ge=1)
     min_replicas: int | None = Field(default=None, ge=0)
     max_replicas: int | None = Field(default=None, ge=1)

@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.slot import Step
 from engine.step_buffers import BufferLimits
+from engine.step_runner import StepRunner
 
 StageGroupFactory = Callable[[list[StageSpec]], StageGroup]
 
@@ -40,8 +41,7 @@ class PipelineEngine(LLMEngine):
 
     def _make_runner(self, num_cpu_blocks: int) -> tuple[PipelineRunner, int]:
         cfg = self.config
-        limits = BufferLimits(max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-                              max_seqs=cfg.max_num_seqs, max_blocks=-(-self.max_model_len // cfg.block_size))
+        limits = StepRunner.buffer_limits(cfg, self.max_model_len)
         stages = self._make_stages(self.stage_specs(limits))
         return PipelineRunner(cfg, self.spec, stages, limits), stages.num_kv_blocks
 

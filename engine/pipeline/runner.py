@@ -8,7 +8,6 @@ flight (one per stage) holds the returned logits, the sampled tokens and the hos
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -16,14 +15,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, InlineExecutor
-from engine.model_runner import ModelRunner
 from engine.models.decoder import ModelSpec
 from engine.pipeline.stage import StageBatch
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, Step
 from engine.step_buffers import BufferLimits
-from engine.structured import allocate_bitmask
+from engine.step_runner import StepRunner
 
 
 class StageGroup(Protocol):
@@ -46,36 +44,24 @@ class StageGroup(Protocol):
     def shutdown(self) -> None: ...
 
 
-class PipelineRunner(ModelRunner):
-    """Driver-side runner: no model, no KV cache; the stages hold those."""
+class PipelineRunner(StepRunner):
+    """Driver-side runner: no model, no KV cache (the stages hold those); the driver samples on its CPU."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, stages: StageGroup, limits: BufferLimits):
-        # Deliberately not ModelRunner.__init__: nothing here lives on an accelerator.
-        self.config = config
-        self.spec = spec
-        self.device = torch.device("cpu")
-        self.block_size = config.block_size
+        super().__init__(config, spec, torch.device("cpu"), limits, InlineExecutor(),
+                         num_slots=stages.num_stages)
         self.stages = stages
         self.backend_name = stages.description
-        self.model = self.kv_cache = self.offloader = self.graphs = None
-        self.sampler = Sampler(config.seed, self.device)
-        self.limits = limits
-        self.slots = [DecodeSlot(i, limits, spec.vocab_size, self.device) for i in range(stages.num_stages)]
-        self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size) for _ in self.slots]
-        self.executor = InlineExecutor()
+        self.offloader = self.graphs = None
         self.sample_on_stage = not config.pp_cpu_sampling
-        self._next_step_id = 0
 
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None = None) -> Step:
         """Send a planned microbatch down the pipeline. Every token it reads is committed already: the
         pipeline engine never schedules a sequence that is still in flight."""
-        sample_chunks = [c for c in sched.chunks if c.samples]
-        step = Step(self._next_step_id, slot, sched.chunks, sample_chunks, sched.num_tokens, time.monotonic())
-        self._next_step_id += 1
-        slot.busy = True
+        step = self._new_step(sched, slot)
         host = self._host_inputs(step, None)
-        sampling = (SamplingBatch.build([c.seq for c in sample_chunks], self.device)
-                    if self.sample_on_stage and sample_chunks else None)
+        sampling = (SamplingBatch.build([c.seq for c in step.sample_chunks], self.device)
+                    if self.sample_on_stage and step.sample_chunks else None)
         self.executor.mark(step.id, FWD_START)
         step.forward = self.stages.submit(StageBatch(step.id, host, sampling))
         return step

@@ -1,0 +1,81 @@
+"""Fit the photon-* profiles to Photon's measured forward and sampling times.
+
+    python -m engine.sim.calibrate        # prints the fitted constants and the residuals per row
+
+Photon's workload as modelled (cost_model.PHOTON_WORKLOAD): moondream2's text decoder in bf16, n streams
+decoding at a mean context of prompt + L / 2, temperature sampling (no top-k/top-p, no seeds). With the
+per-kernel terms at zero the forward is memory-bound, forward(n) = X(n) / bw_fraction + forward_fixed_s,
+linear in (1 / bw_fraction, forward_fixed_s): a least-squares fit over n = 1, 8, 32 (bw_fraction capped at 1,
+the datasheet peak). Photon's times grow less than linearly in n (the 3090's per-stream cost falls from
+0.26 ms between 1 and 8 streams to 0.15 ms between 8 and 32; the B200's from 0.096 to 0.028 ms), which
+a linear bandwidth model cannot follow exactly: the fit lands within ~8% of every row. Sampling's fixed term
+is the mean of what the measured sampling times leave after the modelled logits passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from engine.models import load_hf_config, model_spec
+from engine.sim.cost_model import PHOTON_TABLE, PHOTON_WORKLOAD, PROFILES, CostModel, GpuProfile, StepShape
+
+# Kernels and logits passes of temperature sampling (engine/sim/runner.py sampling_work, no seeds).
+PHOTON_SAMPLING = (9, 7.0)
+
+
+def photon_spec():
+    from engine.sim import SIM_MODELS
+
+    return model_spec(load_hf_config(str(SIM_MODELS / "moondream2-text")))
+
+
+def photon_shape(streams: int) -> StepShape:
+    context = PHOTON_WORKLOAD["prompt_tokens"] + PHOTON_WORKLOAD["output_tokens"] // 2
+    return StepShape([1] * streams, [context] * streams, streams)
+
+
+def predicted(profile: GpuProfile, streams: int) -> tuple[float, float]:
+    """(forward, sampling) seconds the cost model gives a Photon decode step of `streams` rows."""
+    cost = CostModel(photon_spec(), 2, profile)
+    return cost.forward_s(photon_shape(streams), graph=True), cost.sample_s(streams, *PHOTON_SAMPLING)
+
+
+def fit(name: str) -> GpuProfile:
+    table = PHOTON_TABLE[name]
+    unit = replace(PROFILES[name], bw_fraction=1.0, forward_fixed_s=0.0, sample_fixed_s=0.0)
+    xs, ys, rest = [], [], []
+    for n, (fwd_ms, smp_ms, _, _) in table.items():
+        fwd1, smp1 = predicted(unit, n)  # at bw_fraction 1: X(n), and the sampling passes
+        xs.append(fwd1)
+        ys.append(fwd_ms / 1e3)
+        rest.append((smp_ms / 1e3, smp1))
+    a, c = _least_squares(xs, ys)  # forward = a * X + c, a = 1 / bw_fraction
+    bw = 1.0 / a
+    if bw > 1.0:  # no faster than the datasheet peak: refit the fixed term alone
+        bw = 1.0
+        c = sum(y - x for x, y in zip(xs, ys)) / len(xs)
+    sample_fixed = sum(m - v / bw for m, v in rest) / len(rest)
+    return replace(PROFILES[name], bw_fraction=round(bw, 3), forward_fixed_s=round(c, 6),
+                   sample_fixed_s=round(sample_fixed, 6))
+
+
+def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def main() -> None:
+    for name in PHOTON_TABLE:
+        p = fit(name)
+        print(f"{name}: bw_fraction={p.bw_fraction}, forward_fixed_s={p.forward_fixed_s:.6f}, "
+              f"sample_fixed_s={p.sample_fixed_s:.6f}")
+        for n, (fwd_ms, smp_ms, _, _) in PHOTON_TABLE[name].items():
+            f, s = predicted(p, n)
+            print(f"  {n:2d} streams: forward {1e3 * f:.2f} ms (Photon {fwd_ms}), sampling {1e3 * s:.3f} ms "
+                  f"(Photon {smp_ms})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The simulated accelerator's cost model: how long each piece of device work takes, and what the host pays
+to launch it. Every constant is here, with where it comes from.
+
+A step's forward is priced as two rooflines added together, because the GEMMs and the attention kernels
+are separate kernels with very different arithmetic intensity:
+
+    gemm  = max(bytes_gemm / (BW * bw_fraction), flops_gemm / (FLOPS * flops_fraction))
+            bytes_gemm = every layer's weights + the LM head (when a row samples) + activations in and out
+                         + the fp32 logits written;  flops_gemm = 2 * params * tokens + 2 * hidden * vocab * rows
+    attn  = max(kv_bytes / (BW * bw_fraction * occupancy), attn_flops / (FLOPS * flops_fraction))
+            kv_bytes = each row's whole context read once (K and V, every layer) + the new tokens' K/V written;
+            attn_flops = 4 * heads * head_dim * layers per (query, key) pair, causal within a chunk;
+            occupancy = min(1, work units / SMs): a decode attention kernel runs one unit per (row, head,
+            split of 512 keys), so one short row cannot pull the whole HBM bandwidth
+    forward = gemm + attn + launch overhead (+ a fitted fixed term on the photon-* profiles)
+            launch overhead: one graph replay = graph_launch_s + kernels * kernel_gap_graph_s;
+                             eager = kernels * kernel_gap_eager_s, and it cannot end before the host has
+                             launched the last kernel (engine/sim/device.py gets the host cost separately)
+
+so a step never beats the weight-bandwidth floor (weight bytes / peak HBM bandwidth): an 8B bf16 decode on
+an H100 is never under 16.06 GB / 3.35 TB/s = 4.8 ms. Sampling reads the [rows, vocab] fp32 logits once per
+pass its kernels make; copies cost a DMA setup latency plus bytes over PCIe.
+
+Sources. Peak HBM bandwidth, dense (non-sparse) bf16 tensor FLOP/s, SM counts and memory sizes are the
+vendors' datasheets: NVIDIA H100 SXM5 (3.35 TB/s, 989 TFLOP/s, 132 SMs, 80 GB), H200 SXM (4.8 TB/s, 989
+TFLOP/s, 132 SMs, 141 GB), HGX B200 (8 TB/s, 2.25 PFLOP/s dense, 148 SMs, 180 GB), A100 SXM4 80GB (2.039
+TB/s, 312 TFLOP/s, 108 SMs), GeForce RTX 3090 (936 GB/s, 71 TFLOP/s bf16 with fp32 accumulate per the
+GA102 whitepaper, 82 SMs, 24 GB). Achievable fractions: gpt-fast reports bs=1 decode at 1,397 of A100's
+2,039 GB/s (69%, its whole step, launch gaps included), well-tuned GEMV/paged-attention kernels reach 80-90%
+of HBM; prefill GEMMs at large batch commonly run at 55-70% of dense peak (MFU), hence 0.80 and 0.60.
+Launch costs: NVIDIA's "Getting started with CUDA Graphs" measures a few microseconds per kernel launched
+one by one against about one per kernel inside a graph; PyTorch eager dispatch costs roughly 4-8 us of CPU
+per operator on current server CPUs, cudaMemcpyAsync and event records a few us each. Host-to-device
+copies over PCIe Gen5 x16 run at ~50 GB/s from pinned memory (64 GB/s theoretical), Gen4 at ~25 GB/s.
+These launch and copy figures are typical values, not measurements of a particular machine: the simulated
+device is for the host-vs-device interplay (is the host's work hidden under the device's?), not for
+predicting one GPU's absolute throughput to a few percent.
+
+The photon-* profiles reproduce the per-step forward and sampling times Photon measured (seed
+000_f12b5e9769a509f8.txt, moondream2 at 1, 8 and 32 streams on an RTX 3090 and a B200) with the same
+formula: their bandwidth fraction, a fixed per-forward term and a fixed sampling term are fitted to those
+six forward and six sampling figures for the `moondream2-text` shape at Photon's context (PHOTON_WORKLOAD;
+engine/sim/calibrate.py fits them, within ~8% of every forward and ~13% of every sampling figure);
+tests/test_sim_device.py checks the stored profiles against the published numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from engine.models.decoder import ModelSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProfile:
+    """One accelerator: datasheet peaks, achievable fractions and launch/copy costs (see the module doc)."""
+
+    name: str
+    memory_bytes: float
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense tensor-core peak, no sparsity
+    num_sms: int
+    pcie_bytes_per_s: float  # achievable pinned host<->device copy bandwidth
+    bw_fraction: float = 0.80
+    flops_fraction: float = 0.60
+    kernel_gap_graph_s: float = 1.5e-6  # device time per kernel inside a replayed graph (tiny kernels'
+    # launch latency plus their minimum duration)
+    kernel_gap_eager_s: float = 2.5e-6  # ... and per kernel launched one by one (the host ahead of it)
+    graph_launch_s: float = 5e-6  # device-side latency of a graph launch
+    copy_latency_s: float = 2.5e-6  # per cudaMemcpyAsync on its stream (DMA setup), on top of bytes / PCIe
+    # Host (CPU) time the CUDA path spends launching work, which the simulated device charges to the thread
+    # that launches (engine/sim/device.py): it is host work the real path does and the sim cannot run.
+    host_op_s: float = 5e-6  # one PyTorch eager operator (dispatch + cudaLaunchKernel)
+    host_view_s: float = 1.5e-6  # one view-only operator (dispatch, no kernel)
+    host_triton_s: float = 10e-6  # one Triton kernel launched from Python
+    host_graph_launch_s: float = 8e-6  # one CUDAGraph.replay()
+    host_copy_s: float = 5e-6  # one non-blocking copy or event record
+    # Fitted fixed terms (photon-* profiles only; zero for datasheet profiles).
+    forward_fixed_s: float = 0.0
+    sample_fixed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.bw_fraction <= 1 and 0 < self.flops_fraction <= 1):
+            raise ValueError(f"{self.name}: achievable fractions must be in (0, 1]")
+
+
+_GEN5, _GEN4 = 50 * GB, 25 * GB
+PROFILES: dict[str, GpuProfile] = {p.name: p for p in (
+    GpuProfile("h100", memory_bytes=80 * GB, hbm_bytes_per_s=3.35e12, bf16_flops=989e12, num_sms=132,
+               pcie_bytes_per_s=_GEN5),
+    GpuProfile("h200", memory_bytes=141 * GB, hbm_bytes_per_s=4.8e12, bf16_flops=989e12, num_sms=132,
+               pcie_bytes_per_s=_GEN5),
+    GpuProfile("b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
+               pcie_bytes_per_s=_GEN5),
+    GpuProfile("a100", memory_bytes=80 * GB, hbm_bytes_per_s=2.039e12, bf16_flops=312e12, num_sms=108,
+               pcie_bytes_per_s=_GEN4, kernel_gap_graph_s=2e-6, kernel_gap_eager_s=3e-6),
+    # Photon's GPUs, fitted to its tables (see the module doc; `python -m engine.sim.calibrate` re-derives
+    # the three fitted constants). Photon's forward is its own implementation, not this decoder, so the
+    # per-kernel terms are zero and its launch overhead lives in the fitted forward_fixed_s.
+    GpuProfile("photon-3090", memory_bytes=24 * GB, hbm_bytes_per_s=936e9, bf16_flops=71e12, num_sms=82,
+               pcie_bytes_per_s=_GEN4, kernel_gap_graph_s=0.0, kernel_gap_eager_s=0.0, graph_launch_s=0.0,
+               bw_fraction=1.0, forward_fixed_s=2.125e-3, sample_fixed_s=0.222e-3),
+    GpuProfile("photon-b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
+               pcie_bytes_per_s=_GEN5, kernel_gap_graph_s=0.0, kernel_gap_eager_s=0.0, graph_launch_s=0.0,
+               bw_fraction=0.49, forward_fixed_s=1.883e-3, sample_fixed_s=0.135e-3),
+)}
+SIM_GPUS = tuple(PROFILES)
+
+# Photon's workload as modelled for the photon-* fit: moondream2's text decoder (model dir
+# engine/sim/models/moondream2-text) with an image prefix of 729 tokens plus a short query as the prompt and
+# L ~ 110 generated tokens, so a step's mean context is about prompt + L / 2.
+PHOTON_WORKLOAD = {"prompt_tokens": 740, "output_tokens": 110}
+# Photon's measured steady-state medians (ms): streams -> (forward, sampling, pipelined period, blocking period).
+PHOTON_TABLE = {
+    "photon-3090": {1: (4.87, 0.20, 5.10, 5.44), 8: (6.66, 0.27, 6.97, 7.52), 32: (10.24, 0.26, 10.52, 11.74)},
+    "photon-b200": {1: (2.45, 0.14, 2.63, 3.11), 8: (3.12, 0.14, 3.30, 4.04), 32: (3.80, 0.14, 3.98, 5.55)},
+}
+
+# PyTorch operators one decoder layer of engine/models/decoder.py dispatches in bf16, counted with a
+# TorchDispatchMode (unfused RMSNorm: 8 kernels with its casts; RoPE: 10; projections, residuals, SiLU*mul):
+# kernels and view-only operators, plus the Triton attention backend's two launches (store K/V, attention).
+# Q/K norm (Qwen3) adds two RMSNorms. EngineConfig.sim_kernels_per_layer overrides the kernel count, e.g.
+# 10 for a fused forward (add+RMSNorm, QKV, RoPE+store, attention, O, add+RMSNorm, gate_up, SiLU*mul, down).
+LAYER_KERNELS, LAYER_VIEWS, LAYER_TRITON = 38, 13, 2
+QK_NORM_KERNELS = 16
+# Outside the layers: embedding, final norm, LM head, the logits-row gather and copy, the pending-token
+# gather (index_select + index_copy_).
+FIXED_KERNELS, FIXED_VIEWS = 14, 4
+# Activation bytes a layer moves per token, in units of hidden * dtype bytes (norm, residual, q/k/v, o,
+# gate/up/act/down in and out): what keeps a long prefill chunk from being priced as weights alone.
+ACT_PASSES_PER_LAYER = 16
+ATTN_SPLIT_KEYS = 512  # keys per work unit of a decode attention kernel (flash-decoding split)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """What a forward of this model moves and computes, from its shape and dtype."""
+
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    head_dim: int
+    layer_weight_bytes: float  # one decoder layer
+    head_weight_bytes: float  # the LM head (the tied embedding when tied)
+    layer_params: float
+    kv_bytes_per_token: float  # K and V of one position, every layer
+    dtype_bytes: int
+    layer_kernels: int  # per layer: PyTorch kernels, then the attention backend's Triton launches
+    layer_triton: int
+    layer_views: int
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, dtype_bytes: int, kernels_per_layer: int | None = None) -> "ModelCost":
+        h, i = spec.hidden_size, spec.intermediate_size
+        attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + spec.num_heads * spec.head_dim * h
+        layer_params = attn + 3 * h * i
+        if kernels_per_layer is None:  # this engine's decoder, as counted
+            kernels, triton, views = LAYER_KERNELS + (QK_NORM_KERNELS if spec.qk_norm else 0), LAYER_TRITON, \
+                LAYER_VIEWS
+        else:  # a fused forward: attention still one Triton launch of them
+            kernels, triton, views = kernels_per_layer - 1, 1, 0
+        return cls(layers=spec.num_layers, hidden=h, vocab=spec.vocab_size, heads=spec.num_heads,
+                   head_dim=spec.head_dim, layer_weight_bytes=layer_params * dtype_bytes,
+                   head_weight_bytes=spec.vocab_size * h * dtype_bytes, layer_params=layer_params,
+                   kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes,
+                   dtype_bytes=dtype_bytes, layer_kernels=kernels, layer_triton=triton, layer_views=views)
+
+    @property
+    def kernels_per_forward(self) -> int:
+        return (self.layer_kernels + self.layer_triton) * self.layers + FIXED_KERNELS
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes a decode step reads for weights (the embedding gather reads only its rows)."""
+        return self.layers * self.layer_weight_bytes + self.head_weight_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What the cost model needs from a step: per row, its query tokens and its context after the step."""
+
+    query_lens: tuple[int, ...] | list[int]
+    seq_lens: tuple[int, ...] | list[int]
+    num_sample_rows: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+class CostModel:
+    """Device times for one model on one profile (seconds)."""
+
+    def __init__(self, spec: ModelSpec, dtype_bytes: int, profile: GpuProfile,
+                 kernels_per_layer: int | None = None):
+        self.profile = profile
+        self.model = ModelCost.from_spec(spec, dtype_bytes, kernels_per_layer)
+        p = profile
+        self._bw = p.hbm_bytes_per_s * p.bw_fraction
+        self._flops = p.bf16_flops * p.flops_fraction
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward_s(self, shape: StepShape, graph: bool) -> float:
+        return self.gemm_s(shape) + self.attention_s(shape) + self.launch_overhead_s(graph) + \
+            self.profile.forward_fixed_s
+
+    def gemm_s(self, shape: StepShape) -> float:
+        m, t, r = self.model, shape.num_tokens, shape.num_sample_rows
+        head = m.head_weight_bytes if r else 0.0
+        nbytes = (m.layers * m.layer_weight_bytes + head + t * m.hidden * m.dtype_bytes * ACT_PASSES_PER_LAYER
+                  * m.layers + r * m.vocab * 4)
+        flops = 2.0 * m.layer_params * m.layers * t + 2.0 * m.hidden * m.vocab * r
+        return max(nbytes / self._bw, flops / self._flops)
+
+    def attention_s(self, shape: StepShape) -> float:
+        m = self.model
+        keys = units = pairs = 0.0
+        for q, s in zip(shape.query_lens, shape.seq_lens):
+            keys += s
+            units += m.heads * math.ceil(s / ATTN_SPLIT_KEYS) * (1 if q == 1 else math.ceil(q / 64))
+            pairs += q * (s - (q - 1) / 2.0)  # causal within the chunk
+        if not keys:
+            return 0.0
+        occupancy = min(1.0, units / self.profile.num_sms)
+        nbytes = (keys + shape.num_tokens) * m.kv_bytes_per_token
+        attn_flops = pairs * 4.0 * m.heads * m.head_dim * m.layers  # QK^T and PV
+        return max(nbytes / (self._bw * occupancy), attn_flops / self._flops)
+
+    def launch_overhead_s(self, graph: bool) -> float:
+        p, k = self.profile, self.model.kernels_per_forward
+        return p.graph_launch_s + k * p.kernel_gap_graph_s if graph else k * p.kernel_gap_eager_s
+
+    def weight_floor_s(self) -> float:
+        """No decode step can be faster than reading the weights once at peak bandwidth."""
+        return self.model.weight_bytes / self.profile.hbm_bytes_per_s
+
+    # ---- host launch cost of the CUDA path -------------------------------------------------------------------
+    def host_forward_launch_s(self, graph: bool) -> float:
+        """CPU time to launch a forward: one graph replay, or every operator of the eager model."""
+        p, m = self.profile, self.model
+        if graph:
+            return p.host_graph_launch_s
+        per_layer = m.layer_kernels * p.host_op_s + m.layer_views * p.host_view_s + m.layer_triton * p.host_triton_s
+        return m.layers * per_layer + FIXED_KERNELS * p.host_op_s + FIXED_VIEWS * p.host_view_s
+
+    # ---- sampling and copies ------------------------------------------------------------------------------
+    def sample_s(self, rows: int, kernels: int, passes: float) -> float:
+        """Sampling kernels over [rows, vocab] fp32 logits: a gap per kernel plus `passes` reads of them."""
+        if not rows:
+            return 0.0
+        p = self.profile
+        return p.sample_fixed_s + kernels * p.kernel_gap_eager_s + passes * rows * self.model.vocab * 4 / self._bw
+
+    def copy_s(self, nbytes: float, copies: int = 1) -> float:
+        p = self.profile
+        return copies * p.copy_latency_s + nbytes / p.pcie_bytes_per_s
+
+
+def profile(name: str) -> GpuProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"sim_gpu must be one of {', '.join(SIM_GPUS)}; got {name!r}") from None
+
+
+def with_fit(base: GpuProfile, bw_fraction: float, forward_fixed_s: float, sample_fixed_s: float) -> GpuProfile:
+    """`base` with fitted constants (bench/bench_sim.py --calibrate)."""
+    return replace(base, bw_fraction=bw_fraction, forward_fixed_s=forward_fixed_s, sample_fixed_s=sample_fixed_s)

@@ -1,0 +1,218 @@
+"""SimRunner: every step's host side is the real code; the accelerator's work is priced on a virtual clock.
+
+What runs for real, exactly as on CUDA: the scheduler's plan turned into host inputs and staged into the
+slot's (pinned-layout) buffers, the sampling inputs built at finalize (per-row parameters, penalties,
+constraint bitmasks filled by xgrammar after the previous commit), the commit's wait and its reading of the
+slot's host buffers, and everything the engine does around them. What is modelled (engine/sim/device.py,
+engine/sim/cost_model.py): the uploads, the forward, the sampling kernels, the device-to-host copy and KV
+swap copies, each an item on the compute or copy stream with the cost model's duration, launched at the
+host cost the CUDA path would pay. The sampled tokens themselves come from engine/sim/tokens.py and are
+written into the slot's host buffers when the sampling is enqueued; the commit reads them only after
+waiting for the copy's event, as on CUDA.
+
+Decode steps "replay a CUDA graph" exactly when the CUDA runner would (all rows one token and sampled, batch
+padded to a captured size): the padding rows are priced, and the launch is one replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from concurrent.futures import Future
+
+import torch
+
+from engine.config import EngineConfig
+from engine.cuda_graphs import capture_sizes
+from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, _run_now
+from engine.model_runner import MAX_GRAPH_BATCH_SIZE
+from engine.models.decoder import ModelSpec
+from engine.sampler import SamplingBatch
+from engine.scheduler import SchedulerOutput, SwapOp
+from engine.sim.cost_model import CostModel, StepShape, profile
+from engine.sim.device import SimDevice, SimEvent
+from engine.sim.tokens import SimTokens, fake_logprobs
+from engine.slot import DecodeSlot, HostInputs, Step
+from engine.step_runner import StepRunner, host_rows
+
+_RING = 4
+
+
+class SimExecutor:
+    """The executor interface over the simulated device: jobs run inline (they only enqueue priced items);
+    step timestamps are the virtual start/end times of those items."""
+
+    def __init__(self, device: SimDevice, num_slots: int):
+        self.device = device
+        self._marks = [[0.0] * 4 for _ in range(_RING)]
+        self.copy_done = [SimEvent() for _ in range(num_slots)]
+
+    def submit(self, fn, *args) -> Future:
+        return _run_now(fn, *args)
+
+    def stream_context(self):
+        return contextlib.nullcontext()
+
+    def mark(self, step_id: int, point: int, t: float) -> None:
+        self._marks[step_id % _RING][point] = t
+
+    def elapsed(self, a: tuple[int, int], b: tuple[int, int]) -> float:
+        return self._marks[b[0] % _RING][b[1]] - self._marks[a[0] % _RING][a[1]]
+
+    def wait_copied(self, slot: DecodeSlot) -> None:
+        self.device.synchronize(self.copy_done[slot.index])
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SimOffloader:
+    """KV swaps as copies on the copy stream: each waits for the compute stream (the blocks' last writer)
+    and the next forward waits for it (it reads swapped-in blocks or reuses swapped-out ones)."""
+
+    def __init__(self, device: SimDevice, cost: CostModel, block_size: int):
+        self.device, self.cost = device, cost
+        self.bytes_per_block = cost.model.kv_bytes_per_token * block_size
+        self.blocks_out = self.blocks_in = 0
+
+    def run(self, ops: list[SwapOp]) -> None:
+        dev, host_copy = self.device, self.cost.profile.host_copy_s
+        ready = dev.record(dev.compute)
+        for op in ops:
+            n = len(op.device_blocks)
+            # One gather (out) or scatter (in) kernel plus a copy per contiguous run; priced as one copy.
+            item = dev.run(dev.copy, self.cost.copy_s(n * self.bytes_per_block), f"swap_{op.direction}",
+                           host_s=3 * host_copy, waits=(ready,))
+            ready = SimEvent(item.end)
+            if op.direction == "out":
+                self.blocks_out += n
+            else:
+                self.blocks_in += n
+        dev.wait_event(dev.compute, ready)
+
+
+class SimRunner(StepRunner):
+    """The runner for `device="sim"`: no model, no weights, no KV tensors."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int,
+                 tokenizer, num_cpu_blocks: int = 0):
+        self.sim = SimDevice()
+        self.cost = CostModel(spec, torch.tensor([], dtype=dtype).element_size(), profile(config.sim_gpu),
+                              config.sim_kernels_per_layer)
+        super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len),
+                         SimExecutor(self.sim, 2), slot_logits=False, transfer=self._upload)
+        self.backend_name = f"sim:{config.sim_gpu}"
+        self.tokens = SimTokens(tokenizer, config.sim_eos_rate, config.seed)
+        self.offloader = SimOffloader(self.sim, self.cost, config.block_size) if num_cpu_blocks else None
+        self.graph_sizes = (capture_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
+                            if config.cuda_graphs else [])
+
+    # ---- launch ----------------------------------------------------------------------------------------
+    def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
+        step = self._new_step(sched, slot)
+        host = self._host_inputs(step, prev)
+        step.graph_size = self._graph_size(step)
+        slot.inputs.stage(host, pad_to=step.graph_size)
+        for row, c in enumerate(step.sample_chunks):
+            c.seq.pending_src = (step.id, row)
+        step.forward = self.executor.submit(self._forward_job, step, host, sched.swaps)
+        return step
+
+    def max_graph_batch_size(self) -> int:
+        return self.graph_sizes[-1] if self.graph_sizes else 0
+
+    def _graph_size(self, step: Step) -> int | None:
+        if not self.graph_sizes or not all(c.num_tokens == 1 and c.samples for c in step.chunks):
+            return None
+        i = bisect.bisect_left(self.graph_sizes, len(step.chunks))
+        return self.graph_sizes[i] if i < len(self.graph_sizes) else None
+
+    def _forward_job(self, step: Step, host: HostInputs, swaps: list[SwapOp]) -> None:
+        if swaps:
+            self.offloader.run(swaps)
+        bufs = step.slot.inputs
+        self._upload_item = None
+        bufs.upload()  # -> self._upload: the staged inputs' H2D copies, priced on the compute stream
+        first = self._upload_item
+        graph = step.graph_size is not None
+        pad = (step.graph_size or 0) - len(host.query_lens)
+        shape = StepShape(host.query_lens + [1] * pad, host.seq_lens + [0] * pad, bufs.num_rows + max(pad, 0))
+        item = self.sim.run(self.sim.compute, self.cost.forward_s(shape, graph), "forward",
+                            host_s=self.cost.host_forward_launch_s(graph))
+        self.executor.mark(step.id, FWD_START, (first or item).start)
+        self.executor.mark(step.id, FWD_END, item.end)
+
+    def _upload(self, nbytes: int, copies: int) -> None:
+        p = self.cost.profile
+        self._upload_item = self.sim.run(self.sim.compute, self.cost.copy_s(nbytes, copies), "h2d",
+                                         host_s=copies * p.host_copy_s)
+
+    # ---- sampling ----------------------------------------------------------------------------------------
+    def _sample_job(self, step: Step, batch: SamplingBatch | None) -> None:
+        slot, n, dev, ex = step.slot, len(step.sample_chunks), self.sim, self.executor
+        p = self.cost.profile
+        if batch is None:  # nothing samples: the copy-done event only marks the step's uploads consumed
+            t = dev.record(dev.compute)
+            ex.mark(step.id, SAMPLE_START, t.time)
+            ex.mark(step.id, SAMPLE_END, t.time)
+            ex.copy_done[slot.index] = t
+            return
+        nbytes, copies = self._write_results(step, batch)
+        kernels, passes = sampling_work(batch)
+        item = dev.run(dev.compute, self.cost.sample_s(n, kernels, passes), "sample",
+                       host_s=kernels * p.host_op_s + p.host_copy_s, waits=(ex.copy_done[slot.index],))
+        ex.mark(step.id, SAMPLE_START, item.start)
+        ex.mark(step.id, SAMPLE_END, item.end)
+        copy = dev.run(dev.copy, self.cost.copy_s(nbytes, copies), "d2h", host_s=(copies + 2) * p.host_copy_s,
+                       waits=(SimEvent(item.end),))
+        ex.copy_done[slot.index] = SimEvent(copy.end)
+
+    def _write_results(self, step: Step, batch: SamplingBatch) -> tuple[int, int]:
+        """Draw the step's tokens (and logprobs) into the slot's host buffers; return the bytes and copies the
+        device-to-host transfer of them would take."""
+        slot, n = step.slot, len(step.sample_chunks)
+        seqs = [c.seq for c in step.sample_chunks]
+        positions = [c.start + c.num_tokens for c in step.sample_chunks]
+        rows = batch.bitmask_rows
+        tokens, h = self.tokens.sample(seqs, positions, batch.bitmask if rows else None, rows)
+        slot.host_sampled.numpy()[:n] = tokens
+        nbytes, copies = 8 * n, 1
+        k = batch.num_logprobs
+        if k >= 0:
+            chosen, top_ids, top_lp = fake_logprobs(tokens, h, self.tokens.candidates, k)
+            slot.host_logprobs.numpy()[:n] = chosen
+            nbytes, copies = nbytes + 4 * n, copies + 1
+            if k > 0:
+                host_rows(slot.host_top_ids, n, k).numpy()[:] = top_ids
+                host_rows(slot.host_top_logprobs, n, k).numpy()[:] = top_lp
+                nbytes, copies = nbytes + 12 * n * k, copies + 2
+        return nbytes, copies
+
+    def note_idle(self) -> None:
+        self.sim.idle()
+
+    def device_stats(self) -> dict:
+        return {**self.sim.stats(), "sim_gpu": self.cost.profile.name}
+
+
+def sampling_work(batch: SamplingBatch) -> tuple[int, float]:
+    """(kernels, passes over the [rows, vocab] logits) the CUDA sampler (engine/sampler.py) runs for `batch`."""
+    kernels, passes = 2, 1.0  # argmax, copy into the slot's sampled buffer
+    if batch.penalties or batch.banned or batch.logit_bias or batch.bitmask_rows:
+        kernels += 1 + 4 * len(batch.penalties) + len(batch.banned) + len(batch.logit_bias) + \
+            (2 if batch.bitmask_rows else 0)
+        passes += 3
+    if not batch.all_greedy:
+        kernels += 7 + sum(g is not None for g in batch.generators)
+        passes += 6
+        if batch.top_k is not None:
+            kernels, passes = kernels + 4, passes + 8  # a full sort
+        if batch.top_p is not None:
+            kernels, passes = kernels + 6, passes + 10
+        if batch.min_p is not None:
+            kernels, passes = kernels + 3, passes + 3
+    if batch.num_logprobs >= 0:
+        kernels, passes = kernels + 2, passes + 3
+        if batch.num_logprobs > 0:
+            kernels, passes = kernels + 1, passes + 1
+    return kernels, passes

@@ -1,0 +1,156 @@
+"""What every runner shares: the ping-pong step slots, host-input assembly, sampling at finalize, the commit's wait.
+
+A runner turns the scheduler's plan into device work in three calls the engine loop makes (Photon's
+launch / commit / finalize): `launch` stages a step's inputs and enqueues its forward, `finalize` builds the
+step's sampling inputs (after the previous commit, so masks and penalties are current) and enqueues its
+sampling, `wait` is the commit's one wait for the sampled tokens to be readable on the host. Subclasses say
+where the forward runs: ModelRunner (this device: CPU or CUDA), PipelineRunner (stage actors), SimRunner
+(a simulated accelerator whose time is modelled).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START
+from engine.models.decoder import ModelSpec
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler import SchedulerOutput
+from engine.slot import DecodeSlot, HostInputs, Step, StepResult
+from engine.step_buffers import BufferLimits
+from engine.structured import allocate_bitmask
+
+NUM_SLOTS = 2
+
+
+class StepRunner:
+    """Slots, step ids and the host side of a step; `launch` is the subclass's."""
+
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, limits: BufferLimits,
+                 executor, num_slots: int = NUM_SLOTS, slot_logits: bool = True, transfer=None):
+        self.config = config
+        self.spec = spec
+        self.device = device  # where sampling inputs live
+        self.block_size = config.block_size
+        self.limits = limits
+        self.executor = executor
+        self.sampler = Sampler(config.seed, device)
+        self.slots = [DecodeSlot(i, limits, spec.vocab_size, device, logits=slot_logits, transfer=transfer)
+                      for i in range(num_slots)]
+        # Host staging for each slot's constraint bitmask (pinned on CUDA so its upload is asynchronous);
+        # per slot because a step's sampling may still read it while the next step's is being built.
+        self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size,
+                                               pin_memory=device.type == "cuda") for _ in self.slots]
+        self._next_step_id = 0
+
+    @staticmethod
+    def buffer_limits(config: EngineConfig, max_model_len: int) -> BufferLimits:
+        return BufferLimits(max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+                            max_seqs=config.max_num_seqs, max_blocks=-(-max_model_len // config.block_size))
+
+    def max_graph_batch_size(self) -> int:
+        """The largest decode batch replayed as a CUDA graph (0: no graphs)."""
+        return 0
+
+    def free_slot(self) -> DecodeSlot | None:
+        return next((s for s in self.slots if not s.busy), None)
+
+    def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
+        raise NotImplementedError
+
+    def _new_step(self, sched: SchedulerOutput, slot: DecodeSlot) -> Step:
+        step = Step(self._next_step_id, slot, sched.chunks, [c for c in sched.chunks if c.samples],
+                    sched.num_tokens, time.monotonic())
+        self._next_step_id += 1
+        slot.busy = True
+        return step
+
+    def _host_inputs(self, step: Step, prev: Step | None) -> HostInputs:
+        h, bs = HostInputs(), self.block_size
+        for c in step.chunks:
+            seq, start, end = c.seq, c.start, c.start + c.num_tokens
+            known = len(seq.token_ids)
+            base = len(h.input_ids)
+            h.input_ids.extend(seq.token_ids[start:min(end, known)])
+            if end > known:  # the last position is the token sampled by the previous step, still on device
+                assert end == known + 1 and prev is not None and seq.pending_src[0] == prev.id, seq
+                h.gather_dst.append(base + known - start)
+                h.gather_src.append(seq.pending_src[1])
+                h.input_ids.append(0)
+            table = seq.block_table
+            h.positions.extend(range(start, end))
+            h.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            h.query_lens.append(c.num_tokens)
+            h.seq_lens.append(end)
+            h.block_tables.append(table[: -(-end // bs)])
+            if c.samples:
+                h.logits_indices.append(base + c.num_tokens - 1)
+        return h
+
+    # ---- finalize (sampling) and wait ---------------------------------------------------------------------
+    def finalize(self, step: Step) -> None:
+        """Enqueue sampling for `step`, with sampling inputs read after the previous commit."""
+        if not step.sample_chunks:
+            step.sample = self.executor.submit(self._sample_job, step, None)
+            return
+        t0 = time.perf_counter()
+        with self.executor.stream_context():  # the parameter uploads go in stream order, before sampling
+            batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, step.slot.inputs,
+                                        self.host_bitmasks[step.slot.index])
+        step.finalize_s = time.perf_counter() - t0
+        step.num_logprobs = batch.num_logprobs
+        step.sample = self.executor.submit(self._sample_job, step, batch)
+
+    def _sample_job(self, step: Step, batch: SamplingBatch | None) -> None:
+        ex, slot, n = self.executor, step.slot, len(step.sample_chunks)
+        ex.before_sampling(slot)
+        ex.mark(step.id, SAMPLE_START)
+        pairs = []
+        if batch is not None:
+            with torch.inference_mode():
+                out = self.sampler(slot.logits[:n], batch)
+                slot.sampled[:n].copy_(out.tokens)
+            pairs.append((slot.host_sampled[:n], slot.sampled[:n]))
+            if out.logprobs is not None:
+                pairs.append((slot.host_logprobs[:n], out.logprobs))
+            if out.top_ids is not None:
+                k = out.top_ids.shape[1]
+                pairs += [(host_rows(slot.host_top_ids, n, k), out.top_ids),
+                          (host_rows(slot.host_top_logprobs, n, k), out.top_logprobs)]
+        ex.mark(step.id, SAMPLE_END)
+        # Also for a step that samples nothing: its copy-done event then marks the step's uploads consumed.
+        ex.copy_to_host(slot, pairs)
+
+    def wait(self, step: Step) -> StepResult:
+        """Block until `step`'s tokens are readable on the host (re-raises a failed forward or sample)."""
+        try:
+            step.forward.result()
+            step.sample.result()
+            self.executor.wait_copied(step.slot)
+            return self._read_result(step)
+        finally:
+            step.slot.busy = False
+
+    def _read_result(self, step: Step) -> StepResult:
+        """Host buffers only: the copy into them has completed (wait_copied)."""
+        slot, n, k, ex = step.slot, len(step.sample_chunks), step.num_logprobs, self.executor
+        period = ex.elapsed((step.id - 1, FWD_START), (step.id, FWD_START)) if step.id else 0.0
+        return StepResult(
+            tokens=slot.host_sampled[:n].tolist(),  # host memory
+            logprobs=slot.host_logprobs[:n].tolist() if k >= 0 else None,  # host memory
+            top_ids=host_rows(slot.host_top_ids, n, k).tolist() if k > 0 else None,  # host memory
+            top_logprobs=host_rows(slot.host_top_logprobs, n, k).tolist() if k > 0 else None,  # host memory
+            forward_s=ex.elapsed((step.id, FWD_START), (step.id, FWD_END)),
+            sample_s=ex.elapsed((step.id, SAMPLE_START), (step.id, SAMPLE_END)), period_s=period,
+            sample_wait_s=max(0.0, ex.elapsed((step.id, FWD_END), (step.id, SAMPLE_START))))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def host_rows(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The first n*k elements of a [rows, MAX] host buffer as a contiguous [n, k] view."""
+    return buf.view(-1)[: n * k].view(n, k)

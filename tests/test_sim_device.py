@@ -1,0 +1,234 @@
+"""The simulated accelerator (engine/sim): its clock, its cost model, and the real engine running on it.
+
+Oracles: datasheet arithmetic (the weight-bandwidth floor from a model's published parameter count),
+Photon's published step times (seed 000), wall-clock time (the virtual clock is anchored to it), and the
+engine itself on real devices for what must not depend on the device (an unpressured run's outputs).
+No timed assertions on this machine's speed: where busy fractions are compared, the host is slowed on
+purpose by far more than any machine's noise, or the device step is made far longer than the host's work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+from engine.sim import PROFILES, SIM_MODELS, CostModel, StepShape
+from engine.sim.calibrate import PHOTON_SAMPLING, photon_shape, photon_spec
+from engine.sim.cost_model import PHOTON_TABLE
+from engine.sim.device import SimDevice, SimEvent
+from engine.models import load_hf_config, model_spec
+
+QWEN = str(SIM_MODELS / "qwen2.5-0.5b")
+LLAMA8B = str(SIM_MODELS / "llama-3.1-8b")
+
+
+def sim_llm(model: str = QWEN, **kw) -> LLM:
+    return LLM(model, device="sim", **{"max_model_len": 2048, "max_num_seqs": 32, **kw})
+
+
+def spec_of(model: str):
+    return model_spec(load_hf_config(model))
+
+
+# ---- the virtual clock -------------------------------------------------------------------------------------
+def test_stream_runs_in_order_from_the_later_of_free_and_issue_time():
+    dev = SimDevice(trace=True)
+    a = dev.run(dev.compute, 0.010, "a")
+    b = dev.run(dev.compute, 0.005, "b")
+    assert a.start >= a.issued and b.start == pytest.approx(a.end)  # queued behind a
+    assert b.end == pytest.approx(a.end + 0.005)
+    time.sleep(0.030)  # the stream drains; the next item starts when it is issued
+    c = dev.run(dev.compute, 0.001, "c")
+    assert c.start == c.issued and c.start > b.end + 0.010
+    assert [i.kind for i in dev.trace] == ["a", "b", "c"]
+
+
+def test_host_gap_is_idle_and_an_event_wait_is_not():
+    dev = SimDevice()
+    dev.run(dev.compute, 0.002)
+    time.sleep(0.020)
+    dev.run(dev.compute, 0.002)  # the stream sat free ~18 ms with nothing enqueued: a host-caused bubble
+    assert dev.idle_s >= 0.015 and dev.dep_wait_s == 0
+    copy = dev.run(dev.copy, 0.030)  # a long copy on the other stream
+    dev.wait_event(dev.compute, SimEvent(copy.end))
+    item = dev.run(dev.compute, 0.001)
+    assert item.start == pytest.approx(copy.end)
+    assert dev.dep_wait_s >= 0.020  # enqueued, but waiting for the copy's event
+    assert dev.compute.busy_s == pytest.approx(0.005)
+
+
+def test_a_gap_after_the_engine_went_idle_is_not_counted():
+    dev = SimDevice()
+    dev.run(dev.compute, 0.001)
+    dev.idle()
+    time.sleep(0.020)
+    dev.run(dev.compute, 0.001)
+    assert dev.idle_s == 0
+
+
+def test_synchronize_blocks_until_the_event_on_the_wall_clock():
+    dev = SimDevice()
+    item = dev.run(dev.compute, 0.030)
+    t0 = time.perf_counter()
+    dev.synchronize(SimEvent(item.end))
+    assert time.perf_counter() >= item.end
+    assert time.perf_counter() - t0 >= 0.025
+    t0 = time.perf_counter()
+    dev.synchronize(SimEvent(item.end))  # already complete: returns at once
+    assert time.perf_counter() - t0 < 0.005
+
+
+def test_an_eager_forward_cannot_end_before_the_host_launched_it():
+    dev = SimDevice()
+    item = dev.run(dev.compute, 0.0001, host_s=0.003)  # 3 ms of launching, 0.1 ms of kernels
+    assert item.end - item.issued >= 0.003
+    assert dev.host_launch_s == pytest.approx(0.003)
+
+
+# ---- the cost model ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpu", ["h100", "h200", "b200", "a100"])
+def test_weight_bandwidth_floor_holds_for_8b_decode(gpu):
+    # Llama-3.1-8B has 8.03e9 parameters (its model card), 16.06 GB in bf16. A decode step reads all of them
+    # but the input embedding table (vocab x hidden, untied: it gathers only the step's rows).
+    peak = PROFILES[gpu].hbm_bytes_per_s
+    spec = spec_of(LLAMA8B)
+    read = (8.03e9 - spec.vocab_size * spec.hidden_size) * 2
+    cost = CostModel(spec, 2, PROFILES[gpu])
+    assert cost.model.weight_bytes == pytest.approx(read, rel=0.005)
+    for rows in (1, 8, 64, 256):
+        for graph in (True, False):
+            shape = StepShape([1] * rows, [1] * rows, rows)  # the least context there can be
+            fwd = cost.forward_s(shape, graph)
+            assert fwd >= read / peak, (rows, graph)
+            assert fwd >= 16e9 / peak, (rows, graph)  # the checkpoint's size over peak bandwidth, too
+
+
+def test_cost_grows_with_context_and_rows_and_prefill_is_compute_bound():
+    cost = CostModel(spec_of(QWEN), 2, PROFILES["h100"])
+    short, long_ = StepShape([1] * 32, [100] * 32, 32), StepShape([1] * 32, [4000] * 32, 32)
+    assert cost.forward_s(long_, True) > cost.forward_s(short, True)
+    assert cost.forward_s(StepShape([1] * 256, [1000] * 256, 256), True) > \
+        cost.forward_s(StepShape([1] * 8, [1000] * 8, 8), True)
+    prefill = StepShape([2048], [2048], 1)
+    m = cost.model
+    flops = 2 * m.layer_params * m.layers * 2048
+    assert cost.gemm_s(prefill) == pytest.approx(flops / (989e12 * 0.6), rel=0.05)  # compute bound
+    assert cost.forward_s(prefill, graph=False) > cost.forward_s(StepShape([1], [2048], 1), graph=True)
+
+
+@pytest.mark.parametrize("profile", sorted(PHOTON_TABLE))
+def test_photon_profiles_reproduce_photons_measured_step_times(profile):
+    cost = CostModel(photon_spec(), 2, PROFILES[profile])
+    for streams, (fwd_ms, smp_ms, _, _) in PHOTON_TABLE[profile].items():
+        fwd = cost.forward_s(photon_shape(streams), graph=True) * 1e3
+        smp = cost.sample_s(streams, *PHOTON_SAMPLING) * 1e3
+        assert fwd == pytest.approx(fwd_ms, rel=0.10), (streams, fwd, fwd_ms)
+        assert smp == pytest.approx(smp_ms, rel=0.15), (streams, smp, smp_ms)
+
+
+# ---- the engine on the simulated device ----------------------------------------------------------------------
+def test_sim_engine_needs_no_weights_and_reports_device_time():
+    assert not list(SIM_MODELS.glob("*/*.safetensors"))
+    llm = sim_llm(LLAMA8B, sim_gpu="h100")
+    t0 = time.perf_counter()
+    outs = llm.generate(["hello"] * 4, SamplingParams(max_tokens=32, temperature=0))
+    wall = time.perf_counter() - t0
+    s = llm.stats()
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 32 for o in outs)
+    vocab = len(llm.tokenizer)
+    assert all(0 <= t < vocab for o in outs for t in o.token_ids)
+    # 32 decode steps of an 8B model on an H100 take at least 32 weight reads: the host waited for them.
+    assert s["device_busy_s"] >= 32 * 16.06e9 / 3.35e12
+    assert wall >= s["device_busy_s"]
+    assert s["device_busy_fraction"] > 0.5  # ~5 ms device steps dwarf the host's work per step
+    assert s["sim_gpu"] == "h100" and s["steps"] >= 32
+    llm.check_integrity()
+    llm.shutdown()
+
+
+def test_tokens_are_deterministic_per_request_and_identical_at_both_depths():
+    prompts = ["the same prompt", "another prompt", [5, 6, 7, 8]]
+    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, seed=3),
+              SamplingParams(max_tokens=40, temperature=0.7)]
+    runs = []
+    for depth in (1, 2):
+        llm = sim_llm(pipeline_depth=depth)
+        runs.append([o.token_ids for o in llm.generate(prompts, params)])
+        llm.shutdown()
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) == 3
+
+
+def test_no_eos_unless_asked_and_eos_rate_gives_geometric_lengths():
+    llm = sim_llm(max_num_seqs=64)
+    outs = llm.generate([f"prompt {i}" for i in range(64)], SamplingParams(max_tokens=200))
+    assert all(o.finish_reason == "length" for o in outs)
+    llm.shutdown()
+    llm = sim_llm(max_num_seqs=64, sim_eos_rate=0.05)
+    outs = llm.generate([f"prompt {i}" for i in range(64)], SamplingParams(max_tokens=400))
+    stopped = [len(o.token_ids) for o in outs if o.finish_reason == "stop"]
+    assert len(stopped) >= 60  # P(no EOS in 400 tokens) = 0.95^400 ~ 1e-9
+    mean = sum(stopped) / len(stopped)
+    assert 12 < mean < 35, mean  # geometric, mean 1 / 0.05 = 20
+    llm.check_integrity()
+    llm.shutdown()
+
+
+def test_structured_output_advances_the_grammar_on_the_sim_device():
+    schema = {"type": "object", "required": ["name", "size"],
+              "properties": {"name": {"type": "string", "maxLength": 8},
+                             "size": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    llm = sim_llm(sim_eos_rate=0.3)
+    outs = llm.generate(["a", "b", "c", "d"], SamplingParams(
+        max_tokens=200, structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), schema)
+    choice = llm.generate(["x"], SamplingParams(
+        max_tokens=50, structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])))[0]
+    assert choice.text in ("alpha", "beta")
+    llm.shutdown()
+
+
+def test_kv_pressure_offload_and_soft_reset_leave_outputs_unchanged():
+    prompts = [[(7 * i + j) % 3000 + 10 for j in range(60 + 10 * i)] for i in range(12)]
+    params = SamplingParams(max_tokens=120, temperature=0)
+    free = sim_llm(max_num_seqs=12)
+    want = [o.token_ids for o in free.generate(prompts, params)]
+    free.shutdown()
+    for cpu_blocks in (0, 256):
+        llm = sim_llm(max_num_seqs=12, num_kv_blocks=60, num_cpu_blocks=cpu_blocks)
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        s = llm.stats()
+        assert got == want
+        assert s["num_preemptions"] > 0
+        if cpu_blocks:
+            assert s["num_offloads"] > 0 and s["blocks_swapped_in"] > 0 and s["device_copy_busy_s"] > 0
+        llm.check_integrity()
+        llm.shutdown()
+
+
+def test_a_slowed_host_shows_bubbles_and_pipelining_hides_a_fast_one(monkeypatch):
+    prompts = [f"stream {i}" for i in range(4)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    def busy(depth: int, slow_s: float) -> float:
+        llm = sim_llm(LLAMA8B, pipeline_depth=depth)  # ~7.5 ms device steps at 4 rows
+        engine = llm.engine
+        if slow_s:
+            commit = engine._commit_tokens
+            monkeypatch.setattr(engine, "_commit_tokens", lambda step, result: (time.sleep(slow_s),
+                                                                                  commit(step, result))[1])
+        llm.generate(prompts, params)
+        fraction = llm.stats()["device_busy_fraction"]
+        llm.shutdown()
+        return fraction
+
+    fast, slowed = busy(2, 0.0), busy(2, 0.040)
+    assert slowed < 0.3 < 0.6 < fast  # 40 ms of host work per ~7.5 ms step: the device waits most of the time
+    assert busy(1, 0.0) < fast  # blocking: the commit and the next launch run while the device idles
