@@ -69,17 +69,33 @@ class BlockManager:
         """Blocks to add so `seq` can hold `num_tokens` positions."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
-    def cached_prefix(self, token_ids: Seq[int]) -> tuple[list[int], list[int]]:
+    def prompt_hashes(self, seq: Sequence) -> list[int] | None:
+        """Chained hashes of the full blocks of `seq.token_ids` before its last token, computed once per
+        token count and kept on the sequence (a request waiting at the head of the queue is looked up again
+        every tick; its prompt must not be re-hashed each time). None without prefix caching."""
+        if not self.enable_prefix_caching:
+            return None
+        n = len(seq.token_ids)
+        if seq.prompt_hashes is None or seq.prompt_hashes[0] != n:
+            hashes, parent, bs, ids = [], _ROOT_HASH, self.block_size, seq.token_ids
+            for i in range((n - 1) // bs):
+                parent = hash_block(parent, ids[i * bs:(i + 1) * bs])
+                hashes.append(parent)
+            seq.prompt_hashes = (n, hashes)
+        return seq.prompt_hashes[1]
+
+    def cached_prefix(self, token_ids: Seq[int], known: list[int] | None = None) -> tuple[list[int], list[int]]:
         """Cached blocks matching the longest full-block prefix of `token_ids`, and their hashes.
 
         The last token is never served from cache: its logits are needed to sample the first output token.
+        `known`: the chained hashes of those blocks already computed (prompt_hashes), else hashed here.
         """
         if not self.enable_prefix_caching:
             return [], []
         blocks, hashes, parent = [], [], _ROOT_HASH
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = known[i] if known is not None else hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             block = self.hash_to_block.get(parent)
             if block is None:
                 break
@@ -128,8 +144,9 @@ class BlockManager:
         bs = self.block_size
         full = min(num_tokens // bs, len(seq.block_table))
         parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        known = seq.prompt_hashes[1] if seq.prompt_hashes is not None else ()  # still valid: tokens only grow
         for i in range(len(seq.block_hashes), full):
-            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
+            parent = known[i] if i < len(known) else hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(parent)
             block = seq.block_table[i]
             if parent not in self.hash_to_block and self.block_hash[block] is None:

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from engine.slot import DecodeSlot, HostInputs
+from engine.slot import DecodeSlot
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -64,8 +64,8 @@ class DecodeGraphs:
         work = [(size, slot) for size in reversed(self.sizes) for slot in slots]
         bar = _progress(len(work), progress and not self.emulate)
         for size, slot in work:
-            slot.inputs.stage(HostInputs(), pad_to=size)  # all rows padding: the warm-up writes no KV
-            meta = slot.inputs.metadata(block_size, full_width=True)
+            slot.inputs.stage_padding(size)  # all rows padding: the warm-up writes no KV
+            meta = slot.inputs.metadata(block_size, full_width=True, host_lists=False)
             fn = functools.partial(forward, slot, size, meta)
             self._graphs[(slot.index, size)] = self._capture_one(slot, fn, stream, warm_up=slot is slots[0])
             bar.update(1)

@@ -31,7 +31,7 @@ from engine.models import load_hf_config, model_spec
 from engine.outputs import RequestOutput, StepRecord, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import Sequence
 from engine.slot import Step, StepResult
 from engine.step_runner import StepRunner
 from engine.structured import StructuredOutputManager
@@ -287,51 +287,62 @@ class LLMEngine:
             self.host_time["commit"] += time.perf_counter() - t1
 
     def _commit_tokens(self, step: Step, result: StepResult) -> list[RequestOutput]:
-        touched: dict[str, Sequence] = {}
+        """Append each sampling row's token, emit outputs, release what drained: one pass over the step's
+        chunks (a sequence appears in at most one chunk of a step)."""
+        outputs, requests, tokens = [], self.requests, result.tokens
+        row = generated = zombies = 0
         for c in step.chunks:
-            c.seq.inflight_refs -= 1
-            touched[c.seq.request_id] = c.seq
-            if c.seq.first_scheduled_time is None:
-                c.seq.first_scheduled_time = step.launch_time
-        for row, c in enumerate(step.sample_chunks):
-            c.seq.num_pending -= 1
-            if c.seq.finalized:
-                self.counters["zombie_rows"] += 1  # rode along after finishing: nothing to commit
-                continue
-            self._append_token(c.seq, result, row)
-        outputs = []
-        for seq in touched.values():
-            req = self.requests.get(seq.request_id)
+            seq = c.seq
+            seq.inflight_refs -= 1
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = step.launch_time
+            if c.samples:
+                seq.num_pending -= 1
+                if seq.finalized:
+                    zombies += 1  # rode along after finishing: nothing to commit
+                elif self._append_token(seq, tokens[row], result, row):
+                    generated += 1
+                row += 1
+            req = requests.get(seq.request_id)
             if req is not None and req.seq is seq:
                 out = self._maybe_finish(req)
                 if out is not None:
                     outputs.append(out)
-            self.scheduler.release_if_idle(seq)
+            if not seq.inflight_refs:
+                self.scheduler.release_if_idle(seq)
+        self.counters["generation_tokens"] += generated
+        self.counters["zombie_rows"] += zombies
         return outputs
 
-    def _append_token(self, seq: Sequence, result: StepResult, row: int) -> None:
-        token = result.tokens[row]
+    def _append_token(self, seq: Sequence, token: int, result: StepResult, row: int) -> bool:
+        """Commit one sampled token (False when its constraint rejected it and the request ends)."""
         if seq.constraint is not None and not self._accept_constrained(seq, token):
-            return
-        seq.token_ids.append(token)
-        self.counters["generation_tokens"] += 1
+            return False
+        ids = seq.token_ids
+        ids.append(token)
+        n = len(ids)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if seq.logprobs is not None:
             k = seq.params.logprobs
             top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
             seq.logprobs.append(TokenLogprob(token, result.logprobs[row], top))
-        self.block_manager.cache_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
-        if token in seq.eos_token_ids or token in seq.params.stop_token_ids:
-            if seq.num_output_tokens >= seq.params.min_tokens:
+        bs = self.config.block_size
+        if self.config.enable_prefix_caching and min(seq.num_computed, n) // bs > len(seq.block_hashes):
+            self.block_manager.cache_full_blocks(seq, min(seq.num_computed, n))  # a block just filled up
+        p = seq.params
+        min_ok = not p.min_tokens or n - len(seq.prompt_token_ids) >= p.min_tokens
+        if token in seq.eos_token_ids or (p.stop_token_ids and token in p.stop_token_ids):
+            if min_ok:
                 seq.finish_reason = "stop"
-                return
-        if seq.detok.add(token, check_stops=seq.num_output_tokens >= seq.params.min_tokens):
+                return True
+        if seq.detok.add(token, check_stops=min_ok):
             seq.finish_reason = "stop"
         elif seq.constraint is not None and seq.constraint.terminated:
             seq.finish_reason = "stop"  # the grammar ended on its stop token (also under ignore_eos)
-        elif len(seq.token_ids) >= seq.max_total_len:
+        elif n >= seq.max_total_len:
             seq.finish_reason = "length"
+        return True
 
     def _accept_constrained(self, seq: Sequence, token: int) -> bool:
         """Advance the request's matcher with its newly committed token (the only place it advances).

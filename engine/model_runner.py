@@ -24,7 +24,7 @@ from engine.kv_offload import KVOffloader
 from engine.models import build_model
 from engine.models.decoder import ModelSpec
 from engine.scheduler import SchedulerOutput
-from engine.slot import DecodeSlot, HostInputs, Step
+from engine.slot import DecodeSlot, Step
 from engine.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ class ModelRunner(StepRunner):
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
+        # The persistent block tables' device copy (engine/block_tables.py): deltas scattered in stream order.
+        self.device_tables = torch.zeros(self.limits.table_rows, self.limits.max_blocks, dtype=torch.int32,
+                                         device=device)
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs and self.backend.supports_graphs:
             self.capture_graphs()
@@ -91,18 +94,14 @@ class ModelRunner(StepRunner):
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
         """Enqueue the forward of a planned step into `slot`. Pending input tokens come from `prev`'s slot."""
         step = self._new_step(sched, slot)
-        host = self._host_inputs(step, prev)
         step.graph_size = self._graph_size(step)
-        slot.inputs.stage(host, pad_to=step.graph_size)
-        for row, c in enumerate(step.sample_chunks):
-            c.seq.pending_src = (step.id, row)
+        self._stage(step, pad_to=step.graph_size)
         prev_sampled = prev.slot.sampled if prev is not None else None
-        step.forward = self.executor.submit(self._forward_job, step, host, prev_sampled,
-                                            self.executor.take_deps(), sched.swaps)
+        step.forward = self.executor.submit(self._forward_job, step, prev_sampled, self.executor.take_deps(),
+                                            sched.swaps)
         return step
 
-    def _forward_job(self, step: Step, host: HostInputs, prev_sampled: torch.Tensor | None, deps: list,
-                     swaps: list) -> None:
+    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, deps: list, swaps: list) -> None:
         ex = self.executor
         ex.wait_on(deps)
         if swaps:  # KV copies the scheduler decided on since the last step, ordered before this forward
@@ -111,17 +110,18 @@ class ModelRunner(StepRunner):
         with torch.inference_mode():
             bufs = step.slot.inputs
             bufs.upload()
+            bufs.apply_tables(self.device_tables, full_width=step.graph_size is not None)
             if prev_sampled is not None:
                 bufs.gather_pending(prev_sampled)
             if step.graph_size is not None:
                 self.graphs.replay(step.slot, step.graph_size)
             else:
-                self._eager_forward(step.slot, host)
+                self._eager_forward(step.slot)
         ex.mark(step.id, FWD_END)
 
-    def _eager_forward(self, slot: DecodeSlot, host: HostInputs) -> None:
+    def _eager_forward(self, slot: DecodeSlot) -> None:
         b = slot.inputs
-        meta = b.metadata(self.block_size, host)
+        meta = b.metadata(self.block_size)
         self.backend.prepare(meta)
         hidden = self.model(b.dev["input_ids"][:b.num_tokens], b.dev["positions"][:b.num_tokens],
                             self.kv_caches, meta)

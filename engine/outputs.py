@@ -57,3 +57,13 @@ class StepRecord:
     forward_s: float
     sample_s: float
     period_s: float | None
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """`newer` extended with `older`'s deltas: what a consumer that never saw `older` must receive (the
+    cumulative fields are newer's already). Mutates and returns `newer`, a fresh object of the engine's."""
+    newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids
+    newer.delta_text = older.delta_text + newer.delta_text
+    if newer.delta_logprobs is not None:
+        newer.delta_logprobs = (older.delta_logprobs or []) + newer.delta_logprobs
+    return newer

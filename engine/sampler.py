@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sequence import Sequence
+from engine.sequence import ROW_GREEDY, ROW_MIN_P, ROW_SPECIAL, ROW_TEMPERATURE, ROW_TOP_K, ROW_TOP_P, TOP_K_OFF, \
+    Sequence
 from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmask
 
 _NEG_INF = float("-inf")
@@ -34,7 +35,7 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [R] float32
     penalties: list["_RowPenalty"]  # rows with repetition/presence/frequency penalties
     banned: list[tuple[int, torch.Tensor]]  # (row, token ids) masked to -inf (min_tokens: eos + stop ids)
-    generators: list[torch.Generator | None]  # per row; None = the engine's generator
+    generators: dict[int, torch.Generator]  # seeded rows' own generators; other rows use the engine's
     num_logprobs: int  # -1: no row wants logprobs; else max top-k asked (0 = chosen token only)
     all_greedy: bool  # decided on the host, so skipping the random path never reads the device
     logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]]  # (row, token ids [n], biases [n])
@@ -48,30 +49,55 @@ class SamplingBatch:
     def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
               bitmask_buffer: torch.Tensor | None = None) -> "SamplingBatch":
         """buffers: the slot's StepBuffers (per-row fields are staged and uploaded there); None allocates.
-        bitmask_buffer: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's; pinned on CUDA)."""
-        ps = [s.params for s in seqs]
-        put = _uploader(device, buffers)
-        temperature = put("temperature", [p.temperature if p.temperature > 0 else 1.0 for p in ps], torch.float32)
-        greedy = put("greedy", [p.greedy for p in ps], torch.bool)
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in ps):
-            top_k = put("top_k", [p.top_k if p.top_k > 0 else 1 << 30 for p in ps], torch.long)
-        if any(p.top_p < 1.0 for p in ps):
-            top_p = put("top_p", [p.top_p for p in ps], torch.float32)
-        if any(p.min_p > 0.0 for p in ps):
-            min_p = put("min_p", [p.min_p for p in ps], torch.float32)
-        pen = [_RowPenalty.build(i, s, device) for i, s in enumerate(seqs) if s.params.needs_penalties]
-        banned = [(i, to_device(sorted(s.eos_token_ids | set(s.params.stop_token_ids)), torch.long, device))
-                  for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
-        asked = [p.logprobs for p in ps if p.logprobs is not None]
-        bias = [(i, to_device(list(p.logit_bias), torch.long, device),
-                 to_device(list(p.logit_bias.values()), torch.float32, device))
-                for i, p in enumerate(ps) if p.logit_bias]
-        bitmask, rows = _constraint_bitmask(seqs, device, bitmask_buffer)
-        return cls(temperature, greedy, top_k, top_p, min_p, pen, banned,
-                   [s.generator for s in seqs], max(asked) if asked else -1, all(p.greedy for p in ps),
-                   bias, bitmask, rows)
+        bitmask_buffer: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's; pinned on CUDA).
 
+        Each sequence carries its parameters as one tuple (Sequence.sample_row, made once). When every row
+        has the same tuple (the common case) the per-row fields are filled from scalars; per-row Python runs
+        only for the rows flagged special (penalties, min_tokens, logit_bias, seeds, logprobs, constraints)."""
+        put = _uploader(device, buffers)
+        rows = [s.sample_row for s in seqs]
+        n, first = len(rows), rows[0]
+        uniform = rows.count(first) == n
+        cols = first if uniform else tuple(zip(*rows))  # scalars, or one tuple of values per field
+        temperature = put("temperature", cols[ROW_TEMPERATURE], n, torch.float32)
+        greedy = put("greedy", cols[ROW_GREEDY], n, torch.bool)
+        used = (lambda i, off: cols[i] != off) if uniform else (lambda i, off: any(v != off for v in cols[i]))
+        top_k = put("top_k", cols[ROW_TOP_K], n, torch.long) if used(ROW_TOP_K, TOP_K_OFF) else None
+        top_p = put("top_p", cols[ROW_TOP_P], n, torch.float32) if used(ROW_TOP_P, 1.0) else None
+        min_p = put("min_p", cols[ROW_MIN_P], n, torch.float32) if used(ROW_MIN_P, 0.0) else None
+        all_greedy = bool(cols[ROW_GREEDY]) if uniform else all(cols[ROW_GREEDY])
+        special = (range(n) if first[ROW_SPECIAL] else ()) if uniform else [i for i, r in enumerate(rows)
+                                                                           if r[ROW_SPECIAL]]
+        batch = cls(temperature, greedy, top_k, top_p, min_p, [], [], {}, -1, all_greedy, [], None, [])
+        if special:
+            batch._add_special(seqs, special, device, bitmask_buffer)
+        return batch
+
+    def _add_special(self, seqs: list[Sequence], special, device: torch.device,
+                     bitmask_buffer: torch.Tensor | None) -> None:
+        """Penalties, min_tokens bans, logit_bias, seeds, logprobs and constraints of the special rows."""
+        constraints = None
+        for i in special:
+            s = seqs[i]
+            p = s.params
+            if p.needs_penalties:
+                self.penalties.append(_RowPenalty.build(i, s, device))
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                self.banned.append((i, to_device(sorted(s.eos_token_ids | set(p.stop_token_ids)), torch.long,
+                                                 device)))
+            if p.logit_bias:
+                self.logit_bias.append((i, to_device(list(p.logit_bias), torch.long, device),
+                                        to_device(list(p.logit_bias.values()), torch.float32, device)))
+            if s.generator is not None:
+                self.generators[i] = s.generator
+            if p.logprobs is not None:
+                self.num_logprobs = max(self.num_logprobs, p.logprobs)
+            if s.constraint is not None and not s.finalized:  # a finalized row is a zombie: no mask
+                constraints = constraints or [None] * len(seqs)
+                constraints[i] = s.constraint
+        if constraints is not None:
+            self.bitmask, self.bitmask_rows = _constraint_bitmask(constraints, device, bitmask_buffer,
+                                                                  seqs[0].vocab_size)
 
     def to(self, device: torch.device) -> "SamplingBatch":
         """This batch with its per-row parameter tensors on `device` (for a batch of plain rows, as the
@@ -82,15 +108,11 @@ class SamplingBatch:
                                    top_k=move(self.top_k), top_p=move(self.top_p), min_p=move(self.min_p))
 
 
-def _constraint_bitmask(seqs: list[Sequence], device: torch.device,
-                        buffer: torch.Tensor | None) -> tuple[torch.Tensor | None, list[int]]:
-    # A finalized row is a zombie (finished at the commit just made): its token is discarded, no mask.
-    constraints = [None if s.finalized else s.constraint for s in seqs]
-    if all(c is None for c in constraints):
-        return None, []
+def _constraint_bitmask(constraints: list, device: torch.device, buffer: torch.Tensor | None,
+                        vocab_size: int) -> tuple[torch.Tensor, list[int]]:
     if buffer is None:
-        buffer = allocate_bitmask(len(seqs), seqs[0].vocab_size)
-    host = buffer[:len(seqs)]
+        buffer = allocate_bitmask(len(constraints), vocab_size)
+    host = buffer[:len(constraints)]
     rows = fill_bitmask(constraints, host)
     return host.to(device, non_blocking=True), rows
 
@@ -128,10 +150,14 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def _uploader(device: torch.device, buffers):
-    """put(field, values, dtype) -> the values on `device`: into the slot's fixed buffers when given."""
+    """put(field, values, n, dtype) -> n values on `device` (`values`: a sequence, or one scalar for every
+    row): into the slot's fixed buffers when given."""
     if buffers is not None:
-        return lambda name, values, dtype: buffers.put(name, values)
-    return lambda name, values, dtype: to_device(values, dtype, device)
+        return lambda name, values, n, dtype: buffers.put(name, values, n)
+
+    def put(name, values, n, dtype):
+        return to_device([values] * n if not isinstance(values, tuple) else list(values), dtype, device)
+    return put
 
 
 @dataclass(slots=True)
@@ -203,9 +229,8 @@ class Sampler:
         if batch.min_p is not None:
             probs = probs.masked_fill(probs < batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, gen in enumerate(batch.generators):
-            if gen is not None:  # seeded: the draw depends only on the request's own generator
-                noise[row].exponential_(generator=gen)
+        for row, gen in batch.generators.items():  # seeded: the draw depends only on the request's own generator
+            noise[row].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
 

@@ -135,11 +135,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = [self.max_num_batched_tokens]
         self._starved = False
-        running = [s for s in self.running if self._schedulable(s)]
-        decodes = [s for s in running if s.is_decoding]
-        prefills = [s for s in running if not s.is_decoding]
+        decodes, prefills = self._split_running()
         if self.policy == "fifo":
-            self._schedule_running(decodes, out, budget)
+            self._schedule_decodes(decodes, out, budget)
             self._schedule_running(prefills, out, budget)
             self._swap_in(out, budget)
             self._admit_waiting(out, budget)
@@ -147,7 +145,7 @@ class Scheduler:
             self._schedule_running(prefills, out, budget)
             self._swap_in(out, budget)
             self._admit_waiting(out, budget)
-            self._schedule_running(decodes, out, budget)
+            self._schedule_decodes(decodes, out, budget)
         if out:  # copies ride with the next step that runs; until then nothing reads the blocks involved
             out.swaps, self._swaps = self._swaps, []
         return out
@@ -158,6 +156,47 @@ class Scheduler:
         if self.one_step_per_seq and seq.inflight_refs:
             return False
         return not (seq.finalized or seq.preempted) and seq.num_total < seq.max_total_len
+
+    def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The schedulable running sequences: decodes (Sequence.is_decoding) and the rest, in running order.
+        Inlined _schedulable and is_decoding: this runs over every running sequence every step."""
+        decodes, prefills = [], []
+        one_step = self.one_step_per_seq
+        for s in self.running:
+            if (one_step and s.inflight_refs) or s.finalized or s.preempted:
+                continue
+            total = len(s.token_ids) + s.num_pending
+            if total >= s.max_total_len:
+                continue
+            if total - s.num_computed == 1 and s.num_computed >= len(s.prompt_token_ids):
+                decodes.append(s)
+            else:
+                prefills.append(s)
+        return decodes, prefills
+
+    def _schedule_decodes(self, seqs: list[Sequence], out: SchedulerOutput, budget: list[int]) -> None:
+        """_schedule_running for one-token chunks, with the common case inlined: a sequence whose last block
+        has room needs no allocation, and hashes a block only when one just filled up."""
+        bs, chunks, caching = self.bm.block_size, out.chunks, self.bm.enable_prefix_caching
+        taken, limit = 0, budget[0]
+        for seq in seqs:
+            if taken == limit:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this same pass
+                continue
+            start = seq.num_computed
+            if start >= len(seq.block_table) * bs and not self._fit(seq, 1):
+                continue
+            chunks.append(ScheduledChunk(seq, start, 1, True))
+            seq.num_computed = start + 1
+            seq.inflight_refs += 1
+            seq.num_pending += 1
+            taken += 1
+            known = min(start + 1, len(seq.token_ids))
+            if caching and known // bs > len(seq.block_hashes):
+                self.bm.cache_full_blocks(seq, known)
+        budget[0] -= taken
+        out.num_tokens += taken
 
     def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, budget: list[int]) -> None:
         for seq in seqs:
@@ -175,7 +214,7 @@ class Scheduler:
         while (self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs
                and not self._starved and not self.swapped):
             seq = self.waiting[0]
-            hits, hashes = self.bm.cached_prefix(seq.token_ids)
+            hits, hashes = self.bm.cached_prefix(seq.token_ids, self.bm.prompt_hashes(seq))
             computed = len(hits) * self.bm.block_size
             n = min(seq.num_total - computed, budget[0])
             # Cached hits sitting in the free queue are taken back out of it, so they count as needed.
@@ -202,7 +241,9 @@ class Scheduler:
         seq.inflight_refs += 1
         if samples:
             seq.num_pending += 1
-        self.bm.cache_full_blocks(seq, min(seq.num_computed, len(seq.token_ids)))
+        known = min(seq.num_computed, len(seq.token_ids))
+        if known // self.bm.block_size > len(seq.block_hashes):
+            self.bm.cache_full_blocks(seq, known)
 
     # ---- preemption ----------------------------------------------------------------------------------
     def _fit(self, seq: Sequence, n: int) -> int:

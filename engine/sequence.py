@@ -10,6 +10,20 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+# Sequence.sample_row: a request's sampling parameters as one tuple, made once (engine/sampler.py reads it
+# every step); SPECIAL flags what needs per-row work (penalties, min_tokens, logit_bias, seed, logprobs,
+# constraints).
+ROW_TEMPERATURE, ROW_GREEDY, ROW_TOP_K, ROW_TOP_P, ROW_MIN_P, ROW_SPECIAL = range(6)
+TOP_K_OFF = 1 << 30
+
+
+def sample_row(p: SamplingParams) -> tuple:
+    special = (p.needs_penalties or p.min_tokens > 0 or bool(p.logit_bias) or p.seed is not None
+               or p.logprobs is not None or p.constrained)
+    return (p.temperature if p.temperature > 0 else 1.0, p.greedy, p.top_k if p.top_k > 0 else TOP_K_OFF,
+            p.top_p, p.min_p, special)
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,7 +51,7 @@ class Sequence:
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
-                 "first_scheduled_time", "sim_key")
+                 "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -45,6 +59,7 @@ class Sequence:
         self.request_id = request_id
         self.vocab_size = vocab_size
         self.params = params
+        self.sample_row = sample_row(params)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -79,6 +94,10 @@ class Sequence:
         # admitted; advanced only at commit, so a recompute or swap-in after preemption never replays it.
         self.constraint = None
         self.sim_key: int | None = None  # a simulated device's per-request token key (engine/sim/tokens.py)
+        # (number of tokens hashed, their full blocks' chained hashes): computed once per prompt, so a
+        # request waiting at the head of the queue is not re-hashed every tick (BlockManager.cached_prefix).
+        self.prompt_hashes: tuple[int, list[int]] | None = None
+        self.table_row: int | None = None  # its row in the runner's persistent block tables (engine/block_tables.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,21 +38,6 @@ class DecodeSlot:
         self.sampled_ready = torch.cuda.Event() if pin else None
         self.copy_done = torch.cuda.Event() if pin else None
         self.busy = False
-
-
-@dataclass(slots=True)
-class HostInputs:
-    """A step's inputs assembled on the host (Python lists) before the launch copies them over."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    logits_indices: list[int] = field(default_factory=list)  # last token of each sampling chunk
-    gather_dst: list[int] = field(default_factory=list)  # token index whose id is pending on the device
-    gather_src: list[int] = field(default_factory=list)  # ... and its row in the previous slot's `sampled`
 
 
 @dataclass(slots=True)

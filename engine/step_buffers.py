@@ -1,10 +1,15 @@
 """Fixed-address inputs of one slot's forward and sampling (pegainfer's "DecodeMeta").
 
 Everything a step reads that changes from step to step — token ids, positions, slot mapping, query starts,
-sequence lengths, block tables, logits rows, the pending-token gather indices and the sampling parameters —
-lives in device tensors allocated once per slot. The engine thread writes a step's values into host staging
-tensors (pinned on CUDA) and the step copies them over in stream order, so a CUDA graph captured on these
-buffers replays with new values and nothing in the step is a Python scalar that a capture would freeze.
+sequence lengths, the step's block-table rows, logits rows, the pending-token gather indices and the
+sampling parameters — lives in device tensors allocated once per slot. The engine thread writes a step's
+values into host staging arrays (pinned on CUDA) with a few vectorized numpy operations (`stage_step`), and
+the step copies them over in stream order, so a CUDA graph captured on these buffers replays with new
+values and nothing in the step is a Python scalar that a capture would freeze.
+
+Block tables are persistent (engine/block_tables.py): a step stages its sequences' row ids and the table
+entries added since they were last staged; on the device those deltas are scattered into the runner's
+table and the step's rows gathered into this slot's `block_tables` buffer (`apply_tables`).
 
 The CPU runs the same path: staging and device tensors are both host tensors and the upload is a plain copy.
 Hazards: staging is rewritten only when its slot is free again, i.e. after the commit that read the slot,
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.block_tables import BlockTables
 
 # name -> (dtype, dimension it is sized by)
 _FIELDS = {
@@ -26,10 +32,16 @@ _FIELDS = {
     "slot_mapping": (torch.long, "tokens"),
     "seq_lens": (torch.int32, "seqs"), "query_start_loc": (torch.int32, "seqs+1"),
     "logits_indices": (torch.long, "seqs"), "gather_dst": (torch.long, "seqs"), "gather_src": (torch.long, "seqs"),
+    # the step's rows of the persistent block table, and the table entries that changed (flat index, block)
+    "table_rows": (torch.int32, "seqs"), "table_delta_idx": (torch.int32, "entries"),
+    "table_delta_val": (torch.int32, "entries"),
     # sampling parameters, one per sampling row (see engine/sampler.py SamplingBatch)
     "temperature": (torch.float32, "seqs"), "greedy": (torch.bool, "seqs"), "top_k": (torch.long, "seqs"),
     "top_p": (torch.float32, "seqs"), "min_p": (torch.float32, "seqs"),
 }
+# Uploaded by upload(); the sampling fields go with the sampling (put()).
+_STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices",
+                "gather_dst", "gather_src", "table_rows", "table_delta_idx", "table_delta_val")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +49,26 @@ class BufferLimits:
     max_tokens: int  # tokens in one step (token budget, at least max_num_seqs for padded decode graphs)
     max_seqs: int  # sequences (= sampling rows) in one step
     max_blocks: int  # block-table width: ceil(max_model_len / block_size)
+
+    @property
+    def table_rows(self) -> int:
+        """Rows of the persistent block table: the running sequences, plus those an in-flight step still
+        reads after they left (finished or preempted), plus one row that padding rows point at."""
+        return 2 * self.max_seqs + 1
+
+
+@dataclass(slots=True)
+class StagedStep:
+    """A staged step as plain arrays (what a pipeline stage receives): each field's used prefix, plus the
+    per-row lengths the CPU attention backend plans with."""
+
+    arrays: dict[str, np.ndarray]
+    num_tokens: int
+    num_seqs: int
+    num_rows: int
+    num_gather: int
+    num_deltas: int
+    width: int
 
 
 class StepBuffers:
@@ -48,16 +80,21 @@ class StepBuffers:
         self.limits = limits
         self.transfer = transfer
         pin = device.type == "cuda"
-        sizes = {"tokens": limits.max_tokens, "seqs": limits.max_seqs, "seqs+1": limits.max_seqs + 1}
+        sizes = {"tokens": limits.max_tokens, "seqs": limits.max_seqs, "seqs+1": limits.max_seqs + 1,
+                 "entries": limits.max_seqs * limits.max_blocks}
         self.dev: dict[str, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}
         for name, (dtype, dim) in _FIELDS.items():
             self._add(name, (sizes[dim],), dtype, device, pin)
-        self._add("block_tables", (limits.max_seqs, limits.max_blocks), torch.int32, device, pin)
-        self.np = {name: t.numpy() for name, t in self.host.items()}  # host views written by stage()
-        self._row_bytes = {name: t[0].numel() * t.element_size() for name, t in self.host.items()}
+        # The step's block-table rows, gathered on the device from the persistent table (apply_tables).
+        self.block_tables = torch.zeros(limits.max_seqs, limits.max_blocks, dtype=torch.int32, device=device) \
+            if transfer is None else None
+        self.np = {name: t.numpy() for name, t in self.host.items()}  # host views written by stage_step()
+        self._row_bytes = {name: t.element_size() for name, t in self.host.items()}
         self.gathered = torch.zeros(limits.max_seqs, dtype=torch.long, device=device) if transfer is None else None
-        self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.width = 0
+        self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.num_deltas = self.width = 0
+        self.query_lens_host: list[int] = []
+        self.seq_lens_host: list[int] = []
 
     def _add(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device, pin: bool) -> None:
         self.host[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)
@@ -65,30 +102,74 @@ class StepBuffers:
             self.dev[name] = torch.zeros(shape, dtype=dtype, device=device)
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
-    def stage(self, h, pad_to: int | None = None) -> None:
-        """Write a step's host inputs (engine.slot.HostInputs) into staging.
+    def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None) -> None:
+        """Stage a step's chunks (engine.scheduler.ScheduledChunk): one pass of Python over the chunks for
+        what only the sequences know (their table rows, known token ids, pending tokens), numpy for the
+        rest. A chunk's last position may be a token the previous step sampled that is still on the device:
+        it is gathered there (gather_dst/src) from the sequence's `pending_src` (step id, row).
 
         pad_to: a CUDA-graph batch size; the rows past the real ones become empty sequences (slot -1,
         seq_len 0) that write no KV and attend to nothing."""
-        t, s = len(h.input_ids), len(h.seq_lens)
-        lim = self.limits
+        n, lim = self.np, self.limits
+        s = len(chunks)
+        rows, starts, lens, ids, gdst, gsrc, logits = [], [], [], [], [], [], []
+        t = 0
+        for c in chunks:
+            seq, start, k = c.seq, c.start, c.num_tokens
+            rows.append(tables.row(seq))
+            starts.append(start)
+            lens.append(k)
+            known = len(seq.token_ids)
+            end = start + k
+            if end <= known:
+                if k == 1:
+                    ids.append(seq.token_ids[start])
+                else:
+                    ids.extend(seq.token_ids[start:end])
+            else:  # the last position is the token sampled by the previous step, still on the device
+                if k > 1:
+                    ids.extend(seq.token_ids[start:known])
+                ids.append(0)
+                gdst.append(t + known - start)
+                gsrc.append(seq.pending_src[1])
+            t += k
+            if c.samples:
+                logits.append(t - 1)
         if t > lim.max_tokens or s > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
             raise ValueError(f"step of {t} tokens / {s} sequences exceeds the slot buffers {lim}")
-        n = self.np
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices",
-                     "gather_dst", "gather_src"):
-            values = getattr(h, name)
-            n[name][:len(values)] = values
+        starts_a = np.array(starts, dtype=np.int64)
+        lens_a = np.array(lens, dtype=np.int64)
+        rows_a = np.array(rows, dtype=np.int64)
+        if t == s:  # one token per sequence (decode): its position is the chunk's start
+            positions, tok_rows = starts_a, rows_a
+        else:
+            qsl = np.cumsum(lens_a)
+            positions = np.arange(t, dtype=np.int64) + np.repeat(starts_a - (qsl - lens_a), lens_a)
+            tok_rows = np.repeat(rows_a, lens_a)
+        n["input_ids"][:t] = ids
+        n["positions"][:t] = positions
+        n["slot_mapping"][:t] = tables.host[tok_rows, positions // block_size] * block_size + positions % block_size
+        seq_lens = starts_a + lens_a
+        n["seq_lens"][:s] = seq_lens
         n["query_start_loc"][0] = 0
-        np.cumsum(h.query_lens, out=n["query_start_loc"][1:s + 1])
-        width = 0
-        for row, table in enumerate(h.block_tables):
-            n["block_tables"][row, :len(table)] = table
-            width = max(width, len(table))
-        self.num_tokens, self.num_seqs, self.width = t, s, width
-        self.num_rows, self.num_gather = len(h.logits_indices), len(h.gather_dst)
+        np.cumsum(lens_a, out=n["query_start_loc"][1:s + 1])
+        n["table_rows"][:s] = rows_a
+        n["logits_indices"][:len(logits)] = logits
+        n["gather_dst"][:len(gdst)] = gdst
+        n["gather_src"][:len(gsrc)] = gsrc
+        self.num_deltas = tables.take_deltas(n["table_delta_idx"], n["table_delta_val"])
+        self.num_tokens, self.num_seqs, self.num_rows, self.num_gather = t, s, len(logits), len(gdst)
+        self.width = int(-(-seq_lens.max() // block_size)) if s else 0
+        self.query_lens_host, self.seq_lens_host = lens, seq_lens.tolist()  # host memory
         if pad_to is not None and pad_to > s:
             self._pad(t, s, pad_to)
+
+    def stage_padding(self, size: int) -> None:
+        """A step of `size` padding rows only (graph capture: writes no KV, attends to nothing)."""
+        self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.num_deltas = self.width = 0
+        self.query_lens_host, self.seq_lens_host = [], []
+        self.np["query_start_loc"][0] = 0
+        self._pad(0, 0, size)
 
     def _pad(self, t: int, s: int, size: int) -> None:
         n = self.np
@@ -96,16 +177,35 @@ class StepBuffers:
         n["positions"][t:size] = 0
         n["slot_mapping"][t:size] = -1
         n["seq_lens"][s:size] = 0
+        n["table_rows"][s:size] = self.limits.table_rows - 1  # the spare row: never written, never read
         n["query_start_loc"][s + 1:size + 1] = np.arange(t + 1, t + 1 + size - s)
         self.num_tokens, self.num_seqs = t + size - s, size
+
+    def snapshot(self) -> StagedStep:
+        """The staged step as arrays (copies of the used prefixes), to send to a pipeline stage."""
+        return StagedStep({name: self.np[name][:c].copy() for name, c in self._counts().items()}, self.num_tokens,
+                          self.num_seqs, self.num_rows, self.num_gather, self.num_deltas, self.width)
+
+    def load(self, step: StagedStep) -> None:
+        """Stage what another process staged (a pipeline stage receiving the driver's StagedStep)."""
+        for name, values in step.arrays.items():
+            self.np[name][:len(values)] = values
+        self.num_tokens, self.num_seqs, self.num_rows = step.num_tokens, step.num_seqs, step.num_rows
+        self.num_gather, self.num_deltas, self.width = step.num_gather, step.num_deltas, step.width
+        qsl = step.arrays["query_start_loc"]
+        self.query_lens_host = np.diff(qsl).tolist()  # host memory
+        self.seq_lens_host = step.arrays["seq_lens"].tolist()  # host memory
+
+    def _counts(self) -> dict[str, int]:
+        t, s = self.num_tokens, self.num_seqs
+        return {"input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
+                "logits_indices": self.num_rows, "gather_dst": self.num_gather, "gather_src": self.num_gather,
+                "table_rows": s, "table_delta_idx": self.num_deltas, "table_delta_val": self.num_deltas}
 
     # ---- device side (in stream order, before the forward) -------------------------------------------------
     def upload(self) -> None:
         """Copy the staged step to the device buffers (non-blocking from pinned memory on CUDA)."""
-        t, s = self.num_tokens, self.num_seqs
-        counts = {"input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
-                  "block_tables": s, "logits_indices": self.num_rows, "gather_dst": self.num_gather,
-                  "gather_src": self.num_gather}
+        counts = self._counts()
         if self.transfer is not None:
             used = [(name, c) for name, c in counts.items() if c]
             self.transfer(sum(c * self._row_bytes[name] for name, c in used), len(used))
@@ -113,6 +213,21 @@ class StepBuffers:
         for name, count in counts.items():
             if count:
                 self.dev[name][:count].copy_(self.host[name][:count], non_blocking=True)
+
+    def apply_tables(self, table: torch.Tensor, full_width: bool) -> None:
+        """Scatter the step's table deltas into the persistent device `table` [rows, max_blocks], then gather
+        the step's rows into `block_tables`: all columns for a graph replay (its kernels were captured on
+        the full buffer), else only as many as the step's longest sequence needs."""
+        d, k, s = self.dev, self.num_deltas, self.num_seqs
+        if k:
+            table.view(-1).index_put_((d["table_delta_idx"][:k],), d["table_delta_val"][:k])
+        if not s:
+            return
+        if full_width:
+            torch.index_select(table, 0, d["table_rows"][:s], out=self.block_tables[:s])
+        else:
+            w = max(self.width, 1)
+            torch.index_select(table[:, :w], 0, d["table_rows"][:s], out=self.block_tables.view(-1)[:s * w].view(s, w))
 
     def gather_pending(self, prev_sampled: torch.Tensor) -> None:
         """input_ids[dst] = prev_sampled[src]: tokens the previous step sampled, read on the device."""
@@ -122,21 +237,25 @@ class StepBuffers:
             torch.index_select(prev_sampled, 0, d["gather_src"][:g], out=self.gathered[:g])
             d["input_ids"].index_copy_(0, d["gather_dst"][:g], self.gathered[:g])
 
-    def metadata(self, block_size: int, h=None, full_width: bool = False) -> AttentionMetadata:
-        """Views of the device buffers for the staged step. The host lists are given only to eager steps
+    def metadata(self, block_size: int, full_width: bool = False, host_lists: bool = True) -> AttentionMetadata:
+        """Views of the device buffers for the staged step. Eager steps get the per-row lengths as host lists
         (the torch backend plans with them); a graph step gets none, so nothing can depend on them."""
         t, s, d = self.num_tokens, self.num_seqs, self.dev
-        width = self.limits.max_blocks if full_width else max(self.width, 1)
+        if full_width:
+            tables = self.block_tables[:s]
+        else:
+            w = max(self.width, 1)
+            tables = self.block_tables.view(-1)[:s * w].view(s, w)
         return AttentionMetadata(
             slot_mapping=d["slot_mapping"][:t], query_start_loc=d["query_start_loc"][:s + 1],
-            seq_lens=d["seq_lens"][:s], block_tables=d["block_tables"][:s, :width], block_size=block_size,
-            query_lens_host=list(h.query_lens) if h is not None else [],
-            seq_lens_host=list(h.seq_lens) if h is not None else [])
+            seq_lens=d["seq_lens"][:s], block_tables=tables, block_size=block_size,
+            query_lens_host=list(self.query_lens_host) if host_lists else [],
+            seq_lens_host=list(self.seq_lens_host) if host_lists else [])
 
     # ---- sampling parameters ---------------------------------------------------------------------------------
-    def put(self, name: str, values: list) -> torch.Tensor:
-        """Stage one per-row sampling field and enqueue its upload now; returns the device view."""
-        k = len(values)
+    def put(self, name: str, values, k: int) -> torch.Tensor:
+        """Stage one per-row sampling field (k values, or one scalar for all k rows) and enqueue its upload
+        now; returns the device view."""
         self.np[name][:k] = values
         if self.transfer is not None:
             self.transfer(k * self._row_bytes[name], 1)

@@ -14,12 +14,13 @@ import time
 
 import torch
 
+from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START
 from engine.models.decoder import ModelSpec
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
-from engine.slot import DecodeSlot, HostInputs, Step, StepResult
+from engine.slot import DecodeSlot, Step, StepResult
 from engine.step_buffers import BufferLimits
 from engine.structured import allocate_bitmask
 
@@ -44,6 +45,8 @@ class StepRunner:
         # per slot because a step's sampling may still read it while the next step's is being built.
         self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size,
                                                pin_memory=device.type == "cuda") for _ in self.slots]
+        # Persistent block tables (engine/block_tables.py); the last device row is the padding rows' spare.
+        self.tables = BlockTables(limits.table_rows - 1, limits.max_blocks)
         self._next_step_id = 0
 
     @staticmethod
@@ -68,27 +71,11 @@ class StepRunner:
         slot.busy = True
         return step
 
-    def _host_inputs(self, step: Step, prev: Step | None) -> HostInputs:
-        h, bs = HostInputs(), self.block_size
-        for c in step.chunks:
-            seq, start, end = c.seq, c.start, c.start + c.num_tokens
-            known = len(seq.token_ids)
-            base = len(h.input_ids)
-            h.input_ids.extend(seq.token_ids[start:min(end, known)])
-            if end > known:  # the last position is the token sampled by the previous step, still on device
-                assert end == known + 1 and prev is not None and seq.pending_src[0] == prev.id, seq
-                h.gather_dst.append(base + known - start)
-                h.gather_src.append(seq.pending_src[1])
-                h.input_ids.append(0)
-            table = seq.block_table
-            h.positions.extend(range(start, end))
-            h.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            h.query_lens.append(c.num_tokens)
-            h.seq_lens.append(end)
-            h.block_tables.append(table[: -(-end // bs)])
-            if c.samples:
-                h.logits_indices.append(base + c.num_tokens - 1)
-        return h
+    def _stage(self, step: Step, pad_to: int | None = None) -> None:
+        """Stage `step` into its slot (engine/step_buffers.py); its sampling rows' tokens will be pending there."""
+        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to)
+        for row, c in enumerate(step.sample_chunks):
+            c.seq.pending_src = (step.id, row)
 
     # ---- finalize (sampling) and wait ---------------------------------------------------------------------
     def finalize(self, step: Step) -> None:

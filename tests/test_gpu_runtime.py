@@ -16,7 +16,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.executor import FWD_START
-from engine.slot import HostInputs
+from engine.scheduler import ScheduledChunk
+from test_runtime_paths import staged_seq
 from test_correctness_hf import assert_matches_hf, make_prompts
 from tiny_models import FAMILIES
 
@@ -59,13 +60,15 @@ def test_graph_replay_equals_eager_forward(tiny_model_factory, dtype, tol):
     slot, size = runner.slots[0], runner.graphs.padded_size(3)
     assert size == 4
     # Three decode rows over blocks 0..3; slot -1 so neither run writes KV and both read the same cache.
-    h = HostInputs(input_ids=[5, 77, 300], positions=[19, 40, 9], slot_mapping=[-1, -1, -1],
-                   query_lens=[1, 1, 1], seq_lens=[20, 41, 10], block_tables=[[0, 1], [2, 3, 0], [1]],
-                   logits_indices=[0, 1, 2])
-    slot.inputs.stage(h, pad_to=size)
+    seqs = [staged_seq([5] * 19 + [5], [0, 1]), staged_seq([3] * 40 + [77], [2, 3, 0]),
+            staged_seq([4] * 9 + [300], [1])]
+    chunks = [ScheduledChunk(q, len(q.token_ids) - 1, 1, True) for q in seqs]
+    slot.inputs.stage_step(chunks, runner.tables, runner.block_size, pad_to=size)
+    slot.inputs.np["slot_mapping"][:3] = -1
     stream = runner.compute_stream
     with torch.cuda.stream(stream), torch.inference_mode():
         slot.inputs.upload()
+        slot.inputs.apply_tables(runner.device_tables, full_width=True)
         runner._decode_forward(slot, size, slot.inputs.metadata(runner.block_size, full_width=True))
         eager = slot.logits[:3].clone()
         slot.logits.zero_()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,9 @@ from engine import LLM, SamplingParams
 from engine.attention import triton_paged
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
-from engine.slot import HostInputs
+from engine.block_tables import BlockTables
+from engine.scheduler import ScheduledChunk
+from engine.sequence import Sequence
 from engine.step_buffers import BufferLimits, StepBuffers
 from test_correctness_hf import assert_matches_hf, make_prompts
 
@@ -80,44 +83,79 @@ def test_capture_sizes():
         capture_sizes(0)
 
 
-def _host(**fields) -> HostInputs:
-    return HostInputs(**fields)
+def staged_seq(token_ids: list[int], table: list[int], pending: tuple[int, int] | None = None) -> Sequence:
+    """A sequence as the runner sees it at staging: its token ids, block table and (when its last token is
+    still on the device) the (step, row) that sampled it."""
+    seq = Sequence("r", None, token_ids, SamplingParams(), frozenset(), 64, 512)
+    seq.block_table = table
+    if pending is not None:
+        seq.num_pending, seq.pending_src = 1, pending
+    return seq
 
 
 def test_step_buffers_stage_pad_upload_and_gather():
-    bufs = StepBuffers(BufferLimits(max_tokens=8, max_seqs=6, max_blocks=3), torch.device("cpu"))
-    bufs.host["block_tables"].fill_(-7)  # stale staging from an earlier step must not matter
-    # two decodes, one with its token pending on the device (row 1 of the previous slot's samples)
-    h = _host(input_ids=[11, 0], positions=[4, 9], slot_mapping=[20, 41], query_lens=[1, 1], seq_lens=[5, 10],
-              block_tables=[[5, 6], [9, 10, 11]], logits_indices=[0, 1], gather_dst=[1], gather_src=[1])
-    bufs.stage(h, pad_to=4)
+    limits = BufferLimits(max_tokens=8, max_seqs=6, max_blocks=3)
+    bufs, tables = StepBuffers(limits, torch.device("cpu")), BlockTables(limits.table_rows - 1, 3)
+    device_table = torch.zeros(limits.table_rows, 3, dtype=torch.int32)
+    bufs.block_tables.fill_(-7)  # stale rows from an earlier step must not matter
+    # two decodes, the second with its token pending on the device (row 1 of the previous slot's samples)
+    a = staged_seq([3, 1, 4, 1, 5, 9, 2, 11], [5, 6])
+    b = staged_seq(list(range(20, 29)), [9, 10, 11], pending=(7, 1))
+    bufs.stage_step([ScheduledChunk(a, 7, 1, True), ScheduledChunk(b, 9, 1, True)], tables, 4, pad_to=4)
+    assert bufs.num_deltas == 5  # both rows are new: every entry goes over
     bufs.upload()
+    bufs.apply_tables(device_table, full_width=True)
     bufs.gather_pending(torch.tensor([70, 71, 72]))
     d = bufs.dev
     assert d["input_ids"][:4].tolist() == [11, 71, 0, 0]
-    assert d["positions"][:4].tolist() == [4, 9, 0, 0]
-    assert d["slot_mapping"][:4].tolist() == [20, 41, -1, -1]  # padding rows write no KV
-    assert d["seq_lens"][:4].tolist() == [5, 10, 0, 0]  # ... and attend to nothing
+    assert d["positions"][:4].tolist() == [7, 9, 0, 0]
+    assert d["slot_mapping"][:4].tolist() == [6 * 4 + 3, 11 * 4 + 1, -1, -1]  # padding rows write no KV
+    assert d["seq_lens"][:4].tolist() == [8, 10, 0, 0]  # ... and attend to nothing
     assert d["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
-    assert d["block_tables"][:2].tolist() == [[5, 6, -7], [9, 10, 11]]
-    meta = bufs.metadata(block_size=4, h=h)
-    assert meta.block_tables.shape == (4, 3) and meta.query_lens_host == [1, 1]
-    graph_meta = bufs.metadata(block_size=4, full_width=True)
-    assert graph_meta.seq_lens_host == [] and graph_meta.block_tables.data_ptr() == d["block_tables"].data_ptr()
-    # A later, smaller eager step through the same buffers: same addresses, narrower views.
-    bufs.stage(_host(input_ids=[1, 2, 3], positions=[0, 1, 2], slot_mapping=[0, 1, 2], query_lens=[3],
-                     seq_lens=[3], block_tables=[[0]], logits_indices=[2]))
+    assert bufs.block_tables[:2].tolist() == [[5, 6, 0], [9, 10, 11]]
+    graph_meta = bufs.metadata(block_size=4, full_width=True, host_lists=False)
+    assert graph_meta.seq_lens_host == [] and graph_meta.block_tables.data_ptr() == bufs.block_tables.data_ptr()
+    # The next step: `a` (its token from the last step pending) gained a block, one delta; `b` left; `c`
+    # prefills 3 tokens in a new row.
+    a.block_table.append(7)
+    a.num_pending, a.pending_src = 1, (8, 0)
+    c = staged_seq([1, 2, 3], [0])
+    bufs.stage_step([ScheduledChunk(a, 8, 1, True), ScheduledChunk(c, 0, 3, True)], tables, 4)
+    assert bufs.num_deltas == 2
     bufs.upload()
+    bufs.apply_tables(device_table, full_width=False)
+    bufs.gather_pending(torch.tensor([90, 91]))
     meta = bufs.metadata(block_size=4)
-    assert meta.query_start_loc.tolist() == [0, 3] and meta.block_tables.tolist() == [[0]]
+    assert d["input_ids"][:4].tolist() == [90, 1, 2, 3]
+    assert d["positions"][:4].tolist() == [8, 0, 1, 2]
+    assert d["slot_mapping"][:4].tolist() == [7 * 4 + 0, 0, 1, 2]
+    assert meta.query_start_loc.tolist() == [0, 1, 4] and meta.query_lens_host == [1, 3]
+    assert meta.seq_lens_host == [9, 3] and meta.block_tables.tolist() == [[5, 6, 7], [0, 0, 0]]
+    assert d["logits_indices"][:2].tolist() == [0, 3]
     assert meta.slot_mapping.data_ptr() == d["slot_mapping"].data_ptr()
 
 
+def test_block_table_rows_are_reused_only_once_nothing_can_read_them():
+    tables = BlockTables(2, 4)
+    a, b = staged_seq([1], [3]), staged_seq([1], [4])
+    ra, rb = tables.row(a), tables.row(b)
+    assert ra != rb
+    c = staged_seq([1], [5])
+    with pytest.raises(RuntimeError, match="block-table rows"):
+        tables.row(c)  # a and b may still be read by an in-flight step
+    a.released = True  # finished and drained
+    assert tables.row(c) == ra and tables.take_deltas(np.zeros(8, np.int32), np.zeros(8, np.int32)) == 3
+    b.block_table = [8, 9]  # freed and re-admitted: a new list, so its row is rewritten in full
+    tables.row(b)
+    idx, val = np.zeros(8, np.int32), np.zeros(8, np.int32)
+    assert tables.take_deltas(idx, val) == 2 and val[:2].tolist() == [8, 9] and idx[0] == rb * 4
+
+
 def test_step_buffers_reject_oversized_steps():
-    bufs = StepBuffers(BufferLimits(max_tokens=2, max_seqs=2, max_blocks=1), torch.device("cpu"))
+    limits = BufferLimits(max_tokens=2, max_seqs=2, max_blocks=1)
+    bufs = StepBuffers(limits, torch.device("cpu"))
     with pytest.raises(ValueError, match="exceeds the slot buffers"):
-        bufs.stage(_host(input_ids=[1, 2, 3], positions=[0, 1, 2], slot_mapping=[0, 1, 2], query_lens=[3],
-                         seq_lens=[3], block_tables=[[0]], logits_indices=[2]))
+        bufs.stage_step([ScheduledChunk(staged_seq([1, 2, 3], [0]), 0, 3, True)], BlockTables(4, 1), 4)
 
 
 # ---- the hot path does not synchronize -------------------------------------------------------------------------

@@ -59,11 +59,11 @@ class PipelineRunner(StepRunner):
         """Send a planned microbatch down the pipeline. Every token it reads is committed already: the
         pipeline engine never schedules a sequence that is still in flight."""
         step = self._new_step(sched, slot)
-        host = self._host_inputs(step, None)
+        self._stage(step)
         sampling = (SamplingBatch.build([c.seq for c in step.sample_chunks], self.device)
                     if self.sample_on_stage and step.sample_chunks else None)
         self.executor.mark(step.id, FWD_START)
-        step.forward = self.stages.submit(StageBatch(step.id, host, sampling))
+        step.forward = self.stages.submit(StageBatch(step.id, slot.inputs.snapshot(), sampling))
         return step
 
     def finalize(self, step: Step) -> None:

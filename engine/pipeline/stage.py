@@ -26,8 +26,7 @@ import torch
 from engine.attention import get_backend, resolve_backend
 from engine.models import build_model, load_hf_config, model_spec
 from engine.sampler import Sampler, SamplingBatch
-from engine.slot import HostInputs
-from engine.step_buffers import BufferLimits, StepBuffers
+from engine.step_buffers import BufferLimits, StagedStep, StepBuffers
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +65,11 @@ class StageSpec:
 
 @dataclass(slots=True)
 class StageBatch:
-    """One step as every stage sees it: the host-side token layout (and, when the last stage samples,
+    """One step as every stage sees it: the driver's staged token layout (and, when the last stage samples,
     the per-row sampling parameters). Sent once per step to all stages; hidden states travel separately."""
 
     step_id: int
-    inputs: HostInputs
+    inputs: StagedStep
     sampling: SamplingBatch | None = None  # built on the driver, plain rows only (sample_on_stage)
 
 
@@ -109,7 +108,10 @@ class StageWorker:
                                      ms.head_dim), dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(n_layers)]
         self.buffers = [StepBuffers(spec.limits, self.device) for _ in range(2 if spec.token_safe else 1)]
-        self.hosts: list[HostInputs | None] = [None] * len(self.buffers)
+        # This stage's copy of the driver's persistent block tables (engine/block_tables.py), kept current by
+        # the deltas each step carries (steps arrive in order).
+        self.device_tables = torch.zeros(spec.limits.table_rows, spec.limits.max_blocks, dtype=torch.int32,
+                                         device=self.device)
         self.sampling: list[SamplingBatch | None] = [None] * len(self.buffers)
         # SAT: one fixed-layout output buffer per input version (a send may still read the previous one).
         # Only on CUDA, where the channel is NCCL and the fixed shape lets Ray skip the shape exchange; the
@@ -143,9 +145,9 @@ class StageWorker:
         t0 = _now()
         version = batch.step_id % len(self.buffers)
         bufs = self.buffers[version]
-        bufs.stage(batch.inputs)
+        bufs.load(batch.inputs)
         bufs.upload()
-        self.hosts[version] = batch.inputs
+        bufs.apply_tables(self.device_tables, full_width=False)
         self.sampling[version] = batch.sampling
         self.busy_s += _now() - t0
         return version
@@ -155,8 +157,8 @@ class StageWorker:
         """Run this stage's layers on the prepared step. Returns its hidden states (see `_send`), or on the
         last stage float32 logits [rows, vocab] (sampled token ids [rows] when it samples), on the host."""
         t0 = _now()
-        bufs, host = self.buffers[version], self.hosts[version]
-        meta = bufs.metadata(self.spec.block_size, host)
+        bufs = self.buffers[version]
+        meta = bufs.metadata(self.spec.block_size)
         self.backend.prepare(meta)
         t = bufs.num_tokens
         ids = bufs.dev["input_ids"][:t] if self.spec.is_first else None

@@ -32,7 +32,7 @@ from engine.scheduler import SchedulerOutput, SwapOp
 from engine.sim.cost_model import CostModel, StepShape, profile
 from engine.sim.device import SimDevice, SimEvent
 from engine.sim.tokens import SimTokens, fake_logprobs
-from engine.slot import DecodeSlot, HostInputs, Step
+from engine.slot import DecodeSlot, Step
 from engine.step_runner import StepRunner, host_rows
 
 _RING = 4
@@ -110,12 +110,9 @@ class SimRunner(StepRunner):
     # ---- launch ----------------------------------------------------------------------------------------
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
         step = self._new_step(sched, slot)
-        host = self._host_inputs(step, prev)
         step.graph_size = self._graph_size(step)
-        slot.inputs.stage(host, pad_to=step.graph_size)
-        for row, c in enumerate(step.sample_chunks):
-            c.seq.pending_src = (step.id, row)
-        step.forward = self.executor.submit(self._forward_job, step, host, sched.swaps)
+        self._stage(step, pad_to=step.graph_size)
+        step.forward = self.executor.submit(self._forward_job, step, sched.swaps)
         return step
 
     def max_graph_batch_size(self) -> int:
@@ -127,7 +124,7 @@ class SimRunner(StepRunner):
         i = bisect.bisect_left(self.graph_sizes, len(step.chunks))
         return self.graph_sizes[i] if i < len(self.graph_sizes) else None
 
-    def _forward_job(self, step: Step, host: HostInputs, swaps: list[SwapOp]) -> None:
+    def _forward_job(self, step: Step, swaps: list[SwapOp]) -> None:
         if swaps:
             self.offloader.run(swaps)
         bufs = step.slot.inputs
@@ -135,8 +132,9 @@ class SimRunner(StepRunner):
         bufs.upload()  # -> self._upload: the staged inputs' H2D copies, priced on the compute stream
         first = self._upload_item
         graph = step.graph_size is not None
-        pad = (step.graph_size or 0) - len(host.query_lens)
-        shape = StepShape(host.query_lens + [1] * pad, host.seq_lens + [0] * pad, bufs.num_rows + max(pad, 0))
+        pad = (step.graph_size or 0) - len(step.chunks)
+        shape = StepShape(bufs.query_lens_host + [1] * pad, bufs.seq_lens_host + [0] * pad,
+                          bufs.num_rows + max(pad, 0))
         item = self.sim.run(self.sim.compute, self.cost.forward_s(shape, graph), "forward",
                             host_s=self.cost.host_forward_launch_s(graph))
         self.executor.mark(step.id, FWD_START, (first or item).start)
@@ -203,7 +201,7 @@ def sampling_work(batch: SamplingBatch) -> tuple[int, float]:
             (2 if batch.bitmask_rows else 0)
         passes += 3
     if not batch.all_greedy:
-        kernels += 7 + sum(g is not None for g in batch.generators)
+        kernels += 7 + len(batch.generators)  # a seeded row draws its own noise: one kernel each
         passes += 6
         if batch.top_k is not None:
             kernels, passes = kernels + 4, passes + 8  # a full sort

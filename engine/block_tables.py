@@ -1,0 +1,90 @@
+"""Persistent block tables: one row per sequence that holds device blocks, mirrored host -> device by deltas.
+
+A step's attention reads every row's block table. Staging each row every step cost per-row Python on the
+engine thread and uploaded [rows, max_blocks] every step (8 MB at 128k context and 256 rows). Here a
+sequence keeps one row of a persistent table while it holds blocks: the engine thread writes only the
+entries added since the row was last staged into a numpy mirror (a decoding sequence adds one block every
+block_size steps) and hands them to the step as deltas (flat index, block id). In stream order before the
+forward, the device scatters the deltas into its copy of the table and gathers the step's rows into the
+slot's fixed block-table buffer (engine/step_buffers.py), so a captured graph reads them at a fixed address.
+
+Row lifetime. A row mirrors one `Sequence.block_table` list object. BlockManager.free and admit and the
+scheduler's swap-in replace that list (never mutate a freed one), so a replaced list means a rewritten row.
+A row is reclaimed only once its sequence can no longer be read by an in-flight step (released, or holding
+no blocks with nothing in flight): the device copy of a row some launched step still reads is never
+overwritten, and appended entries lie past what such a step reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.sequence import Sequence
+
+
+class BlockTables:
+    """Host side of the persistent tables (pure numpy; the device copy is the runner's)."""
+
+    def __init__(self, num_rows: int, max_blocks: int):
+        self.num_rows = num_rows
+        self.max_blocks = max_blocks
+        self.host = np.zeros((num_rows, max_blocks), dtype=np.int32)
+        self.width = [0] * num_rows  # entries of each row already handed out as deltas
+        self._lists: list[list[int] | None] = [None] * num_rows
+        self._owner: list[Sequence | None] = [None] * num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._delta: list[tuple[int, int, int]] = []  # (row, first entry, end) not yet taken
+
+    def row(self, seq: Sequence) -> int:
+        """`seq`'s row, current: entries it gained since it was last staged become deltas."""
+        r = seq.table_row
+        if r is None or self._owner[r] is not seq:
+            r = self._allocate(seq)
+        table = seq.block_table
+        if self._lists[r] is not table:  # a new table (admission, swap-in, after a reset): rewrite the row
+            self._lists[r] = table
+            self.width[r] = 0
+        old, new = self.width[r], len(table)
+        if new > old:
+            self.host[r, old:new] = table[old:new]
+            self._delta.append((r, old, new))
+            self.width[r] = new
+        return r
+
+    def take_deltas(self, idx: np.ndarray, val: np.ndarray) -> int:
+        """Write the pending deltas as flat indices into the table and their block ids; return how many."""
+        k, m = 0, self.max_blocks
+        flat = self.host.reshape(-1)
+        for r, a, b in self._delta:
+            n = b - a
+            idx[k:k + n] = np.arange(r * m + a, r * m + b, dtype=np.int32)
+            k += n
+        if k:
+            val[:k] = flat[idx[:k]]
+        self._delta.clear()
+        return k
+
+    def _allocate(self, seq: Sequence) -> int:
+        if not self._free:
+            self._reclaim()
+        if not self._free:
+            raise RuntimeError(f"all {self.num_rows} block-table rows are held by sequences still on the device")
+        r = self._free.pop()
+        self._owner[r] = seq
+        self._lists[r] = None
+        self.width[r] = 0
+        seq.table_row = r
+        return r
+
+    def _reclaim(self) -> None:
+        """Free the rows no launched step can read any more."""
+        for r, seq in enumerate(self._owner):
+            if seq is None:
+                continue
+            done = seq.released or (not seq.block_table and not seq.inflight_refs)
+            if done or seq.table_row != r:
+                self._owner[r] = None
+                self._lists[r] = None
+                if seq.table_row == r:
+                    seq.table_row = None
+                self._free.append(r)
