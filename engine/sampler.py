@@ -30,7 +30,7 @@ class SamplingBatch:
 
     temperature: torch.Tensor  # [R] float32, 1.0 where greedy (unused there)
     greedy: torch.Tensor  # [R] bool
-    top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None if no row uses it
+    top_k: torch.Tensor | None  # [R] int64, TOP_K_OFF where disabled; None if no row uses it
     top_p: torch.Tensor | None  # [R] float32
     min_p: torch.Tensor | None  # [R] float32
     penalties: list["_RowPenalty"]  # rows with repetition/presence/frequency penalties
@@ -44,6 +44,7 @@ class SamplingBatch:
     # on CUDA that copy belongs on the copy stream from a pinned buffer (never a synchronous copy).
     bitmask: torch.Tensor | None
     bitmask_rows: list[int]  # rows the bitmask applies to; other rows are unconstrained
+    top_k_max: int = 0  # the largest top_k a row asks for (host value: sizes the topk without a sync)
 
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
@@ -68,7 +69,11 @@ class SamplingBatch:
         all_greedy = bool(cols[ROW_GREEDY]) if uniform else all(cols[ROW_GREEDY])
         special = (range(n) if first[ROW_SPECIAL] else ()) if uniform else [i for i, r in enumerate(rows)
                                                                            if r[ROW_SPECIAL]]
+        if buffers is not None:
+            buffers.upload_sampling()  # one copy for every field, in stream order before the sampling
         batch = cls(temperature, greedy, top_k, top_p, min_p, [], [], {}, -1, all_greedy, [], None, [])
+        if top_k is not None:
+            batch.top_k_max = cols[ROW_TOP_K] if uniform else max(v for v in cols[ROW_TOP_K] if v != TOP_K_OFF)
         if special:
             batch._add_special(seqs, special, device, bitmask_buffer)
         return batch
@@ -219,9 +224,10 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits / batch.temperature[:, None]
-        if batch.top_k is not None:
-            kth = logits.sort(dim=-1, descending=True).values.gather(
-                1, (batch.top_k.clamp(max=logits.shape[-1]) - 1)[:, None])
+        if batch.top_k is not None:  # topk of the largest k asked for, not a sort of the whole vocabulary
+            k = min(batch.top_k_max, logits.shape[-1])
+            kth = logits.topk(k, dim=-1).values.gather(1, (batch.top_k.clamp(max=k) - 1)[:, None])
+            kth = kth.masked_fill(batch.top_k[:, None] > k, _NEG_INF)  # rows without top_k (or k >= vocab)
             logits = logits.masked_fill(logits < kth, _NEG_INF)
         probs = logits.softmax(dim=-1)
         if batch.top_p is not None:

@@ -26,22 +26,48 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.block_tables import BlockTables
 
-# name -> (dtype, dimension it is sized by)
-_FIELDS = {
-    "input_ids": (torch.long, "tokens"), "positions": (torch.long, "tokens"),
-    "slot_mapping": (torch.long, "tokens"),
+# Two packed regions, each one host staging buffer (pinned on CUDA) and one device buffer with the same layout,
+# so each goes over in a single copy: the step's inputs (uploaded before the forward), and the sampling
+# parameters (uploaded at finalize). name -> (dtype, dimension it is sized by). The table deltas come last:
+# their region is copied only as far as the step used it.
+_STEP_FIELDS = {
     "seq_lens": (torch.int32, "seqs"), "query_start_loc": (torch.int32, "seqs+1"),
+    "table_rows": (torch.int32, "seqs"),  # the step's rows of the persistent block table
     "logits_indices": (torch.long, "seqs"), "gather_dst": (torch.long, "seqs"), "gather_src": (torch.long, "seqs"),
-    # the step's rows of the persistent block table, and the table entries that changed (flat index, block)
-    "table_rows": (torch.int32, "seqs"), "table_delta_idx": (torch.int32, "entries"),
-    "table_delta_val": (torch.int32, "entries"),
-    # sampling parameters, one per sampling row (see engine/sampler.py SamplingBatch)
+    "input_ids": (torch.long, "tokens"), "positions": (torch.long, "tokens"), "slot_mapping": (torch.long, "tokens"),
+    "table_deltas": (torch.int32, "deltas"),  # [entries, 2]: flat index into the table, block id
+}
+_SAMPLING_FIELDS = {  # one per sampling row (see engine/sampler.py SamplingBatch)
     "temperature": (torch.float32, "seqs"), "greedy": (torch.bool, "seqs"), "top_k": (torch.long, "seqs"),
     "top_p": (torch.float32, "seqs"), "min_p": (torch.float32, "seqs"),
 }
-# Uploaded by upload(); the sampling fields go with the sampling (put()).
-_STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices",
-                "gather_dst", "gather_src", "table_rows", "table_delta_idx", "table_delta_val")
+_ALIGN = 64
+
+
+class _Region:
+    """Typed views into one byte buffer on the host (staging) and one on the device, at the same offsets."""
+
+    def __init__(self, fields: dict, sizes: dict, device: torch.device, pin: bool, with_device: bool):
+        offsets, end = {}, 0
+        for name, (dtype, dim) in fields.items():
+            shape = (sizes[dim], 2) if dim == "deltas" else (sizes[dim],)
+            nbytes = int(torch.tensor([], dtype=dtype).element_size() * torch.Size(shape).numel())
+            offsets[name] = (end, dtype, shape, nbytes)
+            end += -(-nbytes // _ALIGN) * _ALIGN
+        self.nbytes = end
+        self.host_bytes = torch.zeros(end, dtype=torch.uint8, pin_memory=pin)
+        self.dev_bytes = torch.zeros(end, dtype=torch.uint8, device=device) if with_device else None
+        self.offsets = offsets
+        self.host = {n: self._view(self.host_bytes, *o) for n, o in offsets.items()}
+        self.dev = {n: self._view(self.dev_bytes, *o) for n, o in offsets.items()} if with_device else {}
+
+    @staticmethod
+    def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple, nbytes: int) -> torch.Tensor:
+        return buf[offset:offset + nbytes].view(dtype).view(shape)
+
+    def upload(self, nbytes: int) -> None:
+        """Copy the first `nbytes` of staging to the device: one copy (non-blocking from pinned memory)."""
+        self.dev_bytes[:nbytes].copy_(self.host_bytes[:nbytes], non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,27 +105,22 @@ class StepBuffers:
         what each upload would move instead (a simulated device prices it; no device tensors exist)."""
         self.limits = limits
         self.transfer = transfer
-        pin = device.type == "cuda"
+        pin, real = device.type == "cuda", transfer is None
         sizes = {"tokens": limits.max_tokens, "seqs": limits.max_seqs, "seqs+1": limits.max_seqs + 1,
-                 "entries": limits.max_seqs * limits.max_blocks}
-        self.dev: dict[str, torch.Tensor] = {}
-        self.host: dict[str, torch.Tensor] = {}
-        for name, (dtype, dim) in _FIELDS.items():
-            self._add(name, (sizes[dim],), dtype, device, pin)
+                 "deltas": limits.max_seqs * limits.max_blocks}
+        self.step = _Region(_STEP_FIELDS, sizes, device, pin, real)
+        self.sampling = _Region(_SAMPLING_FIELDS, sizes, device, pin, real)
+        self.host = {**self.step.host, **self.sampling.host}
+        self.dev = {**self.step.dev, **self.sampling.dev}
+        self._deltas_at = self.step.offsets["table_deltas"][0]  # the step region's used part ends in them
         # The step's block-table rows, gathered on the device from the persistent table (apply_tables).
         self.block_tables = torch.zeros(limits.max_seqs, limits.max_blocks, dtype=torch.int32, device=device) \
-            if transfer is None else None
+            if real else None
         self.np = {name: t.numpy() for name, t in self.host.items()}  # host views written by stage_step()
-        self._row_bytes = {name: t.element_size() for name, t in self.host.items()}
-        self.gathered = torch.zeros(limits.max_seqs, dtype=torch.long, device=device) if transfer is None else None
+        self.gathered = torch.zeros(limits.max_seqs, dtype=torch.long, device=device) if real else None
         self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.num_deltas = self.width = 0
         self.query_lens_host: list[int] = []
         self.seq_lens_host: list[int] = []
-
-    def _add(self, name: str, shape: tuple, dtype: torch.dtype, device: torch.device, pin: bool) -> None:
-        self.host[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        if self.transfer is None:
-            self.dev[name] = torch.zeros(shape, dtype=dtype, device=device)
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
     def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None) -> None:
@@ -157,7 +178,8 @@ class StepBuffers:
         n["logits_indices"][:len(logits)] = logits
         n["gather_dst"][:len(gdst)] = gdst
         n["gather_src"][:len(gsrc)] = gsrc
-        self.num_deltas = tables.take_deltas(n["table_delta_idx"], n["table_delta_val"])
+        deltas = n["table_deltas"]
+        self.num_deltas = tables.take_deltas(deltas[:, 0], deltas[:, 1])
         self.num_tokens, self.num_seqs, self.num_rows, self.num_gather = t, s, len(logits), len(gdst)
         self.width = int(-(-seq_lens.max() // block_size)) if s else 0
         self.query_lens_host, self.seq_lens_host = lens, seq_lens.tolist()  # host memory
@@ -200,19 +222,17 @@ class StepBuffers:
         t, s = self.num_tokens, self.num_seqs
         return {"input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
                 "logits_indices": self.num_rows, "gather_dst": self.num_gather, "gather_src": self.num_gather,
-                "table_rows": s, "table_delta_idx": self.num_deltas, "table_delta_val": self.num_deltas}
+                "table_rows": s, "table_deltas": self.num_deltas}
 
     # ---- device side (in stream order, before the forward) -------------------------------------------------
     def upload(self) -> None:
-        """Copy the staged step to the device buffers (non-blocking from pinned memory on CUDA)."""
-        counts = self._counts()
+        """Copy the staged step to the device buffers: one copy, non-blocking from pinned memory on CUDA,
+        of the step region up to the last table delta used."""
+        nbytes = self._deltas_at + 8 * self.num_deltas
         if self.transfer is not None:
-            used = [(name, c) for name, c in counts.items() if c]
-            self.transfer(sum(c * self._row_bytes[name] for name, c in used), len(used))
-            return
-        for name, count in counts.items():
-            if count:
-                self.dev[name][:count].copy_(self.host[name][:count], non_blocking=True)
+            self.transfer(nbytes, 1)
+        else:
+            self.step.upload(nbytes)
 
     def apply_tables(self, table: torch.Tensor, full_width: bool) -> None:
         """Scatter the step's table deltas into the persistent device `table` [rows, max_blocks], then gather
@@ -220,7 +240,8 @@ class StepBuffers:
         the full buffer), else only as many as the step's longest sequence needs."""
         d, k, s = self.dev, self.num_deltas, self.num_seqs
         if k:
-            table.view(-1).index_put_((d["table_delta_idx"][:k],), d["table_delta_val"][:k])
+            deltas = d["table_deltas"][:k]
+            table.view(-1).index_put_((deltas[:, 0],), deltas[:, 1])
         if not s:
             return
         if full_width:
@@ -254,12 +275,14 @@ class StepBuffers:
 
     # ---- sampling parameters ---------------------------------------------------------------------------------
     def put(self, name: str, values, k: int) -> torch.Tensor:
-        """Stage one per-row sampling field (k values, or one scalar for all k rows) and enqueue its upload
-        now; returns the device view."""
+        """Stage one per-row sampling field (k values, or one scalar for all k rows); returns the device view
+        (a host view on a simulated device), valid once upload_sampling() has been enqueued."""
         self.np[name][:k] = values
+        return self.host[name][:k] if self.transfer is not None else self.dev[name][:k]
+
+    def upload_sampling(self) -> None:
+        """Copy the staged sampling parameters to the device (one copy; enqueue before the sampling)."""
         if self.transfer is not None:
-            self.transfer(k * self._row_bytes[name], 1)
-            return self.host[name][:k]
-        dev = self.dev[name][:k]
-        dev.copy_(self.host[name][:k], non_blocking=True)
-        return dev
+            self.transfer(self.sampling.nbytes, 1)
+        else:
+            self.sampling.upload(self.sampling.nbytes)

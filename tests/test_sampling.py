@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sampler import Sampler, SamplingBatch
+from engine.sequence import Sequence
 from tiny_models import EOS_ID, tokenizer
 
 TIE_GAP = 1e-3
@@ -205,6 +207,25 @@ def test_sampled_tokens_lie_in_hf_top_k(llm2, llama):
         kth = logits.topk(3, dim=-1).values[:, -1]
         for i, t in enumerate(tokens):
             assert logits[i][t] >= kth[i] - LP_TOL, f"token {i} ({t}) is not among HF's top 3"
+
+
+def test_top_k_applies_per_row_and_leaves_rows_without_it_alone():
+    """One batch, three rows: top_k 2, no top_k, top_k 5 (the topk is sized by the largest, 5)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 64)
+    seqs = [Sequence(f"r{i}", None, [1, 2], SamplingParams(temperature=1.0, top_k=k), frozenset(), 32, 64)
+            for i, k in enumerate((2, -1, 5))]
+    batch = SamplingBatch.build(seqs, torch.device("cpu"))
+    assert batch.top_k_max == 5
+    sampler = Sampler(0, torch.device("cpu"))
+    seen = [set() for _ in seqs]
+    for _ in range(400):
+        for i, t in enumerate(sampler(logits.clone(), batch).tokens.tolist()):
+            seen[i].add(t)
+    ranks = logits.argsort(dim=-1, descending=True)
+    assert seen[0] == set(ranks[0, :2].tolist())
+    assert seen[2] <= set(ranks[2, :5].tolist()) and len(seen[2]) == 5
+    assert len(seen[1] - set(ranks[1, :5].tolist())) > 5  # the row without top_k samples the whole vocabulary
 
 
 def test_sampled_tokens_respect_hf_min_p(llm2, llama):

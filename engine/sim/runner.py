@@ -204,7 +204,7 @@ def sampling_work(batch: SamplingBatch) -> tuple[int, float]:
         kernels += 7 + len(batch.generators)  # a seeded row draws its own noise: one kernel each
         passes += 6
         if batch.top_k is not None:
-            kernels, passes = kernels + 4, passes + 8  # a full sort
+            kernels, passes = kernels + 4, passes + 3  # topk of the largest k, gather, mask
         if batch.top_p is not None:
             kernels, passes = kernels + 6, passes + 10
         if batch.min_p is not None:
