@@ -2,9 +2,11 @@
 
 Jobs run strictly in submission order, so a forward that reads the previous step's sampled tokens always
 runs after that sampling, exactly as kernels queued on one stream would. On CUDA a job's body only enqueues
-kernels on the compute stream; each step's sampled tokens go to pinned host memory on a copy stream,
-anchored to an event recorded right after sampling, and the commit's only wait is on that copy's event.
-On CPU a Future stands in for the event and the "copies" are plain copies.
+kernels on the compute stream, synchronously: submit() returns nothing, and an error raised while enqueuing
+is kept on the step (Step.error) and raised at its wait, so a failed step fails its own requests, not the
+engine loop. Each step's sampled tokens go to pinned host memory on a copy stream, anchored to an event
+recorded right after sampling, and the commit's only wait is on that copy's event. On CPU the worker
+thread's Future stands in for the event and the "copies" are plain copies.
 
 Every executor also timestamps four points of each step (forward start/end, sampling start/end) on the
 device timeline — CUDA events, or the worker's clock on CPU — for the engine's per-step timings.
@@ -30,7 +32,6 @@ class _HostExecutor:
 
     def __init__(self) -> None:
         self._marks = [[0.0] * 4 for _ in range(_RING)]
-        self._deps: list[Future] = []
 
     def stream_context(self):
         return contextlib.nullcontext()
@@ -41,17 +42,6 @@ class _HostExecutor:
     def elapsed(self, a: tuple[int, int], b: tuple[int, int]) -> float:
         """Seconds from point a to point b, each (step id, point); both must have been reached."""
         return self._marks[b[0] % _RING][b[1]] - self._marks[a[0] % _RING][a[1]]
-
-    def wait_before_next_forward(self, dep: Future) -> None:
-        self._deps.append(dep)
-
-    def take_deps(self) -> list:
-        deps, self._deps = self._deps, []
-        return deps
-
-    def wait_on(self, deps: list[Future]) -> None:
-        for dep in deps:
-            dep.result()
 
     def before_sampling(self, slot) -> None:
         """Nothing to order: the slot's previous copy-out finished before its commit released it."""
@@ -73,7 +63,7 @@ class SerialExecutor(_HostExecutor):
         super().__init__()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-compute")
 
-    def submit(self, fn: Callable, *args) -> Future:
+    def submit(self, step, fn: Callable, *args) -> Future:
         return self._pool.submit(fn, *args)
 
     def shutdown(self) -> None:
@@ -83,8 +73,8 @@ class SerialExecutor(_HostExecutor):
 class InlineExecutor(_HostExecutor):
     """Runs each job at submission (debugging, pipeline_depth=1 on CPU)."""
 
-    def submit(self, fn: Callable, *args) -> Future:
-        return _run_now(fn, *args)
+    def submit(self, step, fn: Callable, *args) -> None:
+        run_now(step, fn, *args)
 
     def shutdown(self) -> None:
         pass
@@ -101,14 +91,13 @@ class StreamExecutor:
         self.compute_stream = torch.cuda.Stream(device)
         self.copy_stream = torch.cuda.Stream(device)
         self._marks = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(_RING)]
-        self._deps: list[torch.cuda.Event] = []
 
     def stream_context(self):
         return torch.cuda.stream(self.compute_stream)
 
-    def submit(self, fn: Callable, *args) -> Future:
+    def submit(self, step, fn: Callable, *args) -> None:
         with torch.cuda.stream(self.compute_stream):
-            return _run_now(fn, *args)
+            run_now(step, fn, *args)
 
     def mark(self, step_id: int, point: int) -> None:
         self._marks[step_id % _RING][point].record(self.compute_stream)
@@ -116,18 +105,6 @@ class StreamExecutor:
     def elapsed(self, a: tuple[int, int], b: tuple[int, int]) -> float:
         # Both events precede the step's copy-done event, which the commit has waited on: no sync here.
         return self._marks[a[0] % _RING][a[1]].elapsed_time(self._marks[b[0] % _RING][b[1]]) / 1e3
-
-    def wait_before_next_forward(self, dep: torch.cuda.Event) -> None:
-        """E.g. a KV swap-in copy's event on a side stream: the next forward will not start before it."""
-        self._deps.append(dep)
-
-    def take_deps(self) -> list:
-        deps, self._deps = self._deps, []
-        return deps
-
-    def wait_on(self, deps: list[torch.cuda.Event]) -> None:
-        for dep in deps:
-            self.compute_stream.wait_event(dep)
 
     def before_sampling(self, slot) -> None:
         # Write-after-read: the slot's previous device-to-host copy must have read `sampled` first.
@@ -157,10 +134,11 @@ def make_executor(device: torch.device, threaded: bool):
     return SerialExecutor() if threaded else InlineExecutor()
 
 
-def _run_now(fn: Callable, *args) -> Future:
-    fut: Future = Future()
+def run_now(step, fn: Callable, *args) -> None:
+    """Run a job that only enqueues work; an error it raises is kept on the step for its wait (the first
+    one: a failed forward explains a failed sampling after it)."""
     try:
-        fut.set_result(fn(*args))
-    except BaseException as exc:  # delivered at wait(), like an error surfacing at an event
-        fut.set_exception(exc)
-    return fut
+        fn(*args)
+    except Exception as exc:  # delivered at wait(), like an error surfacing at an event
+        if step.error is None:
+            step.error = exc

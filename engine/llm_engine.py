@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from importlib.metadata import entry_points
 import uuid
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -54,16 +55,10 @@ class LLMEngine:
     """Single-device engine. Not thread-safe: one thread calls add_request/abort/step (the async engine
     funnels other threads' calls through its inbox)."""
 
-    # The pipeline-parallel engine samples on the host whatever device its stages run on, and schedules a
-    # sequence only when no step holds it (engine/pipeline/engine.py).
-    samples_on_host = False
-    one_step_per_seq = False
-
     def __init__(self, config: EngineConfig):
         self.config = config
         self.simulated = config.device == "sim"  # engine/sim: host side real, device time modelled
         self.compute_device = _resolve_device(config.device)  # where forwards run (sim: host tensors)
-        self.device = torch.device("cpu") if self.samples_on_host else self.compute_device  # sampling
         self.hf_config = load_hf_config(config.model)
         self.spec = model_spec(self.hf_config)
         self.dtype = _resolve_dtype(config.dtype, self.hf_config,
@@ -74,12 +69,13 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
         num_cpu_blocks = self._num_cpu_blocks()
         self.runner, num_blocks = self._make_runner(num_cpu_blocks)
+        self.device = self.runner.device  # where sampling runs (the driver's CPU under pipeline parallelism)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduler, admission_margin=config.admission_margin,
-                                   cpu_pool=self.cpu_pool, one_step_per_seq=self.one_step_per_seq)
+                                   cpu_pool=self.cpu_pool, one_step_per_seq=self.runner.one_step_per_seq)
         self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
                                                   sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
@@ -101,7 +97,7 @@ class LLMEngine:
 
             return SimRunner(self.config, self.spec, self.dtype, self.max_model_len, self.tokenizer,
                              num_cpu_blocks), num_blocks
-        runner = ModelRunner(self.config, self.hf_config, self.spec, self.device, self.dtype, num_blocks,
+        runner = ModelRunner(self.config, self.hf_config, self.spec, self.compute_device, self.dtype, num_blocks,
                              self.max_model_len, num_cpu_blocks)
         return runner, num_blocks
 
@@ -444,8 +440,8 @@ class LLMEngine:
 
             memory = profile(cfg.sim_gpu).memory_bytes
             budget = int(memory * cfg.gpu_memory_utilization) - _weight_bytes(self.spec, self.dtype)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+        elif self.compute_device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.compute_device)
             budget = int(free * cfg.gpu_memory_utilization) - _weight_bytes(self.spec, self.dtype)
         else:
             budget = cfg.cpu_kv_cache_bytes
@@ -537,14 +533,24 @@ def _weight_bytes(spec, dtype: torch.dtype) -> int:
     return (per_layer * spec.num_layers + emb) * torch.tensor([], dtype=dtype).element_size()
 
 
+ENGINE_PLUGINS = "tandem.engines"  # entry-point group of engines other packages provide
+
+
 def create_engine(config: EngineConfig) -> LLMEngine:
-    """The engine `config` asks for: single-device, or pipeline-parallel over Ray stage actors.
+    """The engine `config` asks for: single-device, or pipeline-parallel.
 
-    The stage actors are Ray's (cluster/pipeline.py), imported only when pipeline_parallel_size > 1, so the
-    engine package itself stays free of Ray."""
+    The pipeline-parallel engine drives Ray stage actors, so it lives with them in cluster/pipeline.py and is
+    found through the `tandem.engines` entry point named "pipeline" (pyproject.toml): this package never
+    imports Ray or cluster/."""
     if config.pipeline_parallel_size > 1:
-        from cluster.pipeline import make_pipeline_engine
-
-        return make_pipeline_engine(config)
+        return engine_plugin("pipeline")(config)
     return LLMEngine(config)
 
+
+def engine_plugin(name: str):
+    """The factory(config) -> engine registered under `name` in the `tandem.engines` entry-point group."""
+    found = entry_points(group=ENGINE_PLUGINS, name=name)
+    if not found:
+        raise ValueError(f"no {name!r} engine is installed (entry point group {ENGINE_PLUGINS!r}); "
+                         f"reinstall tandem (pip install -e .) so its cluster package registers it")
+    return next(iter(found)).load()

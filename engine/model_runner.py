@@ -57,16 +57,6 @@ class ModelRunner(StepRunner):
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
-    # ---- what other engine parts (KV offload) hook into -----------------------------------------------------
-    @property
-    def compute_stream(self) -> torch.cuda.Stream | None:
-        """The stream every forward and sampling runs on (None on CPU)."""
-        return self.executor.compute_stream
-
-    def wait_before_next_forward(self, dep) -> None:
-        """Make the next launched forward wait for `dep` (a torch.cuda.Event on CUDA, a Future on CPU)."""
-        self.executor.wait_before_next_forward(dep)
-
     # ---- CUDA graphs ------------------------------------------------------------------------------------------
     def capture_graphs(self, max_batch_size: int | None = None, emulate: bool = False) -> None:
         """Capture decode graphs for padded batch sizes up to max_batch_size (default: max_num_seqs).
@@ -97,13 +87,11 @@ class ModelRunner(StepRunner):
         step.graph_size = self._graph_size(step)
         self._stage(step, pad_to=step.graph_size)
         prev_sampled = prev.slot.sampled if prev is not None else None
-        step.forward = self.executor.submit(self._forward_job, step, prev_sampled, self.executor.take_deps(),
-                                            sched.swaps)
+        step.forward = self.executor.submit(step, self._forward_job, step, prev_sampled, sched.swaps)
         return step
 
-    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, deps: list, swaps: list) -> None:
+    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, swaps: list) -> None:
         ex = self.executor
-        ex.wait_on(deps)
         if swaps:  # KV copies the scheduler decided on since the last step, ordered before this forward
             self.offloader.run(swaps)
         ex.mark(step.id, FWD_START)

@@ -48,10 +48,6 @@ class SchedulerOutput:
     num_tokens: int = 0
     swaps: list[SwapOp] = field(default_factory=list)  # run in order before this step's forward
 
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.samples)
-
     def __bool__(self) -> bool:
         return bool(self.chunks)
 

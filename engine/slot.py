@@ -67,8 +67,9 @@ class Step:
     sample_chunks: list[ScheduledChunk]
     num_tokens: int
     launch_time: float
-    forward: Future | None = None
+    forward: Future | None = None  # the CPU worker's job (None where submitting only enqueued work)
     sample: Future | None = None
+    error: Exception | None = None  # raised while enqueuing this step's work; re-raised at its wait
     graph_size: int | None = None  # padded batch size of the CUDA graph replayed, None = eager forward
     num_logprobs: int = -1  # what the sampler produced: -1 none, 0 chosen token only, k top-k too
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)

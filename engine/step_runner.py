@@ -30,6 +30,10 @@ NUM_SLOTS = 2
 class StepRunner:
     """Slots, step ids and the host side of a step; `launch` is the subclass's."""
 
+    # False: a sequence may ride in two launched steps at once (the next forward reads its pending token on
+    # the device). The pipeline-parallel runner sets it: its microbatches must be disjoint.
+    one_step_per_seq = False
+
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, limits: BufferLimits,
                  executor, num_slots: int = NUM_SLOTS, slot_logits: bool = True, transfer=None):
         self.config = config
@@ -81,7 +85,7 @@ class StepRunner:
     def finalize(self, step: Step) -> None:
         """Enqueue sampling for `step`, with sampling inputs read after the previous commit."""
         if not step.sample_chunks:
-            step.sample = self.executor.submit(self._sample_job, step, None)
+            step.sample = self.executor.submit(step, self._sample_job, step, None)
             return
         t0 = time.perf_counter()
         with self.executor.stream_context():  # the parameter uploads go in stream order, before sampling
@@ -89,7 +93,7 @@ class StepRunner:
                                         self.host_bitmasks[step.slot.index])
         step.finalize_s = time.perf_counter() - t0
         step.num_logprobs = batch.num_logprobs
-        step.sample = self.executor.submit(self._sample_job, step, batch)
+        step.sample = self.executor.submit(step, self._sample_job, step, batch)
 
     def _sample_job(self, step: Step, batch: SamplingBatch | None) -> None:
         ex, slot, n = self.executor, step.slot, len(step.sample_chunks)
@@ -114,8 +118,11 @@ class StepRunner:
     def wait(self, step: Step) -> StepResult:
         """Block until `step`'s tokens are readable on the host (re-raises a failed forward or sample)."""
         try:
-            step.forward.result()
-            step.sample.result()
+            for job in (step.forward, step.sample):
+                if job is not None:
+                    job.result()
+            if step.error is not None:
+                raise step.error
             self.executor.wait_copied(step.slot)
             return self._read_result(step)
         finally:

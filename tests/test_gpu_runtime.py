@@ -5,7 +5,6 @@
 - Pipelined (depth 2) equals blocking (depth 1) token for token, greedy and seeded sampling, in bf16.
 - Steady-state steps never synchronize the host with the device except through the commit's event wait
   (torch's sync debug mode turns any other synchronizing call into an error).
-- A dependency handed to wait_before_next_forward (KV offload) orders the next forward after it.
 The kernel-level comparisons with the PyTorch reference are in test_attention_kernels.py (cuda params).
 """
 
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.executor import FWD_START
 from engine.scheduler import ScheduledChunk
 from test_runtime_paths import staged_seq
 from test_correctness_hf import assert_matches_hf, make_prompts
@@ -65,7 +63,7 @@ def test_graph_replay_equals_eager_forward(tiny_model_factory, dtype, tol):
     chunks = [ScheduledChunk(q, len(q.token_ids) - 1, 1, True) for q in seqs]
     slot.inputs.stage_step(chunks, runner.tables, runner.block_size, pad_to=size)
     slot.inputs.np["slot_mapping"][:3] = -1
-    stream = runner.compute_stream
+    stream = runner.executor.compute_stream
     with torch.cuda.stream(stream), torch.inference_mode():
         slot.inputs.upload()
         slot.inputs.apply_tables(runner.device_tables, full_width=True)
@@ -113,22 +111,3 @@ def test_steady_state_never_synchronizes(tiny_model_factory):
         torch.cuda.set_sync_debug_mode("default")
     assert [len(o.token_ids) for o in outs] == [20, 20, 20, 20, 7]
     assert llm.stats()["graph_steps"] > 0
-
-
-def test_wait_before_next_forward_orders_the_forward(tiny_model_factory):
-    path, _ = tiny_model_factory("llama")
-    llm = cuda_llm(path, dtype="bfloat16")
-    engine, runner = llm.engine, llm.engine.runner
-    side = torch.cuda.Stream()
-    done = torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time on the side stream
-        done.record(side)
-    runner.wait_before_next_forward(done)
-    engine.add_request([1, 2, 3, 4], greedy(2))
-    engine.step()  # launches the first forward
-    step = engine.inflight
-    while engine.has_unfinished():
-        engine.step()
-    fwd_start = runner.executor._marks[step.id % 4][FWD_START]
-    assert done.elapsed_time(fwd_start) >= 0.0  # the forward started after the side stream's event

@@ -31,9 +31,6 @@ StageGroupFactory = Callable[[list[StageSpec]], StageGroup]
 
 
 class PipelineEngine(LLMEngine):
-    samples_on_host = True
-    one_step_per_seq = True
-
     def __init__(self, config: EngineConfig, make_stages: StageGroupFactory):
         self._make_stages = make_stages
         self.pending: deque[Step] = deque()  # launched microbatches, oldest first

@@ -47,6 +47,8 @@ class StageGroup(Protocol):
 class PipelineRunner(StepRunner):
     """Driver-side runner: no model, no KV cache (the stages hold those); the driver samples on its CPU."""
 
+    one_step_per_seq = True  # microbatches in flight are disjoint: a step never reads an uncommitted token
+
     def __init__(self, config: EngineConfig, spec: ModelSpec, stages: StageGroup, limits: BufferLimits):
         super().__init__(config, spec, torch.device("cpu"), limits, InlineExecutor(),
                          num_slots=stages.num_stages)
@@ -71,7 +73,7 @@ class PipelineRunner(StepRunner):
         try:
             out = step.forward.result()
         except Exception as exc:  # delivered at wait(), which fails the step's requests
-            step.sample = failed_future(exc)
+            step.error = exc
             return
         self.executor.mark(step.id, FWD_END)
         n = len(step.sample_chunks)
@@ -79,7 +81,6 @@ class PipelineRunner(StepRunner):
             self.executor.mark(step.id, SAMPLE_START)
             step.slot.host_sampled[:n].copy_(out)
             self.executor.mark(step.id, SAMPLE_END)
-            step.sample = _done()
             return
         if n:
             step.slot.logits[:n].copy_(out)
@@ -95,8 +96,3 @@ def failed_future(exc: BaseException) -> Future:
     fut.set_exception(exc)
     return fut
 
-
-def _done() -> Future:
-    fut: Future = Future()
-    fut.set_result(None)
-    return fut

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-from concurrent.futures import Future
 
 import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
-from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, _run_now
+from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, run_now
 from engine.model_runner import MAX_GRAPH_BATCH_SIZE
 from engine.models.decoder import ModelSpec
 from engine.sampler import SamplingBatch
@@ -47,8 +46,8 @@ class SimExecutor:
         self._marks = [[0.0] * 4 for _ in range(_RING)]
         self.copy_done = [SimEvent() for _ in range(num_slots)]
 
-    def submit(self, fn, *args) -> Future:
-        return _run_now(fn, *args)
+    def submit(self, step, fn, *args) -> None:
+        run_now(step, fn, *args)
 
     def stream_context(self):
         return contextlib.nullcontext()
@@ -112,7 +111,7 @@ class SimRunner(StepRunner):
         step = self._new_step(sched, slot)
         step.graph_size = self._graph_size(step)
         self._stage(step, pad_to=step.graph_size)
-        step.forward = self.executor.submit(self._forward_job, step, sched.swaps)
+        step.forward = self.executor.submit(step, self._forward_job, step, sched.swaps)
         return step
 
     def max_graph_batch_size(self) -> int:
