@@ -31,6 +31,10 @@ ATTENTION_VARIANTS = [
     ("qwen2.5-0.5b decode", "bf16", 64, 7, 16, True, 1, False),
     ("qwen2.5-0.5b decode split", "bf16", 64, 7, 16, True, 8, False),
     ("llama-3.2-1b decode split", "bf16", 64, 4, 16, True, 16, False),
+    # Llama-3.1-8B: head_dim 128, 32 query heads over 8 KV heads (GQA group 4)
+    ("llama-3.1-8b decode", "bf16", 128, 4, 16, True, 1, False),
+    ("llama-3.1-8b decode split", "bf16", 128, 4, 16, True, 16, False),
+    ("llama-3.1-8b prefill", "bf16", 128, 4, 16, False, 1, False),
     ("qwen2.5-1.5b prefill", "bf16", 128, 6, 16, False, 1, False),
     ("mistral prefill sliding", "bf16", 128, 4, 16, False, 1, True),
     ("fp32 prefill (tests)", "fp32", 32, 2, 4, False, 1, False),
@@ -74,13 +78,18 @@ def store_variant(dtype: str, kv_heads: int, head_dim: int, block_size: int) -> 
                            BLOCK_D=tp._pow2(head_dim), BLOCK_SIZE=block_size))
 
 
+def merge_variant(num_heads: int, head_dim: int, splits: int) -> ASTSource:
+    return _signature(tp._merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                                                 "out_ptr": "*bf16"},
+                      dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=tp._dim(head_dim), NUM_SPLITS=splits))
+
+
 def other_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
-    merge = _signature(tp._merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
-                                                  "out_ptr": "*bf16"},
-                       dict(NUM_HEADS=14, HEAD_DIM=64, BLOCK_D=64, NUM_SPLITS=8))
     return [("store_kv bf16", (store_variant("bf16", 2, 64, 16), 4)),
+            ("store_kv bf16 llama-3.1-8b", (store_variant("bf16", 8, 128, 16), 4)),
             ("store_kv fp32 MQA, block 12", (store_variant("fp32", 1, 32, 12), 4)),
-            ("merge_splits 8", (merge, 4))]
+            ("merge_splits 8", (merge_variant(14, 64, 8), 4)),
+            ("merge_splits 16 llama-3.1-8b", (merge_variant(32, 128, 16), 4))]
 
 
 def resource_usage(cubin: bytes) -> str:

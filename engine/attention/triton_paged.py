@@ -268,9 +268,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
     """(BLOCK_N, num_warps). Chosen from sm_90 compiles (scripts/compile_kernels.py) to stay clear of
-    register spills: 64-key tiles spill at head_dim 128 (the per-key block gather keeps 64-bit addresses
-    live), 32-key tiles with 8 warps do not. Not yet tuned by timing on a GPU."""
-    if head_dim >= 128 or not decode:
+    register spills and stack frames: 64-key tiles spill at head_dim 128 (the per-key block gather keeps
+    64-bit addresses live); prefill runs 32-key tiles with 8 warps; decode runs 4 warps, since at head_dim
+    128 with 8 warps and no key split (Llama-3.1-8B at 33+ rows on an H100) ptxas caps the kernel at 128
+    registers with a 24-byte stack frame, while 4 warps need 146 and none. Not yet tuned by timing on a GPU."""
+    if not decode:
         return 32, 8
     return 32, 4
 
