@@ -160,7 +160,7 @@ class AsyncLLM:
                 return
         try:
             self.engine.add_sequence(seq, stream=True)
-        except ValueError as exc:
+        except (ValueError, RuntimeError) as exc:  # a bad request, or an engine that turned unhealthy
             self._push(seq.request_id, exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

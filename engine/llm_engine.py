@@ -89,6 +89,7 @@ class LLMEngine:
         self.host_time = dict.fromkeys(HOST_PHASES, 0.0)
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
         self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
+        self.fault: str | None = None  # set once the device raised an error: the engine serves no more
 
     def _make_runner(self, num_cpu_blocks: int) -> tuple[StepRunner, int]:
         num_blocks = self._num_kv_blocks()
@@ -102,8 +103,9 @@ class LLMEngine:
         return runner, num_blocks
 
     def health_error(self) -> str | None:
-        """Why the engine cannot serve any more (None while it can); the replica's health check reads it."""
-        return None
+        """Why the engine cannot serve any more (None while it can); the replica's health check reads it, so
+        Serve replaces a replica whose device faulted instead of letting it fail every request forever."""
+        return self.fault
 
     def inflight_steps(self) -> list[Step]:
         """Launched steps not yet committed, oldest first."""
@@ -136,6 +138,8 @@ class LLMEngine:
     def add_sequence(self, seq: Sequence, stream: bool) -> None:
         """Queue a validated sequence. One whose grammar is still compiling waits outside the scheduler
         (nothing else waits for it); a grammar already known not to compile raises ValueError here."""
+        if self.fault is not None:
+            raise RuntimeError(f"the engine is unhealthy ({self.fault}); no new requests")
         if seq.request_id in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         compiled = self.structured.compile_async(seq.params)
@@ -271,7 +275,9 @@ class LLMEngine:
             result = self.runner.wait(step)
         except KVSwapError:
             raise  # offloaded KV is lost: fatal for the engine, not just this step
-        except Exception as exc:  # a failed forward fails its requests, not the engine
+        except Exception as exc:  # a failed forward fails its requests, not the engine...
+            if is_device_fault(exc):  # ...unless the device itself failed
+                return self._device_failed(step, exc)
             logger.exception("step %d failed", step.id)
             return self._fail_step(step, exc)
         t1 = time.perf_counter()
@@ -391,7 +397,7 @@ class LLMEngine:
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
             finish_time=now if seq.finalized else None, output_time=now)
 
-    def _fail_step(self, step: Step, exc: Exception) -> list[RequestOutput]:
+    def _fail_step(self, step: Step, exc: Exception, error: str | None = None) -> list[RequestOutput]:
         outputs = []
         for c in step.chunks:
             c.seq.inflight_refs -= 1
@@ -399,8 +405,20 @@ class LLMEngine:
                 c.seq.num_pending -= 1
             req = self.requests.get(c.seq.request_id)
             if req is not None and req.seq is c.seq and not c.seq.finalized:
-                outputs.append(self._finish(req, "abort", error=f"engine step failed: {type(exc).__name__}"))
+                outputs.append(self._finish(req, "abort", error=error or f"engine step failed: {type(exc).__name__}"))
             self.scheduler.release_if_idle(c.seq)
+        return outputs
+
+    def _device_failed(self, step: Step, exc: Exception) -> list[RequestOutput]:
+        """A CUDA error is sticky (every later call fails too): fail every request now, refuse new ones, and
+        report unhealthy so the replica is replaced."""
+        logger.error("device fault in step %d: %s: %s; the engine is unhealthy", step.id, type(exc).__name__, exc)
+        self.fault = f"device fault: {type(exc).__name__}: {exc}"
+        outputs = self._fail_step(step, exc, self.fault)
+        for req in list(self.requests.values()):
+            if not req.seq.finalized:
+                outputs.append(self._finish(req, "abort", error=self.fault))
+        self.compiling = []
         return outputs
 
     def _record_timing(self, step: Step, result: StepResult, wait_s: float) -> None:
@@ -492,6 +510,15 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.runner.shutdown()
         self.structured.shutdown()
+
+
+_DEVICE_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError) if e)
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """An error the device raised (a CUDA error, or running out of device memory after the KV cache was sized),
+    as opposed to one a step's inputs caused. Older torch raises CUDA errors as plain RuntimeErrors."""
+    return isinstance(exc, _DEVICE_ERRORS) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
 
 
 def _resolve_device(device: str) -> torch.device:

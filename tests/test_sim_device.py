@@ -232,3 +232,65 @@ def test_a_slowed_host_shows_bubbles_and_pipelining_hides_a_fast_one(monkeypatch
     fast, slowed = busy(2, 0.0), busy(2, 0.040)
     assert slowed < 0.3 < 0.6 < fast  # 40 ms of host work per ~7.5 ms step: the device waits most of the time
     assert busy(1, 0.0) < fast  # blocking: the commit and the next launch run while the device idles
+
+
+def test_a_device_fault_fails_every_request_and_marks_the_engine_unhealthy(monkeypatch):
+    import asyncio
+
+    import torch
+
+    from engine import AsyncLLM
+    from engine.async_engine import EngineDeadError
+
+    llm = sim_llm()
+    runner = llm.engine.runner
+    forward, calls = runner._forward_job, []
+
+    def faulty(step, swaps):
+        calls.append(step.id)
+        if len(calls) == 5:
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return forward(step, swaps)
+
+    monkeypatch.setattr(runner, "_forward_job", faulty)
+    outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert all(o.finish_reason == "abort" and "illegal memory access" in o.error for o in outs)
+    assert "device fault" in llm.engine.health_error()
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        llm.generate(["d"], SamplingParams(max_tokens=4))
+    llm.check_integrity()  # every block came back
+    llm.shutdown()
+
+    async def serve_after_fault():
+        allm = AsyncLLM(model=QWEN, device="sim", max_model_len=2048, max_num_seqs=8)
+        allm.engine.fault = "device fault: injected"
+        try:
+            with pytest.raises(EngineDeadError, match="injected"):
+                allm.check_health()
+            with pytest.raises(EngineDeadError):
+                async for _ in allm.generate("x", SamplingParams(max_tokens=4)):
+                    pass
+        finally:
+            allm.shutdown()
+
+    asyncio.run(serve_after_fault())
+
+
+def test_a_step_failing_for_another_reason_fails_only_its_requests(monkeypatch):
+    llm = sim_llm()
+    runner = llm.engine.runner
+    forward, calls = runner._forward_job, []
+
+    def failing(step, swaps):
+        calls.append(step.id)
+        if len(calls) == 3:
+            raise ValueError("bad step")
+        return forward(step, swaps)
+
+    monkeypatch.setattr(runner, "_forward_job", failing)
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=20, ignore_eos=True))
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert llm.engine.health_error() is None
+    again = llm.generate(["c"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert again.finish_reason == "length"
+    llm.shutdown()

@@ -62,7 +62,7 @@ class PipelineEngine(LLMEngine):
 
     def health_error(self) -> str | None:
         stages = self.runner.stages
-        return None if stages.healthy() else f"a pipeline stage failed: {stages.error!r}"
+        return super().health_error() or (None if stages.healthy() else f"a pipeline stage failed: {stages.error!r}")
 
     def inflight_steps(self) -> list[Step]:
         return list(self.pending)
