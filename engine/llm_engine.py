@@ -92,15 +92,16 @@ class LLMEngine:
         self.fault: str | None = None  # set once the device raised an error: the engine serves no more
 
     def _make_runner(self, num_cpu_blocks: int) -> tuple[StepRunner, int]:
-        num_blocks = self._num_kv_blocks()
+        """The runner, and the KV blocks its memory profiling pass left room for (engine/memory.py)."""
         if self.simulated:
             from engine.sim.runner import SimRunner
 
-            return SimRunner(self.config, self.spec, self.dtype, self.max_model_len, self.tokenizer,
-                             num_cpu_blocks), num_blocks
-        runner = ModelRunner(self.config, self.hf_config, self.spec, self.compute_device, self.dtype, num_blocks,
-                             self.max_model_len, num_cpu_blocks)
-        return runner, num_blocks
+            runner = SimRunner(self.config, self.spec, self.dtype, self.max_model_len, self.tokenizer,
+                               num_cpu_blocks)
+        else:
+            runner = ModelRunner(self.config, self.hf_config, self.spec, self.compute_device, self.dtype,
+                                 self.max_model_len, num_cpu_blocks)
+        return runner, runner.num_kv_blocks
 
     def health_error(self) -> str | None:
         """Why the engine cannot serve any more (None while it can); the replica's health check reads it, so
@@ -447,24 +448,6 @@ class LLMEngine:
         return records
 
     # ---- sizing and stats ---------------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype)
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        if self.simulated:
-            from engine.sim.cost_model import profile
-
-            memory = profile(cfg.sim_gpu).memory_bytes
-            budget = int(memory * cfg.gpu_memory_utilization) - _weight_bytes(self.spec, self.dtype)
-        elif self.compute_device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.compute_device)
-            budget = int(free * cfg.gpu_memory_utilization) - _weight_bytes(self.spec, self.dtype)
-        else:
-            budget = cfg.cpu_kv_cache_bytes
-        return max(1, min(useful, budget // per_block))
-
     def _num_cpu_blocks(self) -> int:
         cfg = self.config
         if not cfg.swap_space_gb:
@@ -493,6 +476,7 @@ class LLMEngine:
             **self.counters,
             **{f"host_{phase}_s": t for phase, t in self.host_time.items()},
             **(self.runner.device_stats() if self.simulated else {}),
+            **(self.runner.memory.stats() if getattr(self.runner, "memory", None) is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -550,14 +534,6 @@ def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def _weight_bytes(spec, dtype: torch.dtype) -> int:
-    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
-    attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + spec.num_heads * spec.head_dim * h
-    per_layer = attn + 3 * h * i
-    emb = v * h * (1 if spec.tie_word_embeddings else 2)
-    return (per_layer * spec.num_layers + emb) * torch.tensor([], dtype=dtype).element_size()
 
 
 ENGINE_PLUGINS = "tandem.engines"  # entry-point group of engines other packages provide

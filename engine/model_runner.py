@@ -21,8 +21,10 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.executor import FWD_END, FWD_START, make_executor
 from engine.kv_offload import KVOffloader
+from engine.memory import CudaMeter, HostMeter, MemoryPlan, kv_blocks
 from engine.models import build_model
 from engine.models.decoder import ModelSpec
+from engine.sampler import SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, Step
 from engine.step_runner import StepRunner
@@ -34,20 +36,24 @@ MAX_GRAPH_BATCH_SIZE = 512
 
 class ModelRunner(StepRunner):
     def __init__(self, config: EngineConfig, hf_config, spec: ModelSpec, device: torch.device,
-                 dtype: torch.dtype, num_kv_blocks: int, max_model_len: int, num_cpu_blocks: int = 0):
+                 dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0):
         threaded = config.cpu_executor_thread and config.pipeline_depth > 1
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len),
                          make_executor(device, threaded))
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
         self.model = build_model(config.model, hf_config, spec, max_model_len, self.backend, dtype, device)
-        shape = (spec.num_layers, 2, num_kv_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
-        self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
         # The persistent block tables' device copy (engine/block_tables.py): deltas scattered in stream order.
         self.device_tables = torch.zeros(self.limits.table_rows, self.limits.max_blocks, dtype=torch.int32,
                                          device=device)
+        per_block = self.kv_bytes_per_block(spec, config.block_size, dtype)
+        self.memory = self._profile(dtype) if config.num_kv_blocks is None else None
+        self.num_kv_blocks = kv_blocks(self.memory, per_block, self.limits.max_seqs * self.limits.max_blocks,
+                                       config.num_kv_blocks)
+        shape = (spec.num_layers, 2, self.num_kv_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = self._layer_caches(self.kv_cache)
+        self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs and self.backend.supports_graphs:
             self.capture_graphs()
@@ -56,6 +62,49 @@ class ModelRunner(StepRunner):
     def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
         return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    @staticmethod
+    def _layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+
+    # ---- the memory profiling pass (engine/memory.py) -----------------------------------------------------------
+    def _profile(self, dtype: torch.dtype) -> MemoryPlan:
+        """Dummy steps at the engine's limits, before the KV cache exists, and what they leave for it: a
+        forward of max_num_batched_tokens tokens over max_num_seqs sampled rows, then sampling every row the
+        expensive way; on CUDA with graphs also a decode forward at the largest graph batch (the graphs'
+        private pool holds its activations)."""
+        spec, lim, cuda = self.spec, self.limits, self.device.type == "cuda"
+        scratch = torch.zeros((spec.num_layers, 2, 1, self.block_size, spec.num_kv_heads, spec.head_dim),
+                              dtype=dtype, device=self.device)  # one block: the dummy steps write no KV
+        self.kv_caches = self._layer_caches(scratch)
+        meter = CudaMeter(self.device) if cuda else HostMeter()
+        with meter:
+            self._dummy_step(lim.max_tokens, lim.max_seqs, sample=True)
+        graph_pool = 0
+        if cuda and self.config.cuda_graphs and self.backend.supports_graphs:
+            rows = min(self.config.max_num_seqs, lim.max_seqs, MAX_GRAPH_BATCH_SIZE)
+            decode = CudaMeter(self.device)
+            with decode:
+                self._dummy_step(rows, rows, sample=False)
+            graph_pool = decode.peak
+        del scratch, self.kv_caches
+        usable, in_use = meter.usage(self.config.gpu_memory_utilization) if cuda else \
+            meter.usage(self.config.cpu_kv_cache_bytes)
+        plan = MemoryPlan(usable, in_use, meter.peak, graph_pool, "measured")
+        logger.info("memory profile: %s", plan)
+        return plan
+
+    @torch.inference_mode()
+    def _dummy_step(self, num_tokens: int, num_seqs: int, sample: bool) -> None:
+        slot = self.slots[0]
+        bufs = slot.inputs
+        bufs.stage_dummy(num_tokens, num_seqs, self.block_size)
+        bufs.upload()
+        bufs.apply_tables(self.device_tables, full_width=False)
+        self._eager_forward(slot)
+        if sample:
+            rows = bufs.num_rows
+            self.sampler(slot.logits[:rows], SamplingBatch.worst_case(rows, self.device, self.spec.vocab_size))
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------
     def capture_graphs(self, max_batch_size: int | None = None, emulate: bool = False) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_params import MAX_LOGPROBS
 from engine.sequence import ROW_GREEDY, ROW_MIN_P, ROW_SPECIAL, ROW_TEMPERATURE, ROW_TOP_K, ROW_TOP_P, TOP_K_OFF, \
     Sequence
 from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmask
@@ -103,6 +104,15 @@ class SamplingBatch:
         if constraints is not None:
             self.bitmask, self.bitmask_rows = _constraint_bitmask(constraints, device, bitmask_buffer,
                                                                   seqs[0].vocab_size)
+
+    @classmethod
+    def worst_case(cls, rows: int, device: torch.device, vocab: int) -> "SamplingBatch":
+        """Every row sampled the most memory-hungry way (temperature, top-k, top-p, MAX_LOGPROBS): what the
+        memory profiling pass runs (engine/memory.py)."""
+        def full(value, dtype):
+            return torch.full((rows,), value, dtype=dtype, device=device)
+        return cls(full(1.0, torch.float32), full(False, torch.bool), full(50, torch.long), full(0.9, torch.float32),
+                   None, [], [], {}, MAX_LOGPROBS, False, [], None, [], top_k_max=min(50, vocab))
 
     def to(self, device: torch.device) -> "SamplingBatch":
         """This batch with its per-row parameter tensors on `device` (for a batch of plain rows, as the

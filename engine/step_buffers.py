@@ -186,6 +186,23 @@ class StepBuffers:
         if pad_to is not None and pad_to > s:
             self._pad(t, s, pad_to)
 
+    def stage_dummy(self, num_tokens: int, num_seqs: int, block_size: int) -> None:
+        """A synthetic step for the memory profiling pass (engine/memory.py): `num_seqs` sequences sharing
+        `num_tokens`, every one sampled, all writing and reading block 0 (the runner's one-block scratch
+        cache: the spare table row is all zeros)."""
+        per = max(1, num_tokens // num_seqs)
+        t, s, n = per * num_seqs, num_seqs, self.np
+        n["input_ids"][:t] = 0
+        n["positions"][:t] = np.tile(np.arange(per), s)
+        n["slot_mapping"][:t] = n["positions"][:t] % block_size
+        n["seq_lens"][:s] = per
+        n["query_start_loc"][:s + 1] = np.arange(s + 1) * per
+        n["table_rows"][:s] = self.limits.table_rows - 1
+        n["logits_indices"][:s] = np.arange(1, s + 1) * per - 1
+        self.num_tokens, self.num_seqs, self.num_rows, self.num_gather, self.num_deltas = t, s, s, 0, 0
+        self.width = -(-per // block_size)
+        self.query_lens_host, self.seq_lens_host = [per] * s, [per] * s
+
     def stage_padding(self, size: int) -> None:
         """A step of `size` padding rows only (graph capture: writes no KV, attends to nothing)."""
         self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.num_deltas = self.width = 0

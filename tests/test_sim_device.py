@@ -294,3 +294,38 @@ def test_a_step_failing_for_another_reason_fails_only_its_requests(monkeypatch):
     again = llm.generate(["c"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert again.finish_reason == "length"
     llm.shutdown()
+
+
+# ---- KV sizing by a memory profiling pass (engine/memory.py) -------------------------------------------------
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_kv_cache_fills_what_the_modelled_profile_leaves(gpu):
+    llm = LLM(LLAMA8B, device="sim", sim_gpu=gpu, gpu_memory_utilization=0.85)
+    s = llm.stats()
+    spec = spec_of(LLAMA8B)
+    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2  # bf16 K and V, every layer
+    kv = s["kv_blocks_total"] * 16 * kv_per_token
+    # Weights from the model card (8.03e9 parameters, bf16): KV + weights + the rest fit in 85% of the HBM...
+    assert kv + 8.03e9 * 2 + s["memory_activation_peak"] + s["memory_graph_pool"] <= 0.85 * PROFILES[gpu].memory_bytes
+    # ...and the KV cache takes nearly all of what is left (buffers and a CUDA context are the rest).
+    assert kv >= 0.85 * PROFILES[gpu].memory_bytes - 8.03e9 * 2 - 4e9
+    assert s["memory_source"] == "modelled"
+    llm.shutdown()
+
+
+def test_cpu_profile_is_measured_and_grows_with_the_token_budget():
+    peaks = {}
+    for tokens in (256, 8192):
+        llm = LLM(max_num_batched_tokens=tokens)  # the embedded model, profiled on this CPU
+        s = llm.stats()
+        assert s["memory_source"] == "measured"
+        # the cap still bounds the CPU pool: blocks x bytes per block never exceed cpu_kv_cache_bytes
+        assert s["kv_blocks_total"] * llm.engine.runner.kv_cache[0, 0, 0].numel() * 2 * 4 * 4 <= 512 * 1024**2
+        peaks[tokens] = s["memory_activation_peak"]
+        llm.shutdown()
+    assert peaks[8192] > peaks[256] + 10 * 1024**2  # 32x the tokens: tens of MB more activations
+
+
+def test_a_fixed_num_kv_blocks_skips_the_profiling_pass():
+    llm = LLM(num_kv_blocks=64)
+    assert llm.stats()["kv_blocks_total"] == 64 and llm.engine.runner.memory is None
+    llm.shutdown()

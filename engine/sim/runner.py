@@ -23,6 +23,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
+from engine.memory import MemoryPlan, kv_blocks, modelled_plan
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, run_now
 from engine.model_runner import MAX_GRAPH_BATCH_SIZE
 from engine.models.decoder import ModelSpec
@@ -105,6 +106,27 @@ class SimRunner(StepRunner):
         self.offloader = SimOffloader(self.sim, self.cost, config.block_size) if num_cpu_blocks else None
         self.graph_sizes = (capture_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
                             if config.cuda_graphs else [])
+        self.memory = self._plan(spec, self.cost.model.dtype_bytes)
+        self.num_kv_blocks = kv_blocks(self.memory, int(self.cost.model.kv_bytes_per_token) * config.block_size,
+                                       self.limits.max_seqs * self.limits.max_blocks, config.num_kv_blocks)
+
+    def _plan(self, spec: ModelSpec, dtype_bytes: int) -> MemoryPlan:
+        """The memory profiling pass on modelled numbers (engine/memory.py): what the CUDA runner would hold
+        besides the KV cache on this GPU."""
+        lim = self.limits
+        buffers = len(self.slots) * (lim.max_seqs * spec.vocab_size * 4 + self.slots[0].inputs.step.nbytes
+                                     + self.slots[0].inputs.sampling.nbytes + lim.max_seqs * lim.max_blocks * 4) \
+            + lim.table_rows * lim.max_blocks * 4
+        return modelled_plan(memory_bytes=self.cost.profile.memory_bytes,
+                             utilization=self.config.gpu_memory_utilization, weight_bytes=self._checkpoint_bytes(spec),
+                             buffer_bytes=buffers, max_tokens=lim.max_tokens, max_seqs=lim.max_seqs,
+                             hidden=spec.hidden_size, intermediate=spec.intermediate_size, vocab=spec.vocab_size,
+                             dtype_bytes=dtype_bytes, graphs=bool(self.graph_sizes))
+
+    def _checkpoint_bytes(self, spec: ModelSpec) -> float:
+        """All weights held on the device: what a decode reads plus the input embedding when untied."""
+        m = self.cost.model
+        return m.weight_bytes + (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size * m.dtype_bytes)
 
     # ---- launch ----------------------------------------------------------------------------------------
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
