@@ -8,10 +8,13 @@ photon      Photon's tables on photon-3090 and photon-b200 (moondream2's text de
             temperature sampling ending on EOS after ~110 tokens): 1, 8, 32 streams, blocking
             (pipeline_depth=1) vs pipelined (2): forward, sampling, period, GPU idle per step, the cost
             model's predicted speedup vs the observed one, beside Photon's own measured numbers.
-streams     n concurrent streams (closed loop through AsyncLLM, the serving path: 2n requests of 128-512
-            prompt and 128-512 output tokens, temperature 0.7 / top-p 0.9) on h100: device busy fraction, tok/s,
+streams     n concurrent streams on h100 (requests of 128-512 prompt and 128-512 output tokens, temperature 0.7
+            / top-p 0.9): "steady" runs n requests at once (Photon's setup), "arrivals" runs 2n with at most n in
+            flight, so new prompts keep joining decode steps. Device busy fraction (median of --repeats), tok/s,
             and the host time per step by phase (schedule / prepare / commit / finalize / stream) for
-            Qwen2.5-0.5B and Llama-3.1-8B, with this engine's kernels and with a fused forward's.
+            Qwen2.5-0.5B and Llama-3.1-8B, with this engine's kernels and with a fused forward's; through the
+            engine itself ("engine": LLM.generate) and through AsyncLLM with n asyncio callers ("async": the
+            serving path, whose per-token hand-off to the callers' event loop shares the GIL).
 throughput  the nano-vllm workload (256 sequences, prompt and output lengths uniform in [100, 1024],
             ignore_eos, temperature 0.6) on h100 for Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B: tok/s against
             the simulated device's own ceiling (output tokens / device busy time) and the busy fraction.
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
 import json
 import random
 import sys
@@ -82,6 +87,7 @@ def photon(args) -> list[dict]:
             llm = LLM(model_dir("moondream2-text"), device="sim", sim_gpu=gpu, pipeline_depth=depth,
                       max_num_seqs=max(streams), max_model_len=2048, sim_eos_rate=1 / 110)
             warm(llm)
+            settle()
             runs[depth] = {}
             for n in streams:
                 llm.engine.scheduler.max_num_seqs = n  # n concurrent streams
@@ -111,40 +117,70 @@ def warm(llm: LLM) -> None:
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
 
 
+def settle() -> None:
+    """Before a measured run: collect the previous runs' garbage, and keep what lives on (engine, libraries)
+    out of the cyclic GC's full collections, as the serving replica does (cluster/replica.py)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 # ---- streams -----------------------------------------------------------------------------------------------
-STREAM_VARIANTS = [("qwen2.5-0.5b", "fused", 2), ("qwen2.5-0.5b", "fused", 1), ("qwen2.5-0.5b", "engine", 2),
-                   ("llama-3.1-8b", "fused", 2), ("llama-3.1-8b", "engine", 2)]
+# (model, kernels, depth, path, workload)
+STREAM_VARIANTS = [("qwen2.5-0.5b", "fused", 2, "engine", "steady"), ("qwen2.5-0.5b", "fused", 1, "engine", "steady"),
+                   ("qwen2.5-0.5b", "engine", 2, "engine", "steady"), ("qwen2.5-0.5b", "fused", 2, "async", "steady"),
+                   ("qwen2.5-0.5b", "fused", 2, "engine", "arrivals"),
+                   ("llama-3.1-8b", "fused", 2, "engine", "steady"), ("llama-3.1-8b", "engine", 2, "engine", "steady"),
+                   ("llama-3.1-8b", "fused", 2, "async", "steady"), ("llama-3.1-8b", "fused", 2, "engine", "arrivals")]
 
 
 def streams(args) -> list[dict]:
     rows = []
     counts = [1, 8, 32, 256]
-    for model, kernels, depth in STREAM_VARIANTS:
+    for model, kernels, depth, path, workload in STREAM_VARIANTS:
         for n in counts:
-            rows.append(stream_run(model, kernels, depth, n, args.quick))
-            print(line(rows[-1], ["model", "kernels", "depth", "streams", "busy", "tok_s", "step_ms", "schedule_us",
-                                  "prepare_us", "commit_us", "finalize_us", "stream_us", "launch_us"]), flush=True)
+            runs = sorted((stream_run(model, kernels, depth, n, args.quick, path, workload)
+                           for _ in range(args.repeats)), key=lambda r: r["busy"])
+            rows.append(runs[len(runs) // 2] | {"busy_runs": [r["busy"] for r in runs]})  # the median run
+            print(line(rows[-1], ["model", "kernels", "depth", "path", "workload", "streams", "busy", "busy_runs",
+                                  "tok_s", "step_ms", "schedule_us", "prepare_us", "commit_us", "finalize_us",
+                                  "stream_us", "launch_us"]), flush=True)
     return rows
 
 
-def stream_requests(n: int, quick: bool) -> list[tuple[list[int], SamplingParams]]:
+def stream_requests(n: int, quick: bool, workload: str = "arrivals") -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(n)
-    count = max(4, (1 if quick else 2) * n)
+    count = n if workload == "steady" else max(4, (1 if quick else 2) * n)
     return [([rng.randrange(VOCAB) for _ in range(rng.randint(128, 512))],
              SamplingParams(max_tokens=rng.randint(128, 512), temperature=0.7, top_p=0.9, ignore_eos=True))
             for _ in range(count)]
 
 
-def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool) -> dict:
+def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: str = "async",
+               workload: str = "arrivals") -> dict:
     cfg = EngineConfig(model=model_dir(model), device="sim", sim_gpu="h100", pipeline_depth=depth,
                        max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=max(2048, n),
                        sim_kernels_per_layer=KERNELS[kernels])
-    reqs = stream_requests(n, quick)
+    reqs = stream_requests(n, quick, workload)
+
+    def offline():
+        llm = LLM(**dataclasses.asdict(cfg))
+        try:
+            warm(llm)
+            settle()
+            before = llm.engine.stats()
+            t0 = time.perf_counter()
+            outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+            wall = time.perf_counter() - t0
+            return sum(len(o.token_ids) for o in outs), wall, delta(llm.engine.stats(), before)
+        finally:
+            llm.shutdown()
 
     async def go():
         llm = AsyncLLM(cfg)
         try:
             await closed_loop(llm, [([1, 2, 3, 4] * 8, SamplingParams(max_tokens=8))] * 2, 2)  # warm-up
+            settle()
             await asyncio.sleep(0.05)
             before = llm.engine.stats()
             t0 = time.perf_counter()
@@ -155,8 +191,9 @@ def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool) -> dic
         finally:
             llm.shutdown()
 
-    tokens, wall, d = asyncio.run(go())
-    return {"device": "simulated h100", "model": model, "kernels": kernels, "depth": depth, "streams": n,
+    tokens, wall, d = asyncio.run(go()) if path == "async" else offline()
+    return {"device": "simulated h100", "model": model, "kernels": kernels, "depth": depth, "path": path,
+            "workload": workload, "streams": n,
             "requests": len(reqs), "busy": round(busy_fraction(d), 4), "tok_s": round(tokens / wall),
             "ceiling_tok_s": round(tokens / d["device_busy_s"]), "steps": d["steps"],
             "step_ms": round(1e3 * d["device_busy_s"] / max(1, d["steps"]), 3), **host_per_step(d),
@@ -192,6 +229,7 @@ def throughput(args) -> list[dict]:
             llm = LLM(model_dir(model), device="sim", sim_gpu="h100", max_num_seqs=num, max_model_len=4096,
                       max_num_batched_tokens=8192, sim_kernels_per_layer=KERNELS[kernels])
             warm(llm)
+            settle()
             before = llm.engine.stats()
             run = drive(llm, reqs)
             d = delta(llm.engine.stats(), before)
@@ -234,24 +272,24 @@ def plot(stem: Path, name: str, rows: list[dict]) -> None:
         return
     if name == "streams":
         fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-        for model, kernels, depth in STREAM_VARIANTS:
-            rs = [r for r in rows if (r["model"], r["kernels"], r["depth"]) == (model, kernels, depth)]
-            a.plot([r["streams"] for r in rs], [r["busy"] for r in rs], marker="o",
-                   label=f"{model} {kernels} depth {depth}")
+        for variant in STREAM_VARIANTS:
+            rs = [r for r in rows if (r["model"], r["kernels"], r["depth"], r["path"], r["workload"]) == variant]
+            a.plot([r["streams"] for r in rs], [r["busy"] for r in rs], marker="o", label=" ".join(map(str, variant)))
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrent streams")
         a.set_ylabel("device busy fraction")
         a.axhline(0.95, color="grey", lw=0.5, ls="--")
         a.legend(fontsize=7)
-        rs = [r for r in rows if (r["model"], r["kernels"], r["depth"]) == ("qwen2.5-0.5b", "fused", 2)]
+        rs = [r for r in rows if (r["model"], r["kernels"], r["depth"], r["workload"]) ==
+              ("qwen2.5-0.5b", "fused", 2, "steady")]
         bottom = [0.0] * len(rs)
         for phase in ("schedule", "prepare", "commit", "finalize", "stream"):
             vals = [r[f"{phase}_us"] for r in rs]
             b.bar(range(len(rs)), vals, bottom=bottom, label=phase)
             bottom = [x + v for x, v in zip(bottom, vals)]
         b.plot(range(len(rs)), [1e3 * r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="device step")
-        b.set_xticks(range(len(rs)), [f"{r['streams']} streams" for r in rs])
-        b.set_ylabel("host us per step (qwen2.5-0.5b, fused, depth 2)")
+        b.set_xticks(range(len(rs)), [f"{r['streams']}\n{r['path']}" for r in rs])
+        b.set_ylabel("host us per step (qwen2.5-0.5b, fused, depth 2, steady)")
         b.legend(fontsize=7)
     elif name == "photon":
         fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -284,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("what", choices=[*SUBCOMMANDS, "all"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=3, help="streams: runs per setting (the median is reported)")
     args = ap.parse_args(argv)
     host = machine("cpu")
     meta = {"host": host["device"], "torch": host["torch"], "python": host["python"], "load_avg": host["load_avg"],

@@ -6,6 +6,7 @@ asyncio queue back to this actor's event loop and on to the caller.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 
 from engine import AsyncLLM, EngineConfig
@@ -24,6 +25,11 @@ class EngineReplica:
         self.config = EngineConfig(**engine_config)
         self.llm = AsyncLLM(self.config)
         self.metrics = EngineMetrics(self.llm)
+        # Everything alive now (model, tokenizer, libraries) lives as long as the replica: keep it out of the
+        # cyclic GC's full collections, which otherwise scan it every few thousand steps. Measured on the
+        # simulated H100 (bench/bench_sim.py, 256 streams): device busy 0.64 -> 0.85 with this.
+        gc.collect()
+        gc.freeze()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream a request's commits. Cancellation (client gone) aborts it and frees its KV blocks."""

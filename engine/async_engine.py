@@ -156,10 +156,11 @@ class AsyncLLM:
 
     def _add(self, seq) -> None:
         with self._lock:
-            if seq.request_id not in self._streams:  # caller left before the loop saw the request
-                return
+            sink = self._streams.get(seq.request_id)
+        if sink is None:  # caller left before the loop saw the request
+            return
         try:
-            self.engine.add_sequence(seq, stream=True)
+            self.engine.add_sequence(seq, stream=True, sink=sink)
         except (ValueError, RuntimeError) as exc:  # a bad request, or an engine that turned unhealthy
             self._push(seq.request_id, exc)
 

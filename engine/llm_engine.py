@@ -49,6 +49,9 @@ STEP_RECORDS_MAX = 4096
 class _Request:
     seq: Sequence
     stream: bool  # emit an output at every commit (else only the final one)
+    # Where a streamed request's outputs go (AsyncLLM's per-request slot): while its `item` still holds an
+    # output the caller has not taken, the engine builds none (the tokens go out with the next one).
+    sink: object | None = None
 
 
 class LLMEngine:
@@ -136,7 +139,7 @@ class LLMEngine:
         seq.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params)
         return seq
 
-    def add_sequence(self, seq: Sequence, stream: bool) -> None:
+    def add_sequence(self, seq: Sequence, stream: bool, sink: object | None = None) -> None:
         """Queue a validated sequence. One whose grammar is still compiling waits outside the scheduler
         (nothing else waits for it); a grammar already known not to compile raises ValueError here."""
         if self.fault is not None:
@@ -146,7 +149,7 @@ class LLMEngine:
         compiled = self.structured.compile_async(seq.params)
         if compiled is not None and compiled.done():
             compiled.result()  # raises the compile error, before anything is queued
-        self.requests[seq.request_id] = _Request(seq, stream)
+        self.requests[seq.request_id] = _Request(seq, stream, sink)
         self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
         if compiled is None or compiled.done():
             self._admit(seq, compiled)
@@ -367,8 +370,9 @@ class LLMEngine:
         seq = req.seq
         if seq.finish_reason is not None and not seq.finalized:
             return self._finish(req, seq.finish_reason)
-        if req.stream and seq.num_output_tokens > seq.num_emitted_tokens:
-            return self._output(seq)
+        if req.stream and seq.num_output_tokens > seq.num_emitted_tokens and \
+                (req.sink is None or req.sink.item is None):  # read across threads: a stale value only
+            return self._output(seq)                            # delays or merges an output, never loses one
         return None
 
     def _finish(self, req: _Request, reason: str, error: str | None = None) -> RequestOutput:
@@ -475,6 +479,8 @@ class LLMEngine:
             "cuda_graph_max_batch_size": self.runner.max_graph_batch_size(),
             **self.counters,
             **{f"host_{phase}_s": t for phase, t in self.host_time.items()},
+            **{f"host_{phase}_us_per_step": 1e6 * t / max(1, self.counters["steps"])
+               for phase, t in self.host_time.items()},
             **(self.runner.device_stats() if self.simulated else {}),
             **(self.runner.memory.stats() if getattr(self.runner, "memory", None) is not None else {}),
         }

@@ -46,8 +46,10 @@ tests/test_sim_device.py checks the stored profiles against the published number
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from engine.models.decoder import ModelSpec
 
@@ -181,15 +183,16 @@ class ModelCost:
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
-    """What the cost model needs from a step: per row, its query tokens and its context after the step."""
+    """What the cost model needs from a step: per row, its query tokens and its context after the step
+    (sequences or numpy arrays; the simulated runner hands over its staging arrays as they are)."""
 
-    query_lens: tuple[int, ...] | list[int]
-    seq_lens: tuple[int, ...] | list[int]
+    query_lens: Sequence[int] | np.ndarray
+    seq_lens: Sequence[int] | np.ndarray
     num_sample_rows: int
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.query_lens)
+        return int(np.sum(self.query_lens))
 
 
 class CostModel:
@@ -218,15 +221,15 @@ class CostModel:
 
     def attention_s(self, shape: StepShape) -> float:
         m = self.model
-        keys = units = pairs = 0.0
-        for q, s in zip(shape.query_lens, shape.seq_lens):
-            keys += s
-            units += m.heads * math.ceil(s / ATTN_SPLIT_KEYS) * (1 if q == 1 else math.ceil(q / 64))
-            pairs += q * (s - (q - 1) / 2.0)  # causal within the chunk
+        q = np.asarray(shape.query_lens, dtype=np.float64)
+        s = np.asarray(shape.seq_lens, dtype=np.float64)
+        keys = float(s.sum())
         if not keys:
             return 0.0
+        units = float((m.heads * np.ceil(s / ATTN_SPLIT_KEYS) * np.maximum(1.0, np.ceil(q / 64))).sum())
+        pairs = float((q * (s - (q - 1) / 2.0)).sum())  # causal within the chunk
         occupancy = min(1.0, units / self.profile.num_sms)
-        nbytes = (keys + shape.num_tokens) * m.kv_bytes_per_token
+        nbytes = (keys + float(q.sum())) * m.kv_bytes_per_token
         attn_flops = pairs * 4.0 * m.heads * m.head_dim * m.layers  # QK^T and PV
         return max(nbytes / (self._bw * occupancy), attn_flops / self._flops)
 

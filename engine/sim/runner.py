@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 
+import numpy as np
+
 import torch
 
 from engine.config import EngineConfig
@@ -153,9 +155,10 @@ class SimRunner(StepRunner):
         bufs.upload()  # -> self._upload: the staged inputs' H2D copies, priced on the compute stream
         first = self._upload_item
         graph = step.graph_size is not None
-        pad = (step.graph_size or 0) - len(step.chunks)
-        shape = StepShape(bufs.query_lens_host + [1] * pad, bufs.seq_lens_host + [0] * pad,
-                          bufs.num_rows + max(pad, 0))
+        n = bufs.np  # the staged step as the device would read it (padding rows included: 1 token, no keys)
+        s = bufs.num_seqs
+        shape = StepShape(np.diff(n["query_start_loc"][:s + 1]), n["seq_lens"][:s],
+                          bufs.num_rows + s - len(step.chunks))
         item = self.sim.run(self.sim.compute, self.cost.forward_s(shape, graph), "forward",
                             host_s=self.cost.host_forward_launch_s(graph))
         self.executor.mark(step.id, FWD_START, (first or item).start)

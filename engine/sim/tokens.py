@@ -52,7 +52,8 @@ class SimTokens:
                bitmask_rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Tokens for these rows at these positions, and the hashes that drew them (for fake logprobs)."""
         n = len(seqs)
-        keys = np.fromiter((self.key(s) for s in seqs), dtype=np.uint64, count=n)
+        keys = np.fromiter((s.sim_key if s.sim_key is not None else self.key(s) for s in seqs), dtype=np.uint64,
+                           count=n)
         with np.errstate(over="ignore"):
             h = _mix(keys ^ (np.asarray(positions, dtype=np.uint64) * _GOLDEN))
         tokens = self.candidates[(h % np.uint64(len(self.candidates))).astype(np.int64)]
