@@ -117,6 +117,26 @@ def warm(llm: LLM) -> None:
     llm.generate([[1, 2, 3, 4] * 8] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
 
 
+def host_speed() -> float:
+    """Millions of simple Python operations per second on this host right now (a fixed loop of attribute
+    reads, list appends and dict lookups, best of 3): this 2-core VM's per-core speed drifts by ~25% over
+    a session, so every run records it beside its figures."""
+    class Row:
+        __slots__ = ("a", "b")
+
+        def __init__(self):
+            self.a, self.b = 1, 2
+    rows, table, best = [Row() for _ in range(256)], {i: i for i in range(256)}, float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            out = []
+            for r in rows:
+                out.append(r.a + table[r.b])
+        best = min(best, time.perf_counter() - t0)
+    return round(200 * 256 * 4 / best / 1e6, 1)
+
+
 def settle() -> None:
     """Before a measured run: collect the previous runs' garbage, and keep what lives on (engine, libraries)
     out of the cyclic GC's full collections, as the serving replica does (cluster/replica.py)."""
@@ -144,7 +164,7 @@ def streams(args) -> list[dict]:
             rows.append(runs[len(runs) // 2] | {"busy_runs": [r["busy"] for r in runs]})  # the median run
             print(line(rows[-1], ["model", "kernels", "depth", "path", "workload", "streams", "busy", "busy_runs",
                                   "tok_s", "step_ms", "schedule_us", "prepare_us", "commit_us", "finalize_us",
-                                  "stream_us", "launch_us"]), flush=True)
+                                  "stream_us", "launch_us", "host_mops"]), flush=True)
     return rows
 
 
@@ -191,9 +211,10 @@ def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: 
         finally:
             llm.shutdown()
 
+    speed = host_speed()
     tokens, wall, d = asyncio.run(go()) if path == "async" else offline()
-    return {"device": "simulated h100", "model": model, "kernels": kernels, "depth": depth, "path": path,
-            "workload": workload, "streams": n,
+    return {"host_mops": speed, "device": "simulated h100", "model": model, "kernels": kernels, "depth": depth,
+            "path": path, "workload": workload, "streams": n,
             "requests": len(reqs), "busy": round(busy_fraction(d), 4), "tok_s": round(tokens / wall),
             "ceiling_tok_s": round(tokens / d["device_busy_s"]), "steps": d["steps"],
             "step_ms": round(1e3 * d["device_busy_s"] / max(1, d["steps"]), 3), **host_per_step(d),
@@ -230,17 +251,20 @@ def throughput(args) -> list[dict]:
                       max_num_batched_tokens=8192, sim_kernels_per_layer=KERNELS[kernels])
             warm(llm)
             settle()
+            speed = host_speed()
             before = llm.engine.stats()
             run = drive(llm, reqs)
             d = delta(llm.engine.stats(), before)
             llm.shutdown()
             assert sum(run.output_lens) == out_tokens, "every request must produce its full output"
-            rows.append({"device": "simulated h100", "model": model, "kernels": kernels, "requests": num,
+            rows.append({"host_mops": speed, "device": "simulated h100", "model": model, "kernels": kernels,
+                         "requests": num,
                          "output_tokens": out_tokens, "wall_s": round(run.wall_s, 2),
                          "tok_s": round(out_tokens / run.wall_s),
                          "ceiling_tok_s": round(out_tokens / d["device_busy_s"]),
                          "busy": round(busy_fraction(d), 4), "steps": d["steps"], **host_per_step(d)})
-            print(line(rows[-1], ["model", "kernels", "tok_s", "ceiling_tok_s", "busy", "steps"]), flush=True)
+            print(line(rows[-1], ["model", "kernels", "tok_s", "ceiling_tok_s", "busy", "steps", "host_mops"]),
+                  flush=True)
     return rows
 
 

@@ -40,9 +40,12 @@ class IncrementalDetokenizer:
         piece = self._stream.step(self._tokenizer, token_id)
         if not piece:
             return False
+        if not self._stops:  # most requests: nothing to search
+            self.text += piece
+            return False
         search_from = max(0, len(self.text) - self._hold)
         self.text += piece
-        return bool(self._stops) and check_stops and self._cut_at_stop(search_from)
+        return check_stops and self._cut_at_stop(search_from)
 
     def _cut_at_stop(self, search_from: int) -> bool:
         best, best_len = -1, 0

@@ -90,6 +90,7 @@ class LLMEngine:
         # Host time of the loop by phase (seconds, cumulative); "stream" is added by AsyncLLM's delivery,
         # "wait" is the commit blocked on the device (not host work).
         self.host_time = dict.fromkeys(HOST_PHASES, 0.0)
+        self._block_size, self._caching = config.block_size, config.enable_prefix_caching  # read per token
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
         self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
         self.fault: str | None = None  # set once the device raised an error: the engine serves no more
@@ -310,7 +311,7 @@ class LLMEngine:
                     generated += 1
                 row += 1
             req = requests.get(seq.request_id)
-            if req is not None and req.seq is seq:
+            if req is not None and req.seq is seq and (seq.finish_reason is not None or req.stream):
                 out = self._maybe_finish(req)
                 if out is not None:
                     outputs.append(out)
@@ -333,8 +334,7 @@ class LLMEngine:
             k = seq.params.logprobs
             top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
             seq.logprobs.append(TokenLogprob(token, result.logprobs[row], top))
-        bs = self.config.block_size
-        if self.config.enable_prefix_caching and min(seq.num_computed, n) // bs > len(seq.block_hashes):
+        if self._caching and min(seq.num_computed, n) // self._block_size > len(seq.block_hashes):
             self.block_manager.cache_full_blocks(seq, min(seq.num_computed, n))  # a block just filled up
         p = seq.params
         min_ok = not p.min_tokens or n - len(seq.prompt_token_ids) >= p.min_tokens
