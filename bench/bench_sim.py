@@ -9,8 +9,8 @@ photon      Photon's tables on photon-3090 and photon-b200 (moondream2's text de
             (pipeline_depth=1) vs pipelined (2): forward, sampling, period, GPU idle per step, the cost
             model's predicted speedup vs the observed one, beside Photon's own measured numbers.
 streams     n concurrent streams on h100 (requests of 128-512 prompt and 128-512 output tokens, temperature 0.7
-            / top-p 0.9): "steady" runs n requests at once (Photon's setup), "arrivals" runs 2n with at most n in
-            flight, so new prompts keep joining decode steps. Device busy fraction (median of --repeats), tok/s,
+            / top-p 0.9): "steady" runs n requests at once (Photon's setup; 4 one after another for n = 1),
+            "arrivals" runs 2n with at most n in flight, so new prompts keep joining decode steps. Device busy fraction (median of --repeats), tok/s,
             and the host time per step by phase (schedule / prepare / commit / finalize / stream) for
             Qwen2.5-0.5B and Llama-3.1-8B, with this engine's kernels and with a fused forward's; through the
             engine itself ("engine": LLM.generate) and through AsyncLLM with n asyncio callers ("async": the
@@ -170,7 +170,7 @@ def streams(args) -> list[dict]:
 
 def stream_requests(n: int, quick: bool, workload: str = "arrivals") -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(n)
-    count = n if workload == "steady" else max(4, (1 if quick else 2) * n)
+    count = max(4, n if workload == "steady" else (1 if quick else 2) * n)
     return [([rng.randrange(VOCAB) for _ in range(rng.randint(128, 512))],
              SamplingParams(max_tokens=rng.randint(128, 512), temperature=0.7, top_p=0.9, ignore_eos=True))
             for _ in range(count)]

@@ -4,9 +4,21 @@ Built on tokenizers' DecodeStream, which buffers tokens until they form whole UT
 streamed chunk never ends in half a character. Stop strings may span tokens: the text is searched from a
 little before each new piece, and while stop strings are set the last `len(longest) - 1` characters are
 held back from the stream until it is known they do not start a stop string.
+
+Fast path (byte-level BPE tokenizers, GPT-2 / Qwen / Llama-3 style): their decoder only concatenates each
+token's bytes, so a token whose bytes are whole UTF-8 characters adds exactly its own text, whatever came
+before. Those texts are decoded once per tokenizer (`token_texts`, one batched Rust call), and a commit
+takes a token's text from that table instead of a DecodeStream step (~1 us less per token on the engine
+thread, at every commit of every row). Tokens that do not decode on their own (part of a character, ids
+past the vocabulary) go through a DecodeStream primed with the last whole-character context, until the
+stream has emitted their text. Other decoders (SentencePiece's Metaspace: a piece's leading space depends
+on its position) always use the stream.
 """
 
 from __future__ import annotations
+
+import json
+from collections import deque
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -14,6 +26,28 @@ from tokenizers.decoders import DecodeStream
 from engine.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 4  # prompt tokens primed into the stream so the first output piece decodes in context
+_TABLES: dict[tuple[int, bool], tuple[Tokenizer, list[str | None] | None]] = {}
+
+
+def token_texts(tokenizer: Tokenizer, skip_special_tokens: bool) -> list[str | None] | None:
+    """Each token id's text when it decodes on its own (None where it does not), or None when the
+    tokenizer's decoder is not byte-level concatenation. Built once per tokenizer and setting."""
+    key = (id(tokenizer), skip_special_tokens)
+    cached = _TABLES.get(key)
+    if cached is None or cached[0] is not tokenizer:
+        table = None
+        if _concatenating_decoder(tokenizer):
+            n = tokenizer.get_vocab_size(with_added_tokens=True)
+            texts = tokenizer.decode_batch([[t] for t in range(n)], skip_special_tokens=skip_special_tokens)
+            table = [None if "\ufffd" in t else t for t in texts]
+        cached = _TABLES[key] = (tokenizer, table)
+    return cached[1]
+
+
+def _concatenating_decoder(tokenizer: Tokenizer) -> bool:
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return bool(parts) and all(p.get("type") == "ByteLevel" for p in parts)
 
 
 class IncrementalDetokenizer:
@@ -25,7 +59,12 @@ class IncrementalDetokenizer:
         while context and tokenizer.decode(context, skip_special_tokens=params.skip_special_tokens).endswith(
                 "\ufffd"):
             context = context[:-1]
-        self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
+        self._skip_special = params.skip_special_tokens
+        self._texts = token_texts(tokenizer, params.skip_special_tokens)
+        self._context = deque(context, maxlen=_PROMPT_CONTEXT)  # the last tokens, ending at a whole character
+        self._stream = None if self._texts is not None else DecodeStream(ids=context,
+                                                                          skip_special_tokens=self._skip_special)
+        self._in_char = False  # the stream holds bytes of an unfinished character
         self._tokenizer = tokenizer
         self._stops = params.stop_strings
         self._include_stop = params.include_stop_str_in_output
@@ -37,7 +76,14 @@ class IncrementalDetokenizer:
         """Append one token; True when a stop string completed (the text is then cut at it).
 
         check_stops=False (before min_tokens is reached) appends without looking for stop strings."""
-        piece = self._stream.step(self._tokenizer, token_id)
+        texts = self._texts
+        if texts is None:
+            piece = self._stream.step(self._tokenizer, token_id)
+        else:
+            piece = texts[token_id] if not self._in_char and token_id < len(texts) else None
+            if piece is None:
+                piece = self._stream_step(token_id)
+            self._context.append(token_id)
         if not piece:
             return False
         if not self._stops:  # most requests: nothing to search
@@ -46,6 +92,15 @@ class IncrementalDetokenizer:
         search_from = max(0, len(self.text) - self._hold)
         self.text += piece
         return check_stops and self._cut_at_stop(search_from)
+
+    def _stream_step(self, token_id: int) -> str | None:
+        """A token that does not decode on its own: through a DecodeStream primed with the whole-character
+        context before it, kept until the stream emits (the character is complete)."""
+        if not self._in_char:
+            self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=self._skip_special)
+        piece = self._stream.step(self._tokenizer, token_id)
+        self._in_char = piece is None
+        return piece
 
     def _cut_at_stop(self, search_from: int) -> bool:
         best, best_len = -1, 0

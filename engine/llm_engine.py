@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from importlib.metadata import entry_points
 import uuid
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_block_pool import CpuBlockPool
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, token_texts
 from engine.kv_offload import KVSwapError
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
@@ -70,6 +70,7 @@ class LLMEngine:
                                  self.spec.max_position_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
+        token_texts(self.tokenizer.backend_tokenizer, True)  # the detokenizer's table, built now, not mid-request
         num_cpu_blocks = self._num_cpu_blocks()
         self.runner, num_blocks = self._make_runner(num_cpu_blocks)
         self.device = self.runner.device  # where sampling runs (the driver's CPU under pipeline parallelism)
@@ -410,7 +411,8 @@ class LLMEngine:
                 c.seq.num_pending -= 1
             req = self.requests.get(c.seq.request_id)
             if req is not None and req.seq is c.seq and not c.seq.finalized:
-                outputs.append(self._finish(req, "abort", error=error or f"engine step failed: {type(exc).__name__}"))
+                why = error or f"engine step failed: {type(exc).__name__}"
+                outputs.append(self._finish(req, "abort", error=why))
             self.scheduler.release_if_idle(c.seq)
         return outputs
 

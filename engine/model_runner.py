@@ -75,7 +75,7 @@ class ModelRunner(StepRunner):
         private pool holds its activations)."""
         spec, lim, cuda = self.spec, self.limits, self.device.type == "cuda"
         scratch = torch.zeros((spec.num_layers, 2, 1, self.block_size, spec.num_kv_heads, spec.head_dim),
-                              dtype=dtype, device=self.device)  # one block: the dummy steps write no KV
+                              dtype=dtype, device=self.device)  # one block: every dummy position uses it
         self.kv_caches = self._layer_caches(scratch)
         meter = CudaMeter(self.device) if cuda else HostMeter()
         with meter:

@@ -206,3 +206,43 @@ def test_prompt_ending_inside_a_character_does_not_leak_into_the_output():
         detok.add(t)
     assert detok.text == decode(output)
 
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_table_fast_path_adds_what_decode_stream_adds_at_every_step(seed, skip_special_tokens):
+    """Byte-level tokenizers take each whole-character token's text from a table (engine.detokenizer
+    token_texts): step by step, the text added must be exactly what tokenizers' DecodeStream adds, through
+    characters split over several tokens, special tokens and arbitrary ids (possibly invalid UTF-8)."""
+    import random
+
+    from tokenizers.decoders import DecodeStream
+
+    tok = tokenizer().backend_tokenizer
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while len(ids) < 120:
+        kind = rng.random()
+        if kind < 0.6:
+            text = rng.choice(TEXTS)
+            words = ids_of(text)
+            a = rng.randrange(len(words))
+            ids += words[a:a + rng.randint(1, 12)]
+        elif kind < 0.75:
+            ids.append(rng.randrange(3))  # the special tokens (tiny_models: ids 0-2)
+        else:
+            ids.append(rng.randrange(tok.get_vocab_size(with_added_tokens=True)))
+    prompt = ids_of("The quick brown fox")  # ends on a whole character: the oracle primes with the same tail
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    fast = IncrementalDetokenizer(tok, prompt, params)
+    assert fast._texts is not None  # the table path is the one under test
+    oracle = DecodeStream(ids=prompt[-4:], skip_special_tokens=skip_special_tokens)
+    for t in ids:
+        before = len(fast.text)
+        fast.add(t)
+        assert fast.text[before:] == (oracle.step(tok, t) or ""), (t, ids)
+
+
+def test_non_byte_level_tokenizers_keep_the_stream():
+    detok = IncrementalDetokenizer(metaspace_tokenizer(), [], SamplingParams())
+    assert detok._texts is None
