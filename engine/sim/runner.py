@@ -1,7 +1,7 @@
 """SimRunner: every step's host side is the real code; the accelerator's work is priced on a virtual clock.
 
-What runs for real, exactly as on CUDA: the scheduler's plan turned into host inputs and staged into the
-slot's (pinned-layout) buffers, the sampling inputs built at finalize (per-row parameters, penalties,
+What runs for real, exactly as on CUDA: the scheduler's plan staged into the slot's buffers (persistent
+block tables included), the sampling inputs built at finalize (per-row parameters, penalties,
 constraint bitmasks filled by xgrammar after the previous commit), the commit's wait and its reading of the
 slot's host buffers, and everything the engine does around them. What is modelled (engine/sim/device.py,
 engine/sim/cost_model.py): the uploads, the forward, the sampling kernels, the device-to-host copy and KV
@@ -20,13 +20,12 @@ import bisect
 import contextlib
 
 import numpy as np
-
 import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
-from engine.memory import MemoryPlan, kv_blocks, modelled_plan
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, run_now
+from engine.memory import MemoryPlan, kv_blocks, modelled_plan
 from engine.model_runner import MAX_GRAPH_BATCH_SIZE
 from engine.models.decoder import ModelSpec
 from engine.sampler import SamplingBatch
