@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import tempfile
@@ -43,8 +42,8 @@ import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from gpu_models import MODEL_NAMES, Checkpoint, build_checkpoint, machine, memory_bandwidth  # noqa: E402
-from photon_table import Run, decode_pairs, drive, med, ms  # noqa: E402
-from photon_table import photon_rows as table_rows  # noqa: E402
+from harness import Run, decode_pairs, drive, med, ms, pyplot, write_results  # noqa: E402
+from harness import photon_rows as table_rows  # noqa: E402
 
 TARGETS = {"period_vs_fwd_smp": "period within 5% of forward + sampling",
            "speedup_vs_model": "pipelined speedup within +-3 points of the cost model",
@@ -110,7 +109,7 @@ def with_llm(ck: Checkpoint, s: Settings, fn, **kw):
         release()
 
 
-# ---- driving the engine one tick at a time (bench/photon_table.py) ------------------------------------------
+# ---- driving the engine one tick at a time (bench/harness.py) -----------------------------------------------
 def warm_up(llm: LLM, vocab: int, n: int = 4) -> None:
     rng = random.Random(123)
     llm.generate([[rng.randrange(vocab) for _ in range(40)] for _ in range(n)],
@@ -336,25 +335,15 @@ def _line(row: dict, keys: list[str]) -> str:
 
 
 def write(s: Settings, name: str, rows: list[dict], meta: dict) -> None:
-    s.out.mkdir(parents=True, exist_ok=True)
     stem = s.out / f"{name}_{s.device}{'_tiny' if s.tiny else ''}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = [f"## {name} on {meta['device']}", "", f"machine: {json.dumps(meta)}", ""]
-    if rows:
-        keys = list(rows[0])
-        md += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        md += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_results(stem, f"{name} on {meta['device']}", rows, meta)
     _plot(stem, name, rows)
     print(f"wrote {stem}.json / .md", flush=True)
 
 
 def _plot(stem: Path, name: str, rows: list[dict]) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     series = {"photon": ("streams", ["forward_ms", "sampling_ms", "gpu_idle_ms"]),
               "graphs": ("batch", ["kernel_ms", "gap_ms"]), "throughput": ("model", ["tandem_tok_s", "hf_tok_s"]),

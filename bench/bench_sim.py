@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import dataclasses
 import gc
-import json
 import random
 import sys
 import time
@@ -46,7 +45,7 @@ from engine.llm_engine import HOST_PHASES  # noqa: E402
 from engine.sim import SIM_MODELS  # noqa: E402
 from engine.sim.cost_model import PHOTON_TABLE, PHOTON_WORKLOAD  # noqa: E402
 from gpu_models import machine  # noqa: E402
-from photon_table import drive, photon_rows  # noqa: E402
+from harness import drive, photon_rows, pyplot, write_results  # noqa: E402
 
 KERNELS = {"engine": None, "fused": 10}
 TARGETS = {"qwen2.5-0.5b": 0.95, "llama-3.1-8b": 0.98}  # device busy at depth 2 on h100 (the targets)
@@ -274,25 +273,15 @@ def line(row: dict, keys: list[str]) -> str:
 
 
 def write(out: Path, name: str, rows: list[dict], meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     stem = out / f"sim_{name}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = [f"## {name} (SIMULATED device; host: {meta['host']})", "", f"machine: {json.dumps(meta)}", ""]
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    md += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    md += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_results(stem, f"{name} (SIMULATED device; host: {meta['host']})", rows, meta)
     plot(stem, name, rows)
     print(f"wrote {stem}.json / .md / .png", flush=True)
 
 
 def plot(stem: Path, name: str, rows: list[dict]) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("  (no matplotlib: PNG skipped)")
+    plt = pyplot()
+    if plt is None:
         return
     if name == "streams":
         fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))

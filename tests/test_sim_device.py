@@ -234,6 +234,20 @@ def test_a_slowed_host_shows_bubbles_and_pipelining_hides_a_fast_one(monkeypatch
     assert busy(1, 0.0) < fast  # blocking: the commit and the next launch run while the device idles
 
 
+def fail_forward(monkeypatch, llm: LLM, nth: int, exc: Exception) -> None:
+    """The engine's nth forward raises `exc` (the others run)."""
+    runner = llm.engine.runner
+    forward, calls = runner._forward_job, []
+
+    def job(step, swaps):
+        calls.append(step.id)
+        if len(calls) == nth:
+            raise exc
+        return forward(step, swaps)
+
+    monkeypatch.setattr(runner, "_forward_job", job)
+
+
 def test_a_device_fault_fails_every_request_and_marks_the_engine_unhealthy(monkeypatch):
     import asyncio
 
@@ -243,16 +257,7 @@ def test_a_device_fault_fails_every_request_and_marks_the_engine_unhealthy(monke
     from engine.async_engine import EngineDeadError
 
     llm = sim_llm()
-    runner = llm.engine.runner
-    forward, calls = runner._forward_job, []
-
-    def faulty(step, swaps):
-        calls.append(step.id)
-        if len(calls) == 5:
-            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
-        return forward(step, swaps)
-
-    monkeypatch.setattr(runner, "_forward_job", faulty)
+    fail_forward(monkeypatch, llm, 5, torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
     outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=50, ignore_eos=True))
     assert all(o.finish_reason == "abort" and "illegal memory access" in o.error for o in outs)
     assert "device fault" in llm.engine.health_error()
@@ -278,16 +283,7 @@ def test_a_device_fault_fails_every_request_and_marks_the_engine_unhealthy(monke
 
 def test_a_step_failing_for_another_reason_fails_only_its_requests(monkeypatch):
     llm = sim_llm()
-    runner = llm.engine.runner
-    forward, calls = runner._forward_job, []
-
-    def failing(step, swaps):
-        calls.append(step.id)
-        if len(calls) == 3:
-            raise ValueError("bad step")
-        return forward(step, swaps)
-
-    monkeypatch.setattr(runner, "_forward_job", failing)
+    fail_forward(monkeypatch, llm, 3, ValueError("bad step"))
     outs = llm.generate(["a", "b"], SamplingParams(max_tokens=20, ignore_eos=True))
     assert all(o.finish_reason == "abort" for o in outs)
     assert llm.engine.health_error() is None

@@ -1,14 +1,18 @@
-"""Photon's per-step table, computed the same way for every device (bench_gpu.py on CUDA, bench_sim.py on the
-simulated accelerator): drive the engine one tick at a time, keep each committed step's timing, and read
-forward / sampling / period / GPU idle off steady full-batch decode steps, blocking (pipeline_depth=1) vs
-pipelined (2), with Photon's cost model speedup = T_block / T_pipe x (1 - z) beside the observed one.
+"""What the engine benchmarks share (bench_gpu.py on CUDA, bench_sim.py on the simulated accelerator).
+
+Photon's per-step table, computed the same way for every device: drive the engine one tick at a time, keep
+each committed step's timing, and read forward / sampling / period / GPU idle off steady full-batch decode
+steps, blocking (pipeline_depth=1) vs pipelined (2), with Photon's cost model speedup = T_block / T_pipe x
+(1 - z) beside the observed one. And the results' JSON + markdown files.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine import LLM, SamplingParams
 
@@ -85,3 +89,27 @@ def photon_rows(runs: dict[int, dict[int, Run]], streams: list[int], labels: dic
             "steps": pipe.counters["steps"], "wall_pipe_s": round(pipe.wall_s, 3),
             "wall_block_s": round(block.wall_s, 3)})
     return rows
+
+
+def write_results(stem: Path, title: str, rows: list[dict], meta: dict) -> None:
+    """<stem>.json ({"meta", "rows"}) and <stem>.md (a table with every key any row has)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = [f"## {title}", "", f"machine: {json.dumps(meta)}", ""]
+    if rows:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        md += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        md += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not installed (PNGs skipped)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (no matplotlib: PNG skipped)")
+        return None
+    return plt
