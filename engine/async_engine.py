@@ -45,6 +45,8 @@ class AsyncLLM:
         self.prefix_summary: list[int] = []  # recent cached block hashes, refreshed by the loop thread
         self._summary_time = 0.0
         self._stats_time = 0.0
+        self._progress_time = time.monotonic()  # the loop's last completed tick (the watchdog reads it)
+        self._has_work = False
         self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
         self._thread.start()
 
@@ -58,7 +60,11 @@ class AsyncLLM:
         seq = self.engine.make_sequence(prompt, params, request_id)  # raises ValueError on bad input
         compiled = self.engine.structured.compile_async(seq.params)
         if compiled is not None:  # compiles on the grammar pool; a bad grammar raises ValueError here
-            await asyncio.shield(asyncio.wrap_future(compiled))  # shield: the future is shared (cache)
+            timeout = self.engine.config.grammar_compile_timeout_s
+            try:  # shield: the future is shared (cache)
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiled)), timeout)
+            except asyncio.TimeoutError:
+                raise self.engine.structured.timed_out(seq.params, compiled, timeout) from None
         q = _Collector(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
@@ -85,11 +91,17 @@ class AsyncLLM:
         self._send(("abort", request_id))
 
     def check_health(self) -> None:
+        """Raises EngineDeadError when the engine cannot serve: its loop died, its device faulted, or it has
+        had work but made no progress for stall_timeout_s (a hung step)."""
         if self.dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"engine loop is not running: {self.dead!r}")
         broken = self.engine.health_error()
         if broken is not None:
             raise EngineDeadError(broken)
+        stalled = time.monotonic() - self._progress_time
+        if self._has_work and stalled > self.engine.config.stall_timeout_s:
+            raise EngineDeadError(f"engine loop made no progress for {stalled:.0f} s while it had work "
+                                  f"(stall_timeout_s={self.engine.config.stall_timeout_s:g})")
 
     def stats(self) -> dict:
         """A snapshot refreshed by the loop thread after every tick."""
@@ -100,9 +112,11 @@ class AsyncLLM:
         return self.engine.drain_step_records()
 
     def shutdown(self) -> None:
+        """Stop the loop; requests still streaming fail with EngineDeadError (nobody would serve them)."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self._fail_all(EngineDeadError("the engine shut down (the replica is being removed); retry the request"))
         self.engine.shutdown()
 
     def _send(self, command: tuple) -> None:
@@ -115,7 +129,9 @@ class AsyncLLM:
             while not self._stopping:
                 self._wake.clear()
                 self._drain_inbox()
-                if not self.engine.has_unfinished():
+                self._progress_time = time.monotonic()
+                self._has_work = self.engine.has_unfinished()
+                if not self._has_work:
                     self._publish(force=True)
                     self._wake.wait()
                     continue

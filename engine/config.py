@@ -55,6 +55,11 @@ class EngineConfig:
     # device="sim": a simulated accelerator (engine/sim): the host side is real, the device's time is modelled
     # for this GPU profile; the model directory needs only config.json and tokenizer files. sim_eos_rate: the
     # chance that a generated token is EOS (0: never, unless a grammar's stop token is all that is allowed).
+    # Serving robustness. A grammar that has not compiled after this long fails its request (a ValueError
+    # naming structured_outputs: a 400 over HTTP); the engine is unhealthy once its loop has made no
+    # progress for stall_timeout_s while it had work (a hung step), so Serve replaces the replica.
+    grammar_compile_timeout_s: float = 10.0
+    stall_timeout_s: float = 120.0
     sim_gpu: str = "h100"
     sim_eos_rate: float = 0.0
     # Kernels one decoder layer launches on the simulated device: None = this engine's decoder as counted
@@ -103,6 +108,10 @@ class EngineConfig:
             _positive("sim_kernels_per_layer", self.sim_kernels_per_layer)
         if self.device == "sim" and self.pipeline_parallel_size > 1:
             raise ValueError("device='sim' runs a single simulated device; pipeline_parallel_size must be 1")
+        for name in ("grammar_compile_timeout_s", "stall_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
         for name in ("admission_margin", "gpu_memory_utilization", "swap_space_gb"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from engine.config import EngineConfig
 from engine.llm_engine import create_engine
@@ -65,11 +67,16 @@ class LLM:
     def _compile(self, params_list: list[SamplingParams]) -> None:
         """Compile every grammar (in parallel, off this thread) and raise the first bad one's ValueError
         before anything runs; the engine then finds them in its cache."""
-        futures = [self.engine.structured.compile_async(p) for p in params_list
-                   if isinstance(p, SamplingParams)]
-        for f in futures:
-            if f is not None:
-                f.result()
+        structured, timeout = self.engine.structured, self.config.grammar_compile_timeout_s
+        futures = [(p, structured.compile_async(p)) for p in params_list if isinstance(p, SamplingParams)]
+        deadline = time.monotonic() + timeout
+        for p, f in futures:
+            if f is None:
+                continue
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise structured.timed_out(p, f, timeout) from None
 
     def _drain(self) -> None:
         while self.engine.has_unfinished():

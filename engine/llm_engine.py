@@ -163,13 +163,17 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Move requests whose grammar finished compiling to the scheduler; fail those it rejected."""
+        """Move requests whose grammar finished compiling to the scheduler; fail those it rejected and those
+        still waiting past grammar_compile_timeout_s since they arrived."""
         outputs, waiting = [], []
+        timeout = self.config.grammar_compile_timeout_s
         for seq, compiled in self.compiling:
-            if not compiled.done():
-                waiting.append((seq, compiled))
-                continue
             try:
+                if not compiled.done():
+                    if time.monotonic() - seq.arrival_time <= timeout:
+                        waiting.append((seq, compiled))
+                        continue
+                    raise self.structured.timed_out(seq.params, compiled, timeout)
                 self._admit(seq, compiled)
             except ValueError as exc:
                 outputs.append(self._finish(self.requests[seq.request_id], "abort", error=str(exc)))

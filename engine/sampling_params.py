@@ -71,6 +71,8 @@ def _schema_text(schema: dict | str) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError(_TOO_DEEP) from None
     if not isinstance(schema, dict):
         raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
     try:
@@ -78,6 +80,11 @@ def _schema_text(schema: dict | str) -> str:
         return json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"structured_outputs.json is not serializable as JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(_TOO_DEEP) from None
+
+
+_TOO_DEEP = "structured_outputs.json is nested too deeply to process (hundreds of levels)"
 
 
 def _choices(choice) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import pytest
@@ -150,3 +151,55 @@ def test_dead_loop_fails_inflight_and_new_requests(model_dir):
         llm.shutdown()
     with pytest.raises(EngineDeadError):
         llm.check_health()
+
+
+def test_a_hung_step_makes_the_engine_unhealthy_until_it_moves_again(model_dir):
+    """The watchdog: with work queued and no loop progress for stall_timeout_s, check_health raises (Serve
+    then replaces the replica); an idle engine is never stalled, and one that moves again is healthy."""
+    llm = AsyncLLM(model=model_dir, stall_timeout_s=0.3)
+    release, entered = threading.Event(), threading.Event()
+    real_step = llm.engine.step
+
+    def hung_step():
+        entered.set()
+        release.wait(30)
+        return real_step()
+
+    async def main():
+        time.sleep(0.5)
+        llm.check_health()  # idle for longer than stall_timeout_s: healthy
+        llm.engine.step = hung_step
+        task = asyncio.ensure_future(collect(llm, [5, 6, 7]))
+        await asyncio.to_thread(entered.wait, 10)
+        llm.check_health()  # just stepped: healthy
+        await asyncio.sleep(0.5)
+        with pytest.raises(EngineDeadError, match=r"no progress for \d+ s while it had work"):
+            llm.check_health()
+        llm.engine.step = real_step
+        release.set()
+        outs = await asyncio.wait_for(task, 30)
+        llm.check_health()
+        return outs[-1]
+
+    try:
+        final = asyncio.run(main())
+    finally:
+        release.set()
+        llm.shutdown()
+    assert final.finished and len(final.token_ids) == GREEDY.max_tokens
+
+
+def test_shutdown_fails_open_streams_instead_of_leaving_them_waiting(model_dir):
+    llm = AsyncLLM(model=model_dir)
+    real_step = llm.engine.step
+    llm.engine.step = lambda: time.sleep(0.05) or real_step()  # 400 tokens take 20 s: still open at shutdown
+
+    async def main():
+        stream = llm.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True, temperature=0))
+        await stream.__anext__()
+        await asyncio.to_thread(llm.shutdown)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), 60))

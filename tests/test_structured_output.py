@@ -414,8 +414,69 @@ def test_async_streams_a_bad_grammar_error_a_slow_one_and_plain_ones_side_by_sid
     assert len(plain.token_ids) == 16 and slow.finish_reason == "length" and slow.text.startswith("{")
 
 
+def hold_compiles(engine) -> threading.Event:
+    """Every compile on `engine` waits for the returned event (a compile that takes as long as a test wants)."""
+    release = threading.Event()
+    real_compile = engine.structured.backend.compile
+    engine.structured.backend.compile = lambda p: release.wait(30) and real_compile(p)
+    return release
+
+
+def test_grammar_over_its_compile_timeout_fails_in_every_entry_point(llama):
+    """grammar_compile_timeout_s bounds the wait: LLM.generate raises before anything runs, LLMEngine fails
+    the request at its next step, AsyncLLM's stream raises; each names the field and the limit. The compile
+    that was already running finishes and is cached, so the same grammar later runs at once."""
+    cfg = dict(device="cpu", block_size=4, num_kv_blocks=256, grammar_compile_timeout_s=0.2)
+    message = r"structured_outputs\.regex: did not compile within 0\.2 s \(grammar_compile_timeout_s\)"
+    llm = LLM(str(llama[0]), **cfg)
+    release = hold_compiles(llm.engine)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPTS[:2], [params(None), params(so(regex="[a-z]{3}"))])
+    assert 0.2 <= time.monotonic() - started < 5 and llm.stats()["steps"] == 0
+    release.set()
+    assert re.fullmatch("[a-z]{3}", llm.generate([PROMPTS[0]], params(so(regex="[a-z]{3}")))[0].text)
+    assert_clean(llm)
+    llm.shutdown()
+
+    engine = LLMEngine(EngineConfig(model=str(llama[0]), **cfg))
+    release = hold_compiles(engine)
+    slow = engine.add_request(PROMPTS[0], params(so(regex="[0-9]{2}")))
+    plain = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    release.set()
+    assert done[slow].finish_reason == "abort" and re.search(message, done[slow].error)
+    assert done[plain].finish_reason == "length" and len(done[plain].token_ids) == 400
+    engine.check_integrity()
+    engine.shutdown()
+
+    allm = AsyncLLM(model=str(llama[0]), **cfg)
+    release = hold_compiles(allm.engine)
+
+    async def main():
+        with pytest.raises(ValueError, match=message):
+            async for _ in allm.generate(PROMPTS[0], params(so(regex="x[a-z]"))):
+                pass
+        release.set()
+        return [o async for o in allm.generate(PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))][-1]
+
+    assert len(asyncio.run(main()).token_ids) == 4
+    allm.shutdown()
+
+
 # ---- parameter validation ------------------------------------------------------------------------------------
+def deep_schema(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 BAD_PARAMS = [
+    ("structured_outputs.json is nested too deeply", lambda: SO(json=deep_schema(2000))),
+    ("structured_outputs.json is nested too deeply", lambda: SO(json="[" * 100_000 + "]" * 100_000)),
     ("structured_outputs must set exactly one", lambda: SO()),
     ("structured_outputs must set exactly one", lambda: SO(regex="a", choice=["a"])),
     ("structured_outputs.json is not valid JSON", lambda: SO(json="{nope")),

@@ -77,6 +77,18 @@ class StructuredOutputManager:
                 self._cache.move_to_end(so.cache_key)
         return fut
 
+    def timed_out(self, params: SamplingParams, compiled: Future, timeout_s: float) -> ValueError:
+        """The error for a request whose grammar did not compile within `timeout_s`. A compile still queued
+        is cancelled; one already running cannot be stopped (xgrammar has no way to), so it finishes on its
+        worker and its result stays cached for a later identical request."""
+        if compiled.cancel():
+            with self._lock:
+                if self._cache.get(params.structured_outputs.cache_key) is compiled:
+                    del self._cache[params.structured_outputs.cache_key]
+        kind = params.structured_outputs.kind
+        return ValueError(f"structured_outputs.{kind}: did not compile within {timeout_s:g} s "
+                          f"(grammar_compile_timeout_s); simplify the {kind}")
+
     # ---- per request (engine thread) -------------------------------------------------------------------
     def constraint(self, params: SamplingParams, compiled: CompiledGrammar | None) -> TokenConstraint | None:
         if not params.constrained:
