@@ -40,6 +40,13 @@ class GenerateChunk:
     first_token_time: float | None = None
     finish_time: float | None = None
     output_time: float = 0.0
+    rejected: bool = False  # the request itself was bad (error says why): the ingress answers 400
+
+    @classmethod
+    def rejection(cls, request_id: str, message: str) -> "GenerateChunk":
+        """The first and only chunk of a request the engine refused (a grammar that does not compile, a
+        prompt larger than the KV cache, ...): sent as data, not raised, so no traceback is logged for it."""
+        return cls(request_id, "", [], None, True, "abort", 0, 0, 0, error=message, rejected=True)
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> "GenerateChunk":

@@ -7,11 +7,15 @@ asyncio queue back to this actor's event loop and on to the caller.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import AsyncIterator
 
 from engine import AsyncLLM, EngineConfig
 from cluster.metrics import EngineMetrics
 from cluster.protocol import GenerateChunk, GenerateRequest
+
+
+logger = logging.getLogger("ray.serve")
 
 
 class EngineRequestError(RuntimeError):
@@ -32,16 +36,32 @@ class EngineReplica:
         gc.freeze()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream a request's commits. Cancellation (client gone) aborts it and frees its KV blocks."""
+        """Stream a request's commits. Cancellation (client gone) aborts it and frees its KV blocks. A request
+        the engine refuses (ValueError before any output) comes back as one rejected chunk: a user error,
+        logged as one line, not raised (Serve would log it with a traceback as a failure)."""
         self.metrics.request_arrived(request.ingress_time)
-        last_token_time = None
-        async for out in self.llm.generate(request.prompt_token_ids, request.params, request.request_id):
-            last_token_time = self.metrics.output(out, last_token_time)
-            if out.finish_reason == "abort" and out.error is not None:
-                # The engine failed the request (a failed step, a dead pipeline stage): an error for the
-                # client (an SSE error event, or a 500), not a normal-looking "abort" finish.
-                raise EngineRequestError(out.error)
-            yield GenerateChunk.from_output(out)
+        outputs = self.llm.generate(request.prompt_token_ids, request.params, request.request_id)
+        try:
+            try:
+                out = await outputs.__anext__()
+            except ValueError as exc:
+                logger.info("request %s rejected: %s", request.request_id, exc)
+                yield GenerateChunk.rejection(request.request_id, str(exc))
+                return
+            last_token_time = None
+            while True:
+                last_token_time = self.metrics.output(out, last_token_time)
+                if out.finish_reason == "abort" and out.error is not None:
+                    # The engine failed the request (a failed step, a dead pipeline stage): an error for the
+                    # client (an SSE error event, or a 500), not a normal-looking "abort" finish.
+                    raise EngineRequestError(out.error)
+                yield GenerateChunk.from_output(out)
+                try:
+                    out = await outputs.__anext__()
+                except StopAsyncIteration:
+                    return
+        finally:
+            await outputs.aclose()  # a request left early (client gone) is aborted and its blocks freed
 
     async def abort(self, request_id: str) -> None:
         self.llm.abort(request_id)

@@ -4,10 +4,11 @@ or a Serve config YAML (configs/) pointing at `serve_app:build_app` with args.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
@@ -18,6 +19,7 @@ from cluster.router import router_class
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.models import load_hf_config, model_spec
 from serve_app.ingress import OpenAIIngress
+from serve_app.limits import Limits
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}
 _ENGINE_TYPES = typing.get_type_hints(EngineConfig)
@@ -50,7 +52,32 @@ class AppConfig(BaseModel):
     # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
     # node, PACK/SPREAD let it span nodes.
     pp_placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
+    # API keys (vLLM's --api-key): with any set, every /v1/* route needs `Authorization: Bearer <key>`.
+    # None: the TANDEM_API_KEY environment variable of the process building the app (comma-separated).
+    api_key: str | list[str] | None = None
+    limits: Limits = Field(default_factory=Limits)  # per-request limits (serve_app/limits.py)
+    # Draining: a replica being removed stops taking requests and lets in-flight ones finish for up to
+    # graceful_shutdown_timeout_s (long enough for a full-length generation), after which Serve stops it
+    # and its remaining streams end with a replica_died error. Health: Serve calls EngineReplica.check_health
+    # every health_check_period_s (a dead or stalled engine loop, or a device fault, fails it).
+    graceful_shutdown_timeout_s: float = Field(default=300.0, ge=0)
+    graceful_shutdown_wait_loop_s: float = Field(default=1.0, gt=0)
+    health_check_period_s: float = Field(default=5.0, gt=0)
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("api_key")
+    @classmethod
+    def _keys_are_tokens(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for key in [v] if isinstance(v, str) else v or []:
+            if not key or any(c.isspace() for c in key):
+                raise ValueError("api_key: every key must be a non-empty string without whitespace")
+        return v
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        keys = self.api_key if self.api_key is not None else os.environ.get("TANDEM_API_KEY", "").split(",")
+        return tuple(k.strip() for k in ([keys] if isinstance(keys, str) else keys) if k.strip())
 
     @model_validator(mode="before")
     @classmethod
@@ -95,9 +122,11 @@ def build_app(args: dict | None = None) -> serve.Application:
                         model_spec(hf_config).max_position_embeddings)
     engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg))
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", num_replicas=cfg.ingress_replicas,
-                               max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+                               max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
+                               graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+                               graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s)
     return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
-                        max_model_len)
+                        max_model_len, cfg.api_keys, cfg.limits.model_dump())
 
 
 def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
@@ -109,8 +138,10 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
         actor_options["num_gpus"] = 1
     options: dict[str, Any] = dict(
         name="EngineReplica", ray_actor_options=actor_options, max_ongoing_requests=max_ongoing,
-        max_queued_requests=cfg.max_queued_requests, health_check_period_s=5, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5,
+        max_queued_requests=cfg.max_queued_requests, health_check_period_s=cfg.health_check_period_s,
+        health_check_timeout_s=cfg.health_check_timeout_s,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
         request_router_config=RequestRouterConfig(
             request_router_class=router_class(cfg.router),
             request_routing_stats_period_s=cfg.routing_stats_period_s,

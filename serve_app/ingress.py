@@ -2,18 +2,22 @@
 
 Tokenization and the chat template run here; the DeploymentHandle's request router (cluster.router)
 picks the replica. Streamed chunks are flushed as soon as each engine commit arrives: no batching delay.
+Before anything is parsed, GuardMiddleware (serve_app/middleware.py) enforces the body size limit and API
+keys; request limits (serve_app/limits.py) are checked before a request reaches an engine.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real request-model classes.
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from transformers import AutoTokenizer
 
@@ -22,6 +26,8 @@ from cluster.protocol import GenerateChunk, GenerateRequest
 from dashboards.metrics import STATUS_CLIENT_CLOSED
 from engine.models import load_hf_config
 from serve_app.errors import APIError, bad_request, from_engine_failure, install_handlers, param_of
+from serve_app.limits import Limits, check_context, check_request
+from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
 from serve_app.responses import Accumulated, ResponseBuilder, sse
 
@@ -42,40 +48,69 @@ def _count_error(request: Request, status: int) -> None:
 
 
 install_handlers(api, on_error=_count_error)
+api.add_middleware(GuardMiddleware)
+HEALTH_CACHE_S = 1.0  # /health asks Serve's controller at most this often
 
 
 async def _first_chunk(stream) -> GenerateChunk:
     """Await the first chunk so failures before any output (overload, bad request) get a real status."""
     try:
-        return await stream.__anext__()
+        first = await stream.__anext__()
     except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
         # cancel() re-raises the rejection of a call Serve never assigned (BackPressureError): that must not
         # replace the OpenAI error (Serve would answer with its own plain-text 503 and no Retry-After).
         with contextlib.suppress(Exception):
             stream.cancel()
         raise from_engine_failure(exc) from None
+    if first.rejected:  # the engine refused the request: a 400 naming the field its message starts with
+        raise bad_request(first.error, param=param_of(first.error))
+    return first
 
 
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, engine: DeploymentHandle, model_dir: str, served_model_name: str, max_model_len: int):
+    def __init__(self, engine: DeploymentHandle, model_dir: str, served_model_name: str, max_model_len: int,
+                 api_keys: tuple[str, ...] = (), limits: dict | None = None,
+                 engine_deployment: str = "EngineReplica"):
         self.engine = engine.options(stream=True)
         self.engine_unary = engine
         self.model_name = served_model_name
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.vocab_size = load_hf_config(model_dir).vocab_size
         self.max_model_len = max_model_len
+        self.limits = Limits(**(limits or {}))
+        self.engine_deployment = engine_deployment
         self.metrics = IngressMetrics()
+        self._health: tuple[float, int] = (0.0, 0)  # (when asked, running engine replicas)
         api.state.tandem_metrics = self.metrics  # read by the error handlers, which see every failure
+        api.state.tandem_guard = Guard(tuple(api_keys), self.limits.max_body_bytes,
+                                       on_reject=lambda route, status: self.metrics.count(route, status, "error"))
 
     # ---- routes ------------------------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> JSONResponse:
+        """200 while this ingress runs and at least one engine replica is RUNNING (it passes Serve's health
+        checks: engine loop alive and progressing, no device fault), whatever the load: no request goes to
+        an engine, Serve's controller is asked (at most every HEALTH_CACHE_S)."""
+        running = await self._running_engine_replicas()
+        if running < 1:
+            raise APIError(503, "no healthy engine replica", type_="server_error", code="no_healthy_replica")
+        return JSONResponse({"status": "ok", "engine_replicas": running})
+
+    async def _running_engine_replicas(self) -> int:
+        asked, running = self._health
+        if time.monotonic() - asked < HEALTH_CACHE_S:
+            return running
         try:
-            await asyncio.wait_for(self.engine_unary.check_health.remote(), timeout=10)
-        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-            raise APIError(503, f"engine unhealthy: {type(exc).__name__}", type_="server_error") from None
-        return JSONResponse({"status": "ok"})
+            status = await asyncio.to_thread(serve.status)
+            app = status.applications[serve.get_replica_context().app_name]
+            states = app.deployments[self.engine_deployment].replica_states
+            running = sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
+        except Exception as exc:  # noqa: BLE001 - the controller unreachable: report unhealthy, say why
+            logger.warning("health: Serve status unavailable: %s", exc)
+            running = 0
+        self._health = (time.monotonic(), running)
+        return running
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -86,6 +121,7 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, request: Request):
         timing = RequestTiming()
         self._check_model(body.model)
+        check_request(body, self.limits)
         prompt_ids = self._encode_prompt(body.prompt)
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", param="echo")
@@ -98,6 +134,7 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         timing = RequestTiming()
         self._check_model(body.model)
+        check_request(body, self.limits)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
@@ -125,15 +162,12 @@ class OpenAIIngress:
 
     async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
                      timing: RequestTiming, echo: str = ""):
-        if len(prompt_ids) >= self.max_model_len:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
-                              f"has {len(prompt_ids)} tokens", param="messages" if chat else "prompt",
-                              code="context_length_exceeded")
         try:
             params = body.sampling_params()
         except ValueError as exc:
             message = structured_error(str(exc), body.structured_source)
             raise bad_request(message, param=param_of(message)) from None
+        check_context(len(prompt_ids), params.max_tokens, self.max_model_len, chat)
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}",
@@ -161,6 +195,9 @@ class OpenAIIngress:
             async for chunk in stream:
                 timing.chunk(chunk)
                 acc.add(chunk)
+        except (asyncio.CancelledError, RequestCancelledError):  # the client went away: 499, not an error
+            self.metrics.count(_endpoint(request), STATUS_CLIENT_CLOSED, "abort")
+            raise
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
             raise from_engine_failure(exc) from None
         finally:
@@ -185,6 +222,8 @@ class OpenAIIngress:
             if include_usage:
                 yield sse(builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens))
             status, reason = 200, last.finish_reason
+        except RequestCancelledError:  # the client went away (the call was cancelled): 499, nothing to send
+            return
         except Exception as exc:  # noqa: BLE001 - reported in-band: headers are already sent
             error = from_engine_failure(exc)
             status, reason = error.status, "error"

@@ -270,3 +270,22 @@ def test_prometheus_answers_every_dashboard_query(prometheus):
         if not prom_query(prometheus, expr):
             empty.append((title, expr))
     assert not empty, f"panel queries with no data: {empty}"
+
+
+# ---- last: more traffic (the fixtures above have their snapshot) -----------------------------------------------
+def test_client_disconnects_are_counted_499_abort_never_5xx(cluster, exported):
+    """A client that leaves a stream, and one that gives up on a whole response, are 499 / abort."""
+    name = m.REQUESTS.exported
+    body = {"prompt": "Return the", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n == 4:
+                    break
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    counted = wait_for(lambda: total(scrape(cluster), name, status_code="499") == 2 or None, timeout_s=60,
+                       interval_s=2, what="both disconnects to be exported")
+    s = scrape(cluster)
+    assert counted and total(s, name, status_code="499", finish_reason="abort") == 2
+    assert not [lab for lab, v in s[name] if lab["status_code"].startswith("5") and v > 0]

@@ -86,7 +86,7 @@ def assert_usage(usage, prompt_tokens: int, completion_tokens: int) -> None:
 def test_models_and_health(cluster, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = httpx.get(f"{cluster.base_url}/health", timeout=30)
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json() == {"status": "ok", "engine_replicas": cluster.running_replicas()}
 
 
 # ---- greedy results equal the offline engine -------------------------------------------------------------
@@ -467,6 +467,8 @@ def test_killing_one_replica_mid_stream(cluster, client):
     for i in range(4):  # new requests keep succeeding while Serve replaces the replica
         r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=8, temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length")
+        health = httpx.get(f"{cluster.base_url}/health", timeout=30)  # one replica still serves: healthy
+        assert health.status_code == 200 and health.json()["engine_replicas"] >= 1, health.text
     wait_for(lambda: cluster.running_replicas() == 2 and len(cluster.engine_replica_actors()) == 2, 90, 1,
              what="Serve to restore 2 running EngineReplica replicas")
     r = client.chat.completions.create(model=MODEL, messages=user(QUESTIONS[0]), max_tokens=8, temperature=0)
