@@ -66,6 +66,17 @@ def from_engine_failure(exc: BaseException) -> APIError:
     return APIError(500, "internal engine error", type_="server_error", code="internal_error")
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """The replica went away (its actor died or became unreachable, or its engine shut down under it): not
+    something the request did, so it may be sent to another replica if nothing was streamed yet."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+    from engine.async_engine import EngineDeadError
+
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)) or (
+        isinstance(exc, RayTaskError) and isinstance(exc.cause, EngineDeadError))
+
+
 def install_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:
     """Every error leaves as an OpenAI error body: validation 400, unknown routes 404, the rest 500.
     `on_error(request, status)` sees each one (the ingress counts them)."""

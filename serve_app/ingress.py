@@ -9,10 +9,12 @@ keys; request limits (serve_app/limits.py) are checked before a request reaches 
 # No `from __future__ import annotations`: FastAPI must see the real request-model classes.
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,7 +27,8 @@ from cluster.metrics import IngressMetrics, RequestTiming
 from cluster.protocol import GenerateChunk, GenerateRequest
 from dashboards.metrics import STATUS_CLIENT_CLOSED
 from engine.models import load_hf_config
-from serve_app.errors import APIError, bad_request, from_engine_failure, install_handlers, param_of
+from serve_app.errors import (APIError, bad_request, from_engine_failure, install_handlers, param_of,
+                               replica_lost)
 from serve_app.limits import Limits, check_context, check_request
 from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
@@ -50,21 +53,41 @@ def _count_error(request: Request, status: int) -> None:
 install_handlers(api, on_error=_count_error)
 api.add_middleware(GuardMiddleware)
 HEALTH_CACHE_S = 1.0  # /health asks Serve's controller at most this often
+OFF_LOOP_CHARS = 8192  # longer prompts are tokenized in a worker thread
+_TOKENIZE_POOL = ThreadPoolExecutor(2, thread_name_prefix="tandem-tokenize")
 
 
-async def _first_chunk(stream) -> GenerateChunk:
-    """Await the first chunk so failures before any output (overload, bad request) get a real status."""
-    try:
-        first = await stream.__anext__()
-    except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
-        # cancel() re-raises the rejection of a call Serve never assigned (BackPressureError): that must not
-        # replace the OpenAI error (Serve would answer with its own plain-text 503 and no Retry-After).
-        with contextlib.suppress(Exception):
-            stream.cancel()
-        raise from_engine_failure(exc) from None
+async def _start(engine: DeploymentHandle, request: GenerateRequest):
+    """Send a request and await its first chunk, so failures before any output (overload, a bad request) get
+    a real status. A replica lost before it sent anything (its actor died, or its engine went down while
+    draining) costs the client nothing: the request is sent once more, and Serve's router, which has seen
+    the failure, picks another replica. After the first chunk a loss is the client's error event."""
+    for attempt in (1, 2):
+        stream = engine.generate.remote(request)
+        try:
+            first = await stream.__anext__()
+            break
+        except Exception as exc:  # noqa: BLE001 - retried once, or mapped to an OpenAI error
+            # cancel() re-raises the rejection of a call Serve never assigned (BackPressureError): that must
+            # not replace the OpenAI error (Serve would answer with its own plain-text 503, no Retry-After).
+            with contextlib.suppress(Exception):
+                stream.cancel()
+            if attempt == 1 and replica_lost(exc):
+                logger.warning("request %s: engine replica lost before its first token (%s); sending it again",
+                               request.request_id, type(exc).__name__)
+                continue
+            raise from_engine_failure(exc) from None
     if first.rejected:  # the engine refused the request: a 400 naming the field its message starts with
         raise bad_request(first.error, param=param_of(first.error))
-    return first
+    return stream, first
+
+
+async def _off_loop(size: int, fn, *args, **kwargs):
+    """Tokenizing or templating a long text runs in a worker thread so the event loop (every other stream of
+    this ingress) keeps going; a short one (under OFF_LOOP_CHARS) costs less inline than a thread hop."""
+    if size < OFF_LOOP_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, functools.partial(fn, *args, **kwargs))
 
 
 @serve.ingress(api)
@@ -122,11 +145,11 @@ class OpenAIIngress:
         timing = RequestTiming()
         self._check_model(body.model)
         check_request(body, self.limits)
-        prompt_ids = self._encode_prompt(body.prompt)
+        prompt_ids = await self._encode_prompt(body.prompt)
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", param="echo")
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
-            self.tokenizer.decode(prompt_ids)
+            await _off_loop(4 * len(prompt_ids), self.tokenizer.decode, prompt_ids)
         return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
                                  request=request, timing=timing, echo=echo)
 
@@ -137,11 +160,12 @@ class OpenAIIngress:
         check_request(body, self.limits)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
+            size = sum(len(m["content"]) for m in messages)
+            text = await _off_loop(size, self.tokenizer.apply_chat_template, messages,
+                                   add_generation_prompt=body.add_generation_prompt, tokenize=False)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = await _off_loop(len(text), self.tokenizer.encode, text, add_special_tokens=False)
         return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request,
                                  timing=timing)
 
@@ -151,9 +175,9 @@ class OpenAIIngress:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            type_="not_found_error", param="model", code="model_not_found")
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return await _off_loop(len(prompt), self.tokenizer.encode, prompt, add_special_tokens=True)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}",
@@ -173,11 +197,10 @@ class OpenAIIngress:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}",
                               param="stop_token_ids")
         request_id = uuid.uuid4().hex
-        stream = self.engine.generate.remote(GenerateRequest(request_id, prompt_ids, params,
-                                                             ingress_time=timing.receipt_wall))
         builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
-        try:
-            first = await _first_chunk(stream)  # errors before any output become proper HTTP statuses
+        try:  # errors before any output become proper HTTP statuses
+            stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
+                                                                      ingress_time=timing.receipt_wall))
         except APIError as err:  # a grammar that does not compile: name the field the client set
             if err.param == "structured_outputs":
                 err.message = structured_error(err.message, body.structured_source)

@@ -1,11 +1,14 @@
-"""Draining: a replica removed by a scale-down stops taking requests and lets its in-flight streams finish
-(graceful_shutdown_timeout_s), so no client sees a stream cut; /health follows the replicas that run. Real
-cluster, real redeploy (2 -> 1 replicas), then the last replica killed."""
+"""Losing and removing replicas: a replica killed before it sent a request's first token costs the client
+nothing (the ingress sends the request again); a replica removed by a scale-down stops taking requests and
+lets its in-flight streams finish (graceful_shutdown_timeout_s), so no client sees a stream cut; /health
+follows the replicas that run. Real cluster: a kill, a real redeploy (2 -> 1 replicas), then the last
+replica killed."""
 
 from __future__ import annotations
 
 import json
 import threading
+import uuid
 
 import httpx
 import pytest
@@ -16,7 +19,8 @@ from serve_app import build_app
 from serve_cluster import serve_cluster, wait_for
 
 APP = {"num_replicas": 2, "graceful_shutdown_timeout_s": 120, "graceful_shutdown_wait_loop_s": 0.5,
-       "router": "pow2"}
+       "router": "pow2", "grammar_compile_timeout_s": 120, "limits": {"max_schema_bytes": 4 * 1024**2}}
+ENUM_VALUES = 40_000  # a schema whose grammar compiles for seconds: the request has no output meanwhile
 TOKENS = 250
 PROMPTS = [f"Story number {i} begins with" for i in range(8)]
 
@@ -47,7 +51,37 @@ def running_per_replica(cluster) -> list[int]:
     return [s["num_running"] for s in ray.get([a.record_routing_stats.remote() for a in actors], timeout=20)]
 
 
+def test_a_replica_lost_before_the_first_token_is_invisible_to_the_client(cluster):
+    """The request waits on its grammar compile (no output yet) when its replica is killed: the client still
+    gets a complete answer, from the other replica, equal to the same request served undisturbed."""
+    tag = uuid.uuid4().hex[:8]  # a schema no replica has compiled (the compile cache is per process)
+    body = {"model": "tandem-default", "prompt": "Pick one:", "max_tokens": 48, "temperature": 0,
+            "guided_json": {"type": "string", "enum": [f"value-{tag}-{i}" for i in range(ENUM_VALUES)]}}
+    result = {}
+
+    def send():
+        r = httpx.post(cluster.api_url + "/completions", json=body, timeout=300)
+        result["status"], result["body"] = r.status_code, r.json()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    actors = cluster.engine_replica_actors()
+    assert len(actors) == 2
+    busy = wait_for(lambda: [a for a in actors if ray.get(a.get_num_ongoing_requests.remote(), timeout=10)],
+                    60, 0.05, what="a replica to take the request")
+    assert ray.get(busy[0].record_routing_stats.remote(), timeout=10)["num_running"] == 0  # still compiling
+    ray.kill(busy[0], no_restart=True)
+    sender.join(timeout=300)
+    assert result["status"] == 200, result
+    text = result["body"]["choices"][0]["text"]
+    assert json.loads(text) in body["guided_json"]["enum"], text
+    again = httpx.post(cluster.api_url + "/completions", json=body, timeout=300)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == text
+
+
 def test_scale_down_lets_in_flight_streams_finish(cluster):
+    wait_for(lambda: cluster.running_replicas() == 2 and len(cluster.engine_replica_actors()) == 2, 120, 1,
+             what="Serve to replace the killed replica")
     results = [{} for _ in PROMPTS]
     threads = [threading.Thread(target=stream, args=(cluster, p, r)) for p, r in zip(PROMPTS, results)]
     for t in threads:

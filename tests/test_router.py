@@ -334,7 +334,8 @@ def test_num_replicas_with_max_replicas_rejected():
 
 
 @pytest.mark.parametrize("args", [{"num_replicas": 0}, {"router": "random"}, {"device": "tpu"},
-                                  {"target_ongoing_requests": 0}, {"block_size": 0}, {"pipeline_depth": 3}])
+                                  {"target_ongoing_requests": 0}, {"block_size": 0}, {"pipeline_depth": 3},
+                                  {"ingress_replicas": 2, "ingress_max_replicas": 1}])
 def test_bad_values_rejected_at_build_time(args):
     with pytest.raises(ValueError):
         build_app({"device": "cpu", **args})
@@ -347,6 +348,25 @@ def test_autoscaling_config_built_from_args():
     assert (asc.min_replicas, asc.max_replicas, asc.target_ongoing_requests) == (1, 3, 2)
     assert (asc.upscale_delay_s, asc.downscale_delay_s) == (2, 5)
     assert asc.policy.policy_function == "cluster.autoscaling.EngineAutoscalingPolicy"
+
+
+def test_ingress_autoscales_between_ingress_replicas_and_ingress_max_replicas():
+    fixed = build_app({"device": "cpu", "ingress_replicas": 2})._bound_deployment
+    assert fixed.num_replicas == 2 and fixed._deployment_config.autoscaling_config is None
+    ingress = build_app({"device": "cpu", "ingress_replicas": 2, "ingress_max_replicas": 4,
+                         "ingress_target_ongoing_requests": 64})._bound_deployment
+    asc = ingress._deployment_config.autoscaling_config
+    assert (asc.min_replicas, asc.initial_replicas, asc.max_replicas, asc.target_ongoing_requests) == (2, 2, 4, 64)
+
+
+def test_replica_env_reaches_both_deployments_over_the_defaults():
+    app = build_app({"device": "cpu", "replica_env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}})
+    for dep in (app._bound_deployment, engine_deployment(app)):
+        assert dep.ray_actor_options["runtime_env"]["env_vars"] == {
+            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}
+    default = build_app({"device": "cpu"})
+    for dep in (default._bound_deployment, engine_deployment(default)):
+        assert dep.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def test_fixed_replicas_by_default():
