@@ -4,6 +4,13 @@
 TTFT floor of Ray Serve itself (an app of the same shape with no engine) to split the overhead.
 
     RAY_AUTH_MODE=disabled python bench/bench_serve.py --json bench/results/serve_cpu.json
+    RAY_AUTH_MODE=disabled python bench/bench_serve.py --mode path --device sim --json bench/results/serve_path_sim.json
+
+`--mode path` is the data-path benchmark: one engine replica behind HTTP vs the same engine called directly,
+at each of `--levels` concurrencies, beside Ray Serve's floor (a no-engine app of the same shape) at each
+level, with the CPU seconds that the proxy, ingress and engine replica processes spent per 1,000 streamed
+tokens. `--device sim` runs the simulated H100 (Qwen2.5-0.5B shape: the device time is MODELLED, the host
+work is real), so the engine is not the bottleneck and what is left is the serving path.
 
 One run, one model (default: the embedded model), one seeded workload: `--groups` system prompts of
 `--prefix-len` tokens shared by `--requests` requests, each with a unique `--suffix-len`-token tail,
@@ -23,7 +30,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +37,8 @@ from dataclasses import asdict, dataclass
 import httpx
 import ray
 import torch
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the (string) annotations from here
+from fastapi.responses import StreamingResponse
 from ray import serve
 
 from engine import AsyncLLM, SamplingParams
@@ -50,6 +58,7 @@ class Result:
     ttft_p99_ms: float
     e2e_p50_ms: float
     prefix_hit_rate: float | None = None
+    tokens_per_event: float | None = None  # streamed tokens per content event (HTTP): how much was coalesced
 
 
 def workload(tokenizer, args, seed: int) -> list[str]:
@@ -76,20 +85,24 @@ def percentile(xs: list[float], q: float) -> float:
 async def run_http(port: int, prompts: list[str], args, concurrency: int) -> tuple[float, list, list, int]:
     sem = asyncio.Semaphore(concurrency)
     ttfts, e2es, tokens = [], [], 0
+    events = 0
     body = {"model": "tandem-default", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
     async def one(client: httpx.AsyncClient, prompt: str) -> None:
-        nonlocal tokens
+        nonlocal tokens, events
         async with sem:
             t0 = time.perf_counter()
             first = None
             async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
                                      json={**body, "prompt": prompt}) as r:
+                if r.status_code != 200:  # a failed request must not count as a fast one
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    events += bool(chunk["choices"])
                     if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
                         first = time.perf_counter()
                     if chunk.get("usage"):
@@ -101,7 +114,7 @@ async def run_http(port: int, prompts: list[str], args, concurrency: int) -> tup
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, p) for p in prompts))
-        return time.perf_counter() - t0, ttfts, e2es, tokens
+        return time.perf_counter() - t0, ttfts, e2es, tokens, events
 
 
 async def run_direct(llm: AsyncLLM, prompts: list[str], args, concurrency: int):
@@ -129,10 +142,11 @@ async def run_direct(llm: AsyncLLM, prompts: list[str], args, concurrency: int):
 
 
 def summarize(setting: str, prompts, concurrency: int, measured, hit_rate=None) -> Result:
-    wall, ttfts, e2es, tokens = measured
+    wall, ttfts, e2es, tokens, *events = measured
     return Result(setting, len(prompts), concurrency, round(wall, 3), round(tokens / wall, 1),
                   round(percentile(ttfts, 0.5), 2), round(percentile(ttfts, 0.99), 2),
-                  round(percentile(e2es, 0.5), 2), hit_rate)
+                  round(percentile(e2es, 0.5), 2), hit_rate,
+                  round(tokens / events[0], 2) if events and events[0] else None)
 
 
 def replica_stats() -> list[dict]:
@@ -171,9 +185,6 @@ def floor_app(max_tokens: int):
     """Ray Serve alone, shaped like Tandem's path (HTTP proxy -> FastAPI ingress -> streaming handle call to
     a second deployment -> SSE), with no engine and no tokenizer: each "token" is yielded at once. Its TTFT
     is the part of Tandem's HTTP overhead that Serve itself costs on this machine."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
-
     api = FastAPI()
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
@@ -190,7 +201,7 @@ def floor_app(max_tokens: int):
 
         @api.post("/v1/completions")
         async def completions(self, request: Request):
-            body = await request.json()
+            body = await Request.json(request)  # names Request, so cloudpickle ships it for the annotation
             stream = self.engine.generate.remote(body["max_tokens"])
 
             async def sse():
@@ -235,8 +246,126 @@ def machine() -> str:
             f"ray {ray.__version__}, python {platform.python_version()}")
 
 
+# ---- --mode path: the serving path at engine speeds it cannot hide behind -----------------------------------
+SERVE_DEFAULTS = "http, Serve's thread defaults"  # Tandem with Serve's own user-code thread and router loop
+SIM_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine", "sim", "models")
+
+
+def engine_args(args) -> dict:
+    if args.device == "sim":
+        return {"model": os.path.normpath(os.path.join(SIM_MODEL, args.sim_model)), "device": "sim",
+                "sim_gpu": args.sim_gpu, "max_num_seqs": max(args.levels), "max_model_len": 2048,
+                "max_num_batched_tokens": max(2048, max(args.levels))}
+    return {"device": "cpu"}
+
+
+def serve_pids(app: str) -> dict[str, int]:
+    """pid of the HTTP proxy, the ingress replica and the engine replica (one of each in this benchmark), from
+    the process titles Ray gives its actors (`ray::ServeReplica:APP:DEPLOYMENT`, `ray::ProxyActor`)."""
+    roles = {"ProxyActor": "proxy", f"{app}:OpenAIIngress": "ingress", f"{app}:EchoIngress": "ingress",
+             f"{app}:EngineReplica": "engine", f"{app}:EchoEngine": "engine"}
+    pids = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        for key, role in roles.items():
+            if title.startswith("ray::") and key in title:
+                pids[role] = int(entry)
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def measure_http(port: int, app: str, prompts, args, concurrency: int) -> tuple[tuple, dict]:
+    pids = serve_pids(app)
+    before = {r: cpu_seconds(p) for r, p in pids.items()}
+    measured = asyncio.run(run_http(port, prompts, args, concurrency))
+    tokens = measured[3] or 1
+    cpu = {r: round((cpu_seconds(p) - before[r]) * 1000 / tokens, 3) for r, p in pids.items()}
+    return measured, cpu
+
+
+def level_prompts(prompts: list[str], concurrency: int, args) -> list[str]:
+    n = max(args.min_requests, args.requests_per_stream * concurrency)
+    return [prompts[i % len(prompts)] + f" {i}" for i in range(n)]
+
+
+def bench_path(args, prompts, warm) -> list[dict]:
+    rows = []
+    llm = AsyncLLM(**engine_args(args))
+    asyncio.run(run_direct(llm, warm, args, max(args.levels)))
+    for c in args.levels:
+        subset = level_prompts(prompts, c, args)
+        cpu0 = time.process_time()
+        measured = asyncio.run(run_direct(llm, subset, args, c))
+        cpu = {"engine": round((time.process_time() - cpu0) * 1000 / (measured[3] or 1), 3)}
+        rows.append({"setting": "direct", **asdict(summarize("direct", subset, c, measured)),
+                     "cpu_s_per_1k_tokens": cpu})
+    llm.shutdown()
+    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="tdb"),
+             namespace="tandem_bench", logging_level="ERROR")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        tandem = {**engine_args(args), "served_model_name": "tandem-default", **args.app}
+        defaults = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+        for setting, app in [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem)),
+                             (SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults}))]:
+            serve.run(app, name=APP, route_prefix="/")
+            asyncio.run(run_http(port, warm, args, max(args.levels)))
+            for c in args.levels:
+                subset = level_prompts(prompts, c, args)
+                measured, cpu = measure_http(port, APP, subset, args, c)
+                rows.append({"setting": setting, **asdict(summarize(setting, subset, c, measured)),
+                             "cpu_s_per_1k_tokens": cpu})
+            serve.delete(APP)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+def report_path(rows: list[dict], args) -> None:
+    label = (f"SIMULATED {args.sim_gpu} ({args.sim_model} shape; device time modelled, host real)"
+             if args.device == "sim" else "CPU engine, embedded model")
+    print(f"machine: {machine()}")
+    print(f"engine: {label}; {args.max_tokens} greedy tokens per request, EOS ignored; app args {args.app}")
+    print(f"{'setting':30} {'conc':>5} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/event':>9}   "
+          "CPU ms per 1k tokens")
+    for r in rows:
+        cpu = r.get("cpu_s_per_1k_tokens")
+        cpu_text = " ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(cpu.items())) if cpu else ""
+        print(f"{r['setting']:30} {r['concurrency']:>5} {r['output_tok_s']:>9.0f} {r['ttft_p50_ms']:>8.1f}m "
+              f"{r['ttft_p99_ms']:>8.1f}m {r['tokens_per_event'] or 0:>9.2f}   {cpu_text}")
+    for c in args.levels:
+        d, h, f, sd = (next(r for r in rows if r["setting"] == s and r["concurrency"] == c)
+                       for s in ("direct", "http", "Serve floor", SERVE_DEFAULTS))
+        print(f"c={c}: http/direct tok/s {h['output_tok_s'] / d['output_tok_s']:.2f} (with Serve's thread defaults "
+              f"{sd['output_tok_s'] / d['output_tok_s']:.2f}); TTFT p50 overhead "
+              f"{h['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms (Serve floor {f['ttft_p50_ms']:.1f} ms)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "engine": label,
+                       "args": {k: v for k, v in vars(args).items() if k != "engine"}, "results": rows}, f, indent=2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["routing", "path"], default="routing")
+    p.add_argument("--device", choices=["cpu", "sim"], default="cpu", help="path mode: the engine")
+    p.add_argument("--sim-gpu", default="h100")
+    p.add_argument("--sim-model", default="qwen2.5-0.5b")
+    p.add_argument("--levels", default="1,16,64,256", help="path mode: concurrencies")
+    p.add_argument("--requests-per-stream", type=int, default=2, help="path mode: requests per concurrency slot")
+    p.add_argument("--min-requests", type=int, default=24)
+    p.add_argument("--app", default="{}", help="path mode: extra app args as JSON")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--ttft-requests", type=int, default=24, help="requests for the concurrency-1 TTFT run")
@@ -248,12 +377,17 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.engine = {"device": "cpu"}
+    args.levels = [int(x) for x in args.levels.split(",")]
+    args.app = json.loads(args.app)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
     probe = AsyncLLM(device="cpu")
     tokenizer = probe.tokenizer
     probe.shutdown()
     prompts, warm = workload(tokenizer, args, args.seed), workload(tokenizer, args, args.seed + 1)
+    if args.mode == "path":
+        report_path(bench_path(args, prompts, warm), args)
+        return
 
     results = bench_direct(warm, prompts, args)
     ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="tdb"),
@@ -288,7 +422,8 @@ def report(results: list[Result], args) -> None:
     http_c = next(r for r in results if r.setting == "http, 1 replica" and r.concurrency > 1)
     floor = next((r for r in results if r.setting.startswith("Serve floor")), None)
     print(f"Serve TTFT overhead at concurrency 1: {http1.ttft_p50_ms - direct1.ttft_p50_ms:+.1f} ms (p50); "
-          f"throughput http/direct at concurrency {args.concurrency}: {http_c.output_tok_s / direct_c.output_tok_s:.2f}")
+          f"throughput http/direct at concurrency {args.concurrency}: "
+          f"{http_c.output_tok_s / direct_c.output_tok_s:.2f}")
     if floor is not None:
         print(f"of which Ray Serve alone (a no-engine app of the same shape): {floor.ttft_p50_ms:.1f} ms (p50); "
               f"Tandem's own HTTP-side work: {http1.ttft_p50_ms - direct1.ttft_p50_ms - floor.ttft_p50_ms:+.1f} ms")
