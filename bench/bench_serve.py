@@ -82,15 +82,27 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def run_http(port: int, prompts: list[str], args, concurrency: int) -> tuple[float, list, list, int]:
+async def run_http(port: int, prompts: list[str], args, concurrency: int,
+                   rate: float | None = None) -> tuple[float, list, list, int, int]:
+    """Closed loop (`concurrency` streams at a time), or open loop with `rate`: Poisson arrivals at that many
+    requests a second (seeded), however many are in flight."""
+    if rate:
+        rng, at, delays = random.Random(args.seed), 0.0, []
+        for _ in prompts:
+            delays.append(at)
+            at += rng.expovariate(rate)
+        concurrency = len(prompts)
+    else:
+        delays = [0.0] * len(prompts)
     sem = asyncio.Semaphore(concurrency)
     ttfts, e2es, tokens = [], [], 0
     events = 0
     body = {"model": "tandem-default", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
-    async def one(client: httpx.AsyncClient, prompt: str) -> None:
+    async def one(client: httpx.AsyncClient, prompt: str, delay: float) -> None:
         nonlocal tokens, events
+        await asyncio.sleep(delay)
         async with sem:
             t0 = time.perf_counter()
             first = None
@@ -113,7 +125,7 @@ async def run_http(port: int, prompts: list[str], args, concurrency: int) -> tup
 
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(client, p) for p in prompts))
+        await asyncio.gather(*(one(client, p, d) for p, d in zip(prompts, delays)))
         return time.perf_counter() - t0, ttfts, e2es, tokens, events
 
 
@@ -254,8 +266,8 @@ SIM_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engi
 def engine_args(args) -> dict:
     if args.device == "sim":
         return {"model": os.path.normpath(os.path.join(SIM_MODEL, args.sim_model)), "device": "sim",
-                "sim_gpu": args.sim_gpu, "max_num_seqs": max(args.levels), "max_model_len": 2048,
-                "max_num_batched_tokens": max(2048, max(args.levels))}
+                "sim_gpu": args.sim_gpu, "max_num_seqs": max(256, *args.levels), "max_model_len": 2048,
+                "max_num_batched_tokens": max(2048, *args.levels)}
     return {"device": "cpu"}
 
 
@@ -283,10 +295,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def measure_http(port: int, app: str, prompts, args, concurrency: int) -> tuple[tuple, dict]:
+def measure_http(port: int, app: str, prompts, args, concurrency: int, rate: float | None = None):
     pids = serve_pids(app)
     before = {r: cpu_seconds(p) for r, p in pids.items()}
-    measured = asyncio.run(run_http(port, prompts, args, concurrency))
+    measured = asyncio.run(run_http(port, prompts, args, concurrency, rate))
     tokens = measured[3] or 1
     cpu = {r: round((cpu_seconds(p) - before[r]) * 1000 / tokens, 3) for r, p in pids.items()}
     return measured, cpu
@@ -325,6 +337,11 @@ def bench_path(args, prompts, warm) -> list[dict]:
                 measured, cpu = measure_http(port, APP, subset, args, c)
                 rows.append({"setting": setting, **asdict(summarize(setting, subset, c, measured)),
                              "cpu_s_per_1k_tokens": cpu})
+            for rate in args.rates if setting != "Serve floor" else ():
+                subset = [prompts[i % len(prompts)] + f" r{i}" for i in range(int(rate * args.open_loop_s))]
+                measured, cpu = measure_http(port, APP, subset, args, 0, rate)
+                rows.append({"setting": setting, **asdict(summarize(setting, subset, 0, measured)),
+                             "rate_per_s": rate, "cpu_s_per_1k_tokens": cpu})
             serve.delete(APP)
     finally:
         serve.shutdown()
@@ -344,6 +361,11 @@ def report_path(rows: list[dict], args) -> None:
         cpu_text = " ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(cpu.items())) if cpu else ""
         print(f"{r['setting']:30} {r['concurrency']:>5} {r['output_tok_s']:>9.0f} {r['ttft_p50_ms']:>8.1f}m "
               f"{r['ttft_p99_ms']:>8.1f}m {r['tokens_per_event'] or 0:>9.2f}   {cpu_text}")
+    for r in rows:
+        if r.get("rate_per_s"):
+            print(f"open loop {r['rate_per_s']:g} req/s, {r['setting']}: {r['output_tok_s']:.0f} tok/s, TTFT p50 / p99 "
+                  f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} ms, e2e p50 {r['e2e_p50_ms']:.0f} ms, "
+                  f"{r['tokens_per_event']} tokens per event")
     for c in args.levels:
         d, h, f, sd = (next(r for r in rows if r["setting"] == s and r["concurrency"] == c)
                        for s in ("direct", "http", "Serve floor", SERVE_DEFAULTS))
@@ -366,6 +388,8 @@ def main() -> None:
     p.add_argument("--requests-per-stream", type=int, default=2, help="path mode: requests per concurrency slot")
     p.add_argument("--min-requests", type=int, default=24)
     p.add_argument("--app", default="{}", help="path mode: extra app args as JSON")
+    p.add_argument("--rates", default="", help="path mode: open-loop arrival rates (requests/s), comma-separated")
+    p.add_argument("--open-loop-s", type=float, default=20.0, help="path mode: seconds of arrivals per rate")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--ttft-requests", type=int, default=24, help="requests for the concurrency-1 TTFT run")
@@ -377,7 +401,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.engine = {"device": "cpu"}
-    args.levels = [int(x) for x in args.levels.split(",")]
+    args.levels = [int(x) for x in args.levels.split(",") if x]
+    args.rates = [float(x) for x in args.rates.split(",") if x]
     args.app = json.loads(args.app)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
