@@ -24,10 +24,11 @@ from serve_app.limits import Limits
 # Serve runs a replica's user code in a thread of its own by default. Here it runs on Serve's own loop: the
 # engine replica's stream generator is then asked for its next chunk only once Ray has taken the last one,
 # so whatever the engine committed in between leaves as one chunk (streams coalesce by themselves under
-# load, without a timer), and no item crosses a thread twice. On the simulated H100 (2-core VM) that gave
-# 1.8-3.6x the streamed tok/s at 16-256 streams. The handle's router stays on its own loop: running it on
-# the ingress's loop too (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no throughput that survived the
-# noise and made TTFT p50 at 256 streams 1.5x worse. bench/bench_serve.py --mode path; README "Serving path".
+# load, without a timer), and no item crosses a thread twice. On the simulated H100 (2-core VM): 2.0-3.0x
+# the streamed tok/s at 16-256 streams, and a lower TTFT at equal offered load. The handle's router stays on
+# its own loop: running it on the ingress's loop too (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no
+# throughput that survived the noise, and TTFT p50 at 256 streams was 5.1 vs 3.3 s in its runs.
+# bench/bench_serve.py --mode path; README "Serving path".
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}
 _ENGINE_TYPES = typing.get_type_hints(EngineConfig)
