@@ -86,6 +86,7 @@ class HostMeter:
         self.peak = 0
 
     def __enter__(self):
+        _trim_heap()  # else memory freed earlier but kept by malloc hides the step's growth (peak 0)
         self._reset_ok = _reset_peak_rss()
         self._before = _rss_kb("VmRSS")
         return self
@@ -102,6 +103,17 @@ class HostMeter:
         available = 1024 * _meminfo_kb("MemAvailable") or cap_bytes
         in_use = 1024 * _rss_kb("VmRSS")
         return in_use + min(cap_bytes, available), in_use
+
+
+def _trim_heap() -> None:
+    """Give the free memory glibc's malloc keeps back to the OS (no-op elsewhere), so RSS growth measures
+    what a step allocates even in a process that freed a lot before (a large model loaded and dropped)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _reset_peak_rss() -> bool:
