@@ -49,7 +49,7 @@ def param_of(message: str, fields: tuple[str, ...] = PARAM_FIELDS) -> str | None
 
 def from_engine_failure(exc: BaseException) -> APIError:
     """Map an exception raised while talking to an engine replica to an API error (no stack trace)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    from ray.exceptions import RayTaskError
     from ray.serve.exceptions import BackPressureError
 
     if isinstance(exc, BackPressureError):
@@ -58,8 +58,8 @@ def from_engine_failure(exc: BaseException) -> APIError:
     if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
         message = str(exc.cause)
         return bad_request(message, param=param_of(message, PARAM_FIELDS))
-    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)):
-        logger.warning("engine replica failed during a request: %s", type(exc).__name__)
+    if replica_lost(exc):
+        logger.warning("engine replica lost during a request: %s", type(exc).__name__)
         return APIError(500, "the engine replica serving this request died; retry the request",
                         type_="server_error", code="replica_died")
     logger.error("engine failure: %r", exc)

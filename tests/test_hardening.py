@@ -177,6 +177,22 @@ def test_user_errors_and_disconnects_log_no_traceback(cluster):
     assert "Traceback" not in logs and "engine failure" not in logs  # ...and no fault was
 
 
+def test_a_lost_replica_is_replica_died_whether_its_actor_died_or_its_engine_shut_down():
+    """An engine shut down under a stream (a drained replica past its grace period) is the same failure for
+    the client as a dead actor: replica_died (retryable, and retried before the first token), not internal."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from engine.async_engine import EngineDeadError
+    from serve_app.errors import from_engine_failure, replica_lost
+
+    shut_down = RayTaskError("generate", "traceback", EngineDeadError("the engine shut down"))
+    for exc in (shut_down, ActorDiedError()):
+        assert replica_lost(exc) and from_engine_failure(exc).code == "replica_died"
+    assert not replica_lost(RuntimeError("bug")) and from_engine_failure(RuntimeError("bug")).code == "internal_error"
+    bad = RayTaskError("generate", "traceback", ValueError("temperature must be >= 0"))
+    assert not replica_lost(bad) and from_engine_failure(bad).status == 400
+
+
 def test_a_cancelled_proxy_receive_is_a_disconnect_not_an_error():
     """Serve's ASGI receive raises TaskCancelledError when the proxy cancels it (the client left); the middleware
     turns that into http.disconnect, so a streaming response ends quietly. Without it the error escaped the app
