@@ -43,23 +43,20 @@ class EngineReplica:
         outputs = self.llm.generate(request.prompt_token_ids, request.params, request.request_id)
         try:
             try:
-                out = await outputs.__anext__()
+                out = await anext(outputs)
             except ValueError as exc:
                 logger.info("request %s rejected: %s", request.request_id, exc)
                 yield GenerateChunk.rejection(request.request_id, str(exc))
                 return
             last_token_time = None
-            while True:
+            while out is not None:
                 last_token_time = self.metrics.output(out, last_token_time)
                 if out.finish_reason == "abort" and out.error is not None:
                     # The engine failed the request (a failed step, a dead pipeline stage): an error for the
                     # client (an SSE error event, or a 500), not a normal-looking "abort" finish.
                     raise EngineRequestError(out.error)
                 yield GenerateChunk.from_output(out)
-                try:
-                    out = await outputs.__anext__()
-                except StopAsyncIteration:
-                    return
+                out = await anext(outputs, None)
         finally:
             await outputs.aclose()  # a request left early (client gone) is aborted and its blocks freed
 
