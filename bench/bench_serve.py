@@ -271,22 +271,26 @@ def engine_args(args) -> dict:
     return {"device": "cpu"}
 
 
-def serve_pids(app: str) -> dict[str, int]:
-    """pid of the HTTP proxy, the ingress replica and the engine replica (one of each in this benchmark), from
-    the process titles Ray gives its actors (`ray::ServeReplica:APP:DEPLOYMENT`, `ray::ProxyActor`)."""
-    roles = {"ProxyActor": "proxy", f"{app}:OpenAIIngress": "ingress", f"{app}:EchoIngress": "ingress",
-             f"{app}:EngineReplica": "engine", f"{app}:EchoEngine": "engine"}
-    pids = {}
+def actor_pids(title_part: str) -> list[int]:
+    """pids of the Ray actor processes whose title (`ray::ServeReplica:APP:DEPLOYMENT`, `ray::ProxyActor`)
+    contains `title_part`."""
+    pids = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 title = f.read().split(b"\0")[0].decode(errors="replace")
         except (OSError, ValueError):
-            continue
-        for key, role in roles.items():
-            if title.startswith("ray::") and key in title:
-                pids[role] = int(entry)
+            continue  # not a process, or gone meanwhile
+        if title.startswith("ray::") and title_part in title:
+            pids.append(int(entry))
     return pids
+
+
+def serve_pids(app: str) -> dict[str, int]:
+    """pid of the HTTP proxy, the ingress replica and the engine replica (one of each in this benchmark)."""
+    roles = {"ProxyActor": "proxy", f"{app}:OpenAIIngress": "ingress", f"{app}:EchoIngress": "ingress",
+             f"{app}:EngineReplica": "engine", f"{app}:EchoEngine": "engine"}
+    return {role: pids[0] for key, role in roles.items() if (pids := actor_pids(key))}
 
 
 def cpu_seconds(pid: int) -> float:

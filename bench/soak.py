@@ -33,7 +33,7 @@ import httpx
 import ray
 from ray import serve
 
-from bench_serve import free_port, machine  # bench/ is this script's directory
+from bench_serve import actor_pids, free_port, machine  # bench/ is this script's directory
 from serve_app import build_app
 
 APP = "tandem_soak"
@@ -168,18 +168,16 @@ def engine_actors() -> list[str]:
 
 
 def engine_rss_mb() -> dict[int, float]:
-    """pid -> resident MB of every engine replica process (Ray titles them ray::ServeReplica:<app>:<dep>)."""
+    """pid -> resident MB of every engine replica process."""
     out = {}
-    for proc in Path("/proc").glob("[0-9]*"):
+    for pid in actor_pids(f"ServeReplica:{APP}:{ENGINE}"):
         try:
-            if f"ServeReplica:{APP}:{ENGINE}".encode() not in (proc / "cmdline").read_bytes():
-                continue
-            status = (proc / "status").read_text()
+            status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue  # gone meanwhile
         kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
         if kb is not None:
-            out[int(proc.name)] = kb / 1024
+            out[pid] = kb / 1024
     return out
 
 
