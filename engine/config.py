@@ -11,7 +11,7 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda", "sim")
 SCHEDULER_POLICIES = ("fifo", "prefill_first")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")  # engine.attention checks they can run
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine.attention checks they can run
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +38,16 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Fraction of KV blocks kept free before new prefills are held back (HF's safety margin).
     admission_margin: float = 0.05
-    # KV pool size when num_kv_blocks is None, as a fraction of free device memory (cuda) or a byte cap (cpu).
+    # KV pool size when num_kv_blocks is None: a fraction of device memory (cuda); on cpu a fixed byte budget
+    # (cpu_kv_cache_bytes) or, when that is None, cpu_memory_utilization x the host memory available at start
+    # (MemAvailable, after the weights are loaded), less the profiled activation peak (engine/memory.py).
     gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_bytes: int = 512 * 1024**2
+    cpu_kv_cache_bytes: int | None = None
+    cpu_memory_utilization: float = 0.5
     # CPU forwards run on a dedicated thread so the two slots overlap (torch ops release the GIL).
     cpu_executor_thread: bool = True
+    # CPU linears through oneDNN with weights packed at load (engine/models/cpu_linear.py); off = F.linear.
+    cpu_onednn: bool = True
     # Pipeline parallelism (engine/pipeline, cluster/pipeline.py): the layers split over this many stage
     # actors; 1 = the single-device engine. The pp_* switches turn SiPipe's three techniques off for the
     # ablation benchmark: CPU sampling on the driver, token-safe execution (two input-buffer versions per
@@ -91,13 +96,14 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1 and (self.num_cpu_blocks or self.swap_space_gb):
             raise ValueError("num_cpu_blocks/swap_space_gb (KV offload) is not supported with "
                              "pipeline_parallel_size > 1: preempted requests are soft-reset instead")
-        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_executor_thread", "pp_cpu_sampling",
+        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_executor_thread", "cpu_onednn", "pp_cpu_sampling",
                      "pp_token_safe", "pp_structure_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
-        _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if self.cpu_kv_cache_bytes is not None:
+            _positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         from engine.sim.cost_model import SIM_GPUS
 
         _choice("sim_gpu", self.sim_gpu, SIM_GPUS)
@@ -112,7 +118,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        for name in ("admission_margin", "gpu_memory_utilization", "swap_space_gb"):
+        for name in ("admission_margin", "gpu_memory_utilization", "cpu_memory_utilization", "swap_space_gb"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not 0.0 <= self.admission_margin < 1.0:
@@ -121,8 +127,9 @@ class EngineConfig:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb!r}")
         if self.swap_space_gb and self.num_cpu_blocks:
             raise ValueError("give either num_cpu_blocks or swap_space_gb (the host KV pool size), not both")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("gpu_memory_utilization", "cpu_memory_utilization"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not os.path.isdir(model):
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
                              f"tokenizer files); {model!r} is not a directory")

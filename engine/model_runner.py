@@ -42,7 +42,8 @@ class ModelRunner(StepRunner):
                          make_executor(device, threaded))
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
-        self.model = build_model(config.model, hf_config, spec, max_model_len, self.backend, dtype, device)
+        self.model = build_model(config.model, hf_config, spec, max_model_len, self.backend, dtype, device,
+                                 cpu_onednn=config.cpu_onednn)
         # The persistent block tables' device copy (engine/block_tables.py): deltas scattered in stream order.
         self.device_tables = torch.zeros(self.limits.table_rows, self.limits.max_blocks, dtype=torch.int32,
                                          device=device)
@@ -89,7 +90,7 @@ class ModelRunner(StepRunner):
             graph_pool = decode.peak
         del scratch, self.kv_caches
         usable, in_use = meter.usage(self.config.gpu_memory_utilization) if cuda else \
-            meter.usage(self.config.cpu_kv_cache_bytes)
+            meter.usage(self.config.cpu_kv_cache_bytes, self.config.cpu_memory_utilization)
         plan = MemoryPlan(usable, in_use, meter.peak, graph_pool, "measured")
         logger.info("memory profile: %s", plan)
         return plan

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.models import cpu_linear
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -69,15 +70,20 @@ def rope_tables(config, spec: ModelSpec, max_positions: int) -> RotaryEmbedding:
 
 
 def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
-                dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None) -> DecoderLM:
-    """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights."""
+                dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
+                cpu_onednn: bool = True) -> DecoderLM:
+    """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
+    On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off."""
     rotary = rope_tables(config, spec, max_positions)  # fp32 tables, kept out of the dtype cast below
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)
     load_weights(model, model_dir)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if device.type == "cpu" and cpu_onednn and cpu_linear.available(dtype):
+        model.pack_for_cpu()
+    return model
 
 
 def _safetensors_files(model_dir: str) -> list[Path]:
