@@ -189,7 +189,7 @@ def test_hot_path_check_catches_a_sync():
 
 
 def test_attention_backend_is_validated(tiny_model_factory):
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton, flash_attn"):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cpu, triton, flash_attn"):
         EngineConfig(attention_backend="xformers")
     path, _ = tiny_model_factory("llama")
     with pytest.raises(ValueError, match="flash_attn"):
@@ -199,4 +199,4 @@ def test_attention_backend_is_validated(tiny_model_factory):
 def test_every_backend_declares_whether_it_can_be_captured():
     from engine.attention import _BACKENDS
     assert {name: cls.supports_graphs for name, cls in _BACKENDS.items()} == {
-        "torch": False, "triton": True, "flash_attn": True}
+        "torch": False, "cpu": False, "triton": True, "flash_attn": True}

@@ -1,21 +1,23 @@
 """Attention backends behind a small registry.
 
-- "torch": pure PyTorch (gather pages + SDPA). The CPU backend and the reference every kernel is tested
-  against; on CUDA it works but builds its per-step plan on the host (not capturable, synchronizes).
+- "torch": pure PyTorch (gather pages + SDPA). The reference every kernel is tested against; on CUDA it
+  works but builds its per-step plan on the host (not capturable, synchronizes).
+- "cpu": the CPU default: "torch" with decode rows through a native paged kernel (cpu_decode.cpp, built at
+  first use); "auto" falls back to "torch" where it does not build.
 - "triton": Triton kernels (engine/attention/triton_paged.py). The CUDA default; needs the triton package.
 - "flash_attn": flash-attn's paged kernels, only when flash_attn is importable and block_size % 256 == 0.
-"auto" picks flash_attn, then triton, then torch on CUDA, and torch on CPU.
+"auto" picks flash_attn, then triton, then torch on CUDA, and cpu (else torch) on CPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention import flash, triton_paged
+from engine.attention import cpu_native, flash, triton_paged
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_paged import TorchPagedAttention, store_kv
+from engine.attention.torch_paged import CpuPagedAttention, TorchPagedAttention, store_kv
 
-_BACKENDS = {"torch": TorchPagedAttention, "triton": triton_paged.TritonPagedAttention,
+_BACKENDS = {"torch": TorchPagedAttention, "cpu": CpuPagedAttention, "triton": triton_paged.TritonPagedAttention,
              "flash_attn": flash.FlashAttnPagedAttention}
 BACKEND_NAMES = ("auto", *_BACKENDS)
 
@@ -33,7 +35,7 @@ def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
     """The backend `name` ("auto" or a registry name) means on `device`; ValueError if it cannot run there."""
     if name == "auto":
         if device.type != "cuda":
-            return "torch"
+            return "cpu" if device.type == "cpu" and cpu_native.load() is not None else "torch"
         if flash.AVAILABLE and block_size % flash.BLOCK_MULTIPLE == 0:
             return "flash_attn"
         return "triton" if triton_paged.AVAILABLE else "torch"
@@ -43,10 +45,12 @@ def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
         why = "the triton package is not installed" if not triton_paged.AVAILABLE else \
             f"it runs on cuda (or on cpu under TRITON_INTERPRET=1), not on {device.type}"
         raise ValueError(f"attention_backend 'triton' cannot run here: {why}")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on cpu, not on {device.type}")
     if name == "flash_attn":
         flash.check_usable(device, block_size)
     return name
 
 
-__all__ = ["AttentionMetadata", "BACKEND_NAMES", "TorchPagedAttention", "get_backend", "resolve_backend",
-           "store_kv"]
+__all__ = ["AttentionMetadata", "BACKEND_NAMES", "CpuPagedAttention", "TorchPagedAttention", "get_backend",
+           "resolve_backend", "store_kv"]

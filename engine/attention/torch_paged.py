@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_native
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -138,6 +139,53 @@ class TorchPagedAttention:
                                            v.transpose(0, 1)[None], attn_mask=c.mask,
                                            is_causal=c.mask is None, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)  # [n, H, D]
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """The CPU default: decode rows through the native kernel (cpu_decode.cpp), which reads K/V straight
+    from the paged cache, each row once, instead of gathering every context into a dense copy for SDPA
+    (64 sequences of ~400 tokens, SmolLM2's 3 KV heads: 4.7 ms per layer vs 12 ms fp32, 2.6 ms bf16).
+    Multi-token chunks are the torch backend's."""
+
+    name = "cpu"
+
+    def __init__(self, sliding_window: int | None = None):
+        super().__init__(sliding_window)
+        self.kernel = cpu_native.load()
+        if self.kernel is None:
+            raise ValueError("attention_backend 'cpu' needs the CPU decode kernel, which did not build here "
+                             "(see the warning above); use 'torch'")
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        bs, device = meta.block_size, meta.block_tables.device
+        start, rows, starts, prefills = 0, [], [], []
+        for i, (n, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            if n == 1:
+                rows.append(i)
+                starts.append(start)
+            else:
+                prefills.append(_PrefillChunk(start, n, seq_len, meta.block_tables[i, : -(-seq_len // bs)],
+                                              self._chunk_mask(n, seq_len, device)))
+            start += n
+        decodes = []
+        if rows:
+            width = max(-(-meta.seq_lens_host[i] // bs) for i in rows)
+            idx = torch.tensor(rows, device=device)
+            decodes.append(_NativeDecode(torch.tensor(starts, device=device),
+                                         meta.block_tables.index_select(0, idx)[:, :width].contiguous(),
+                                         meta.seq_lens.index_select(0, idx).int()))
+        meta.backend_data = _Plan(decodes, prefills)
+
+    def _decode(self, q, k_cache, v_cache, g: _NativeDecode, scale: float) -> torch.Tensor:
+        return self.kernel.paged_decode(q.contiguous(), k_cache, v_cache, g.blocks, g.lens, scale,
+                                        self.sliding_window or 0)
+
+
+@dataclass(slots=True)
+class _NativeDecode:
+    tokens: torch.Tensor  # [b] token indices in the step
+    blocks: torch.Tensor  # [b, max_blocks] int32 block table rows
+    lens: torch.Tensor  # [b] int32
 
 
 def _group_by_length(rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -1,0 +1,69 @@
+"""The CPU decode-attention kernel (cpu_decode.cpp), compiled at first use and cached.
+
+`load()` builds it with torch.utils.cpp_extension (g++ and ninja; -O3 -march=native, so the build is
+named after this CPU's feature flags; cached in TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)
+and returns the module, or None, with one warning naming why, when it cannot be built; callers then keep
+the gather + SDPA path.
+The first build takes ~30-60 s on 2 cores; later processes load the cached .so in well under a second.
+TANDEM_CPU_KERNELS=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one thread);
+# -fno-math-errno lets `omp simd` call glibc's vector expf; the reassociation flags let GCC vectorize the
+# dot products' sums (a tree of vector adds instead of one scalar chain) without -ffast-math's
+# finite-math assumption (the softmax starts from -inf).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+           "-fno-trapping-math"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def load():
+    """The compiled module (with `paged_decode`), or None if disabled or it does not build here."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _isa_tag() -> str:
+    """A digest of this CPU's feature flags: -march=native code is only reused on the same kind of CPU
+    (a home directory shared by different machines would otherwise load an .so with instructions the CPU
+    lacks)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def _build():
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its venv is not on PATH
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+        return cpp_extension.load(name=f"tandem_cpu_decode_{_isa_tag()}", sources=[str(_SOURCE)],
+                                  extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
+        logger.warning("CPU decode kernel unavailable (%s: %s); using gather + SDPA",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
