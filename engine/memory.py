@@ -8,14 +8,18 @@ the graphs' private pool will hold. What the device must keep for those besides 
 cache cannot have:
 
     kv_bytes = usable - in_use - activation_peak - graph_pool
-    usable   = device memory x gpu_memory_utilization (CUDA, sim); min(available RAM, cpu_kv_cache_bytes) on CPU
+    usable   = device memory x gpu_memory_utilization (CUDA, sim)
+    usable   = in use + min(available RAM, cpu_kv_cache_bytes or cpu_memory_utilization x available RAM) (CPU)
 
 CUDA: measured. `in_use` is everything the device holds now (weights, slot buffers, the CUDA context and
 library workspaces: total - free from cudaMemGetInfo), the peaks come from torch's allocator statistics
 around the dummy steps. CPU: measured too, as the growth of the process's peak resident set across the dummy
-step (Linux resets the high-water mark through /proc/self/clear_refs); the budget stays capped by
-cpu_kv_cache_bytes. Simulated device: the same formula on modelled numbers (weights and buffers from the
-shape, activations from the widest tensors a forward and the sampler make, a CUDA context of 500 MB).
+step (Linux resets the high-water mark through /proc/self/clear_refs); the budget is cpu_kv_cache_bytes
+when set, else cpu_memory_utilization of the RAM available (like vLLM's CPU worker, which takes a fraction of
+the node's memory less what the process holds). The pool is zero-filled at allocation, so its pages are
+resident at once and an engine started next sees the memory as taken. Simulated device: the same formula
+on modelled numbers (weights and buffers from the shape, activations from the widest tensors a forward and
+the sampler make, a CUDA context of 500 MB).
 """
 
 from __future__ import annotations
@@ -97,12 +101,15 @@ class HostMeter:
         return False
 
     @staticmethod
-    def usage(cap_bytes: int) -> tuple[float, float]:
-        """(usable, in_use): what the KV cache may have at most (the configured cap, or the RAM available
-        when that is less) on top of what the process holds."""
-        available = 1024 * _meminfo_kb("MemAvailable") or cap_bytes
+    def usage(cap_bytes: int | None, utilization: float) -> tuple[float, float]:
+        """(usable, in_use): what the KV cache may have at most on top of what the process holds: the
+        configured byte budget, or `utilization` of the RAM available, never more than is available."""
+        available = 1024 * _meminfo_kb("MemAvailable")
+        budget = cap_bytes if cap_bytes is not None else utilization * available
+        if not available:  # not Linux: only an explicit budget means anything
+            available = budget = cap_bytes if cap_bytes is not None else 512 * 1024**2
         in_use = 1024 * _rss_kb("VmRSS")
-        return in_use + min(cap_bytes, available), in_use
+        return in_use + min(budget, available), in_use
 
 
 def _trim_heap() -> None:

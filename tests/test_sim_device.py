@@ -15,7 +15,7 @@ import time
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, memory
 from engine.sampling_params import StructuredOutputsParams
 from engine.sim import PROFILES, SIM_MODELS, CostModel, StepShape
 from engine.sim.calibrate import PHOTON_SAMPLING, photon_shape, photon_spec
@@ -311,14 +311,34 @@ def test_kv_cache_fills_what_the_modelled_profile_leaves(gpu):
 def test_cpu_profile_is_measured_and_grows_with_the_token_budget():
     peaks = {}
     for tokens in (256, 8192):
-        llm = LLM(max_num_batched_tokens=tokens)  # the embedded model, profiled on this CPU
+        # the embedded model, profiled on this CPU, with a fixed byte budget for its pool
+        llm = LLM(max_num_batched_tokens=tokens, cpu_kv_cache_bytes=512 * 1024**2)
         s = llm.stats()
         assert s["memory_source"] == "measured"
-        # the cap still bounds the CPU pool: blocks x bytes per block never exceed cpu_kv_cache_bytes
+        # the budget bounds the CPU pool: blocks x bytes per block never exceed cpu_kv_cache_bytes
         assert s["kv_blocks_total"] * llm.engine.runner.kv_cache[0, 0, 0].numel() * 2 * 4 * 4 <= 512 * 1024**2
         peaks[tokens] = s["memory_activation_peak"]
         llm.shutdown()
     assert peaks[8192] > peaks[256] + 10 * 1024**2  # 32x the tokens: tens of MB more activations
+
+
+def test_cpu_kv_budget_defaults_to_a_share_of_available_memory():
+    """No cpu_kv_cache_bytes: the pool may take cpu_memory_utilization of the RAM available (vLLM's CPU
+    worker sizes it from the node's memory too); an explicit budget wins; never more than is available."""
+    available = memory._meminfo_kb("MemAvailable") * 1024
+    usable, in_use = memory.HostMeter.usage(None, 0.25)
+    assert usable - in_use == pytest.approx(0.25 * available, rel=0.05)
+    usable, in_use = memory.HostMeter.usage(100 * 1024**2, 0.25)
+    assert usable - in_use == 100 * 1024**2
+    usable, in_use = memory.HostMeter.usage(1 << 60, 0.25)
+    assert usable - in_use == pytest.approx(available, rel=0.05)
+    llm = LLM(cpu_memory_utilization=0.01)  # the embedded model: ~1% of this machine's free RAM
+    s = llm.stats()
+    assert 0 < s["memory_kv_bytes"] <= 0.011 * available
+    per_block = llm.engine.runner.kv_cache[:, :, 0].numel() * llm.engine.runner.kv_cache.element_size()
+    assert s["kv_blocks_total"] == min(s["memory_kv_bytes"] // per_block,
+                                       llm.engine.runner.limits.max_seqs * llm.engine.runner.limits.max_blocks)
+    llm.shutdown()
 
 
 def test_a_fixed_num_kv_blocks_skips_the_profiling_pass():

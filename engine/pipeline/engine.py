@@ -49,7 +49,9 @@ class PipelineEngine(LLMEngine):
                           limits=limits, max_model_len=self.max_model_len, dtype=dtype,
                           device=self.compute_device.type, attention_backend=cfg.attention_backend,
                           num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          cpu_kv_cache_bytes=cfg.cpu_kv_cache_bytes // p, token_safe=cfg.pp_token_safe,
+                          # the stages share one host's memory: each takes its share
+                          cpu_kv_cache_bytes=None if cfg.cpu_kv_cache_bytes is None else cfg.cpu_kv_cache_bytes // p,
+                          cpu_memory_utilization=cfg.cpu_memory_utilization / p, token_safe=cfg.pp_token_safe,
                           structure_aware=cfg.pp_structure_aware, sample_on_stage=not cfg.pp_cpu_sampling,
                           seed=cfg.seed)
                 for i, layers in enumerate(split_layers(self.spec.num_layers, p))]

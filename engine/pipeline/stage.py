@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import get_backend, resolve_backend
+from engine.memory import HostMeter
 from engine.models import build_model, load_hf_config, model_spec
 from engine.sampler import Sampler, SamplingBatch
 from engine.step_buffers import BufferLimits, StagedStep, StepBuffers
@@ -45,7 +46,8 @@ class StageSpec:
     attention_backend: str = "auto"
     num_kv_blocks: int | None = None  # None: size from the stage's own memory (see kv_capacity)
     gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_bytes: int = 512 * 1024**2
+    cpu_kv_cache_bytes: int | None = None  # None: cpu_memory_utilization x available RAM (engine/memory.py)
+    cpu_memory_utilization: float = 0.5
     token_safe: bool = True  # two input-buffer versions (TSEM); False: one, prepared after the hidden arrives
     # Structure-aware transmission (SAT): hidden states leave in a fixed [max_tokens, hidden] layout, so the
     # receiver knows shape and dtype in advance and takes the step's rows by the token count it already has
@@ -135,7 +137,8 @@ class StageWorker:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * spec.gpu_memory_utilization)
         else:
-            budget = spec.cpu_kv_cache_bytes
+            usable, in_use = HostMeter.usage(spec.cpu_kv_cache_bytes, spec.cpu_memory_utilization)
+            budget = int(usable - in_use)
         useful = spec.limits.max_seqs * -(-spec.max_model_len // spec.block_size)
         return max(1, min(useful, budget // per_block))
 
