@@ -104,10 +104,9 @@ class HostMeter:
     def usage(cap_bytes: int | None, utilization: float) -> tuple[float, float]:
         """(usable, in_use): what the KV cache may have at most on top of what the process holds: the
         configured byte budget, or `utilization` of the RAM available, never more than is available."""
-        available = 1024 * _meminfo_kb("MemAvailable")
+        # Not Linux (no MemAvailable): the explicit budget, else 512 MiB, stands in for the RAM available.
+        available = 1024 * _meminfo_kb("MemAvailable") or cap_bytes or 512 * 1024**2
         budget = cap_bytes if cap_bytes is not None else utilization * available
-        if not available:  # not Linux: only an explicit budget means anything
-            available = budget = cap_bytes if cap_bytes is not None else 512 * 1024**2
         in_use = 1024 * _rss_kb("VmRSS")
         return in_use + min(budget, available), in_use
 

@@ -10,12 +10,12 @@ TANDEM_CPU_KERNELS=0 turns it off.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
-import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -27,16 +27,13 @@ _SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # finite-math assumption (the softmax starts from -inf).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
            "-fno-trapping-math"]
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
+@functools.cache
 def load():
-    """The compiled module (with `paged_decode`), or None if disabled or it does not build here."""
-    with _lock:
-        if "module" not in _state:
-            _state["module"] = _build()
-        return _state["module"]
+    """The compiled module (with `paged_decode`), or None if disabled or it does not build here. Concurrent
+    first calls may both reach the build; cpp_extension's lock file makes the second wait and reuse it."""
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return None
+    return _build()
 
 
 def _isa_tag() -> str:
@@ -52,8 +49,6 @@ def _isa_tag() -> str:
 
 
 def _build():
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-        return None
     try:
         from torch.utils import cpp_extension
 

@@ -72,8 +72,11 @@ class TorchPagedAttention:
                 continue
             blocks = meta.block_tables[i, : -(-seq_len // bs)]
             prefills.append(_PrefillChunk(qsl[i], n, seq_len, blocks, self._chunk_mask(n, seq_len, device)))
-        groups = [self._decode_group(g, meta, qsl) for g in _group_by_length(dec_rows)]
-        meta.backend_data = _Plan(groups, prefills)
+        meta.backend_data = _Plan(self._decode_plan(dec_rows, meta, qsl), prefills)
+
+    def _decode_plan(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int]) -> list:
+        """The step's one-token rows, (num_blocks, row) pairs, as the units `_decode` attends."""
+        return [self._decode_group(g, meta, qsl) for g in _group_by_length(rows)]
 
     def _decode_group(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int]) -> _DecodeGroup:
         device, bs = meta.block_tables.device, meta.block_size
@@ -156,25 +159,15 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError("attention_backend 'cpu' needs the CPU decode kernel, which did not build here "
                              "(see the warning above); use 'torch'")
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        bs, device = meta.block_size, meta.block_tables.device
-        start, rows, starts, prefills = 0, [], [], []
-        for i, (n, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-            if n == 1:
-                rows.append(i)
-                starts.append(start)
-            else:
-                prefills.append(_PrefillChunk(start, n, seq_len, meta.block_tables[i, : -(-seq_len // bs)],
-                                              self._chunk_mask(n, seq_len, device)))
-            start += n
-        decodes = []
-        if rows:
-            width = max(-(-meta.seq_lens_host[i] // bs) for i in rows)
-            idx = torch.tensor(rows, device=device)
-            decodes.append(_NativeDecode(torch.tensor(starts, device=device),
-                                         meta.block_tables.index_select(0, idx)[:, :width].contiguous(),
-                                         meta.seq_lens.index_select(0, idx).int()))
-        meta.backend_data = _Plan(decodes, prefills)
+    def _decode_plan(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int]) -> list:
+        """All one-token rows in one kernel call (it walks each row's own length: no grouping, no padding)."""
+        if not rows:
+            return []
+        device = meta.block_tables.device
+        idx = torch.tensor([i for _, i in rows], device=device)
+        return [_NativeDecode(torch.tensor([qsl[i] for _, i in rows], device=device),
+                              meta.block_tables.index_select(0, idx)[:, :max(nb for nb, _ in rows)].contiguous(),
+                              meta.seq_lens.index_select(0, idx).int())]
 
     def _decode(self, q, k_cache, v_cache, g: _NativeDecode, scale: float) -> torch.Tensor:
         return self.kernel.paged_decode(q.contiguous(), k_cache, v_cache, g.blocks, g.lens, scale,

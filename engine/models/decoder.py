@@ -66,16 +66,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int):
         super().__init__()
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)  # [P, D]
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        # [P, D / 2]: HF's tables repeat these for the second half of each head (apply_rope uses them so)
+        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for `positions` as [T, 1, D / 2] in `dtype` (the tables' two halves are equal):
-        looked up once per forward, used by every layer."""
-        half = self.cos.shape[-1] // 2
-        return (self.cos[:, :half].index_select(0, positions).to(dtype)[:, None, :],
-                self.sin[:, :half].index_select(0, positions).to(dtype)[:, None, :])
+        """cos and sin for `positions` as [T, 1, D / 2] in `dtype`: looked up once per forward, used by every
+        layer."""
+        return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
+                self.sin.index_select(0, positions).to(dtype)[:, None, :])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
