@@ -52,12 +52,17 @@ class AsyncLLM:
 
     # ---- caller side (asyncio) ---------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as they are committed. Leaving the iteration early
-        (client gone, task cancelled) aborts the request and frees its blocks."""
+        (client gone, task cancelled) aborts the request and frees its blocks. `lora_request`: the LoRA
+        adapter to run under (engine.lora.LoRARequest or an adapter name; None = the base model)."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
-        seq = self.engine.make_sequence(prompt, params, request_id)  # raises ValueError on bad input
+        # raises ValueError on bad input (an unknown or unsupported adapter too: read from disk on first use)
+        if lora_request is None:
+            seq = self.engine.make_sequence(prompt, params, request_id)
+        else:  # an adapter's first use reads it from disk: off the caller's event loop
+            seq = await asyncio.to_thread(self.engine.make_sequence, prompt, params, request_id, lora_request)
         compiled = self.engine.structured.compile_async(seq.params)
         if compiled is not None:  # compiles on the grammar pool; a bad grammar raises ValueError here
             timeout = self.engine.config.grammar_compile_timeout_s

@@ -26,9 +26,10 @@ def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
 
-def prefix_hashes(token_ids: Seq[int], block_size: int, max_blocks: int) -> list[int]:
-    """Chained hashes of the first full blocks of `token_ids` (63-bit, as in `recent_hashes`)."""
-    out, parent = [], _ROOT_HASH
+def prefix_hashes(token_ids: Seq[int], block_size: int, max_blocks: int, root: int = _ROOT_HASH) -> list[int]:
+    """Chained hashes of the first full blocks of `token_ids` (63-bit, as in `recent_hashes`); `root` seeds
+    the chain (a LoRA adapter's hash_root, engine/lora/request.py; 0 for the base model)."""
+    out, parent = [], root
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
         out.append(parent & _MASK63)
@@ -77,22 +78,24 @@ class BlockManager:
             return None
         n = len(seq.token_ids)
         if seq.prompt_hashes is None or seq.prompt_hashes[0] != n:
-            hashes, parent, bs, ids = [], _ROOT_HASH, self.block_size, seq.token_ids
+            hashes, parent, bs, ids = [], seq.hash_root, self.block_size, seq.token_ids
             for i in range((n - 1) // bs):
                 parent = hash_block(parent, ids[i * bs:(i + 1) * bs])
                 hashes.append(parent)
             seq.prompt_hashes = (n, hashes)
         return seq.prompt_hashes[1]
 
-    def cached_prefix(self, token_ids: Seq[int], known: list[int] | None = None) -> tuple[list[int], list[int]]:
+    def cached_prefix(self, token_ids: Seq[int], known: list[int] | None = None,
+                      root: int = _ROOT_HASH) -> tuple[list[int], list[int]]:
         """Cached blocks matching the longest full-block prefix of `token_ids`, and their hashes.
 
         The last token is never served from cache: its logits are needed to sample the first output token.
-        `known`: the chained hashes of those blocks already computed (prompt_hashes), else hashed here.
+        `known`: the chained hashes of those blocks already computed (prompt_hashes), else hashed here from
+        `root` (the sequence's hash_root).
         """
         if not self.enable_prefix_caching:
             return [], []
-        blocks, hashes, parent = [], [], _ROOT_HASH
+        blocks, hashes, parent = [], [], root
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             parent = known[i] if known is not None else hash_block(parent, token_ids[i * bs:(i + 1) * bs])
@@ -143,7 +146,7 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(num_tokens // bs, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
         known = seq.prompt_hashes[1] if seq.prompt_hashes is not None else ()  # still valid: tokens only grow
         for i in range(len(seq.block_hashes), full):
             parent = known[i] if i < len(known) else hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs])

@@ -70,6 +70,14 @@ class EngineConfig:
     # Kernels one decoder layer launches on the simulated device: None = this engine's decoder as counted
     # (engine/sim/cost_model.py), e.g. 10 to price a fused forward such as vLLM's.
     sim_kernels_per_layer: int | None = None
+    # Multi-LoRA (engine/lora): PEFT adapters named by `lora_modules` ({name: directory}) or found by name as
+    # subdirectories of `lora_dir`; either one turns enable_lora on. Up to `max_loras` adapters sit in device
+    # slots at once (LRU over the idle ones), of rank up to `max_lora_rank`.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    lora_dir: str | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         model = str(self.model) if self.model is not None else str(DEFAULT_MODEL_DIR)
@@ -130,9 +138,38 @@ class EngineConfig:
         for name in ("gpu_memory_utilization", "cpu_memory_utilization"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        self._check_lora()
         if not os.path.isdir(model):
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
                              f"tokenizer files); {model!r} is not a directory")
+
+    def _check_lora(self) -> None:
+        """LoRA fields; enable_lora is implied by an adapter source."""
+        from engine.lora.request import MAX_LORA_RANK
+
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
+                raise ValueError(f"lora_modules must map adapter names to directories, got {self.lora_modules!r}")
+            bad = [k for k in self.lora_modules if ":" in k]
+            if bad:
+                raise ValueError(f"lora_modules names must not contain ':' (BASE:ADAPTER); got {bad}")
+        if self.lora_dir is not None and not os.path.isdir(str(self.lora_dir)):
+            raise ValueError(f"lora_dir must be a directory of PEFT adapters; {self.lora_dir!r} is not one")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
+        if self.lora_modules or self.lora_dir:
+            object.__setattr__(self, "enable_lora", True)
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ValueError("LoRA adapters (enable_lora, lora_modules, lora_dir) are not supported with "
+                             "pipeline_parallel_size > 1")
+        if self.enable_lora and self.device == "sim":
+            raise ValueError("LoRA adapters (enable_lora, lora_modules, lora_dir) are not supported on "
+                             "device='sim'")
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> None:

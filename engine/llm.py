@@ -8,6 +8,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from engine.config import EngineConfig
 from engine.llm_engine import create_engine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -25,19 +26,23 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | str | Seq[LoRARequest | str | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
+        `lora_request`: one LoRA adapter for every prompt, or one per prompt (None = the base model); a
+        LoRARequest(name, path) or the name of an adapter in lora_modules / lora_dir.
         Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = self._params_per_prompt(prompts, params)
+        loras = _per_prompt(lora_request, len(prompts))
         self._compile(params_list)
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, lora in zip(prompts, params_list, loras):
+                ids.append(self.engine.add_request(prompt, p, lora_request=lora))
         except ValueError:
             for rid in ids:
                 self.engine.abort(rid)
@@ -95,3 +100,11 @@ class LLM:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _per_prompt(lora_request, n: int) -> list:
+    if lora_request is None or isinstance(lora_request, (str, LoRARequest)):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {n} prompts")
+    return list(lora_request)

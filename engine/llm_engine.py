@@ -27,6 +27,9 @@ from engine.config import EngineConfig
 from engine.cpu_block_pool import CpuBlockPool
 from engine.detokenizer import IncrementalDetokenizer, token_texts
 from engine.kv_offload import KVSwapError
+from engine.lora.registry import AdapterRegistry
+from engine.lora.request import LoRARequest
+from engine.lora.slots import AdapterSlots
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
 from engine.outputs import RequestOutput, StepRecord, TokenLogprob
@@ -76,10 +79,15 @@ class LLMEngine:
         self.device = self.runner.device  # where sampling runs (the driver's CPU under pipeline parallelism)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        # Multi-LoRA (engine/lora): adapter names -> host weights, and the device slots' LRU; None when off.
+        self.loras = AdapterRegistry(self.spec, config.max_lora_rank, config.lora_modules, config.lora_dir) \
+            if config.enable_lora else None
+        self.lora_slots = AdapterSlots(config.max_loras) if config.enable_lora else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduler, admission_margin=config.admission_margin,
-                                   cpu_pool=self.cpu_pool, one_step_per_seq=self.runner.one_step_per_seq)
+                                   cpu_pool=self.cpu_pool, one_step_per_seq=self.runner.one_step_per_seq,
+                                   lora_slots=self.lora_slots)
         self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
                                                   sorted(self.eos_token_ids))
         self.requests: dict[str, _Request] = {}
@@ -119,25 +127,32 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False) -> str:
-        """Validate and queue a request; raises ValueError naming the problem (nothing else is touched)."""
+                    request_id: str | None = None, stream: bool = False,
+                    lora_request: LoRARequest | str | None = None) -> str:
+        """Validate and queue a request; raises ValueError naming the problem (nothing else is touched).
+        `lora_request`: the LoRA adapter to run it under (a LoRARequest, or a name from lora_modules /
+        lora_dir); None = the base model."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = self.make_sequence(prompt, params, request_id)
+        seq = self.make_sequence(prompt, params, request_id, lora_request)
         self.add_sequence(seq, stream)
         return request_id
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams | None,
-                      request_id: str) -> Sequence:
-        """Tokenize and validate (reads only immutable engine state: safe from any thread)."""
+                      request_id: str, lora_request: LoRARequest | str | None = None) -> Sequence:
+        """Tokenize and validate (reads only immutable engine state, and the adapter registry, which locks:
+        safe from any thread)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
+        adapter = self._adapter(lora_request) if lora_request is not None else None
         seq = Sequence(request_id, text, ids, params, self.eos_token_ids, self.max_model_len,
                        self.spec.vocab_size, self.device)
+        if adapter is not None:
+            seq.lora, seq.hash_root = adapter, adapter.key
         seq.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params)
         return seq
 
@@ -179,6 +194,13 @@ class LLMEngine:
                 outputs.append(self._finish(self.requests[seq.request_id], "abort", error=str(exc)))
         self.compiling = waiting
         return outputs
+
+    def _adapter(self, lora_request: LoRARequest | str):
+        """The loaded adapter a request names; ValueError when LoRA is off or the adapter is unknown or bad."""
+        if self.loras is None:
+            raise ValueError("lora_request: this engine has no LoRA adapters (set enable_lora, lora_modules "
+                             "or lora_dir)")
+        return self.loras.resolve(lora_request)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -489,7 +511,13 @@ class LLMEngine:
                for phase, t in self.host_time.items()},
             **(self.runner.device_stats() if self.simulated else {}),
             **(self.runner.memory.stats() if getattr(self.runner, "memory", None) is not None else {}),
+            **(self._lora_stats() if self.lora_slots is not None else {}),
         }
+
+    def _lora_stats(self) -> dict:
+        slots = self.lora_slots
+        return {"lora_resident": slots.resident(), "lora_loads": slots.num_loads,
+                "lora_evictions": slots.num_evictions, "max_loras": slots.max_loras}
 
     def check_integrity(self) -> None:
         """Assert block accounting; when idle, every block must be free."""
@@ -499,6 +527,8 @@ class LLMEngine:
         live = [s for s in live.values() if not s.released]
         self.block_manager.check_integrity(live)
         self.cpu_pool.check_integrity(c for s in self.scheduler.swapped for c in s.cpu_blocks)
+        if self.lora_slots is not None:
+            self.lora_slots.check_integrity(live)
         if not self.has_unfinished():
             assert self.block_manager.num_free == self.block_manager.num_blocks, "blocks leaked"
             assert self.cpu_pool.num_free == self.cpu_pool.num_blocks, "cpu blocks leaked"

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.executor import FWD_END, FWD_START, make_executor
 from engine.kv_offload import KVOffloader
+from engine.lora.layers import LoRAModel
 from engine.memory import CudaMeter, HostMeter, MemoryPlan, kv_blocks
 from engine.models import build_model
 from engine.models.decoder import ModelSpec
@@ -44,6 +45,9 @@ class ModelRunner(StepRunner):
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
         self.model = build_model(config.model, hf_config, spec, max_model_len, self.backend, dtype, device,
                                  cpu_onednn=config.cpu_onednn)
+        # Multi-LoRA: the targeted linears wrapped with every slot's stacked adapters (before the memory
+        # profile, which then counts them); None, and nothing changed, without enable_lora.
+        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         # The persistent block tables' device copy (engine/block_tables.py): deltas scattered in stream order.
         self.device_tables = torch.zeros(self.limits.table_rows, self.limits.max_blocks, dtype=torch.int32,
                                          device=device)
@@ -137,13 +141,16 @@ class ModelRunner(StepRunner):
         step.graph_size = self._graph_size(step)
         self._stage(step, pad_to=step.graph_size)
         prev_sampled = prev.slot.sampled if prev is not None else None
-        step.forward = self.executor.submit(step, self._forward_job, step, prev_sampled, sched.swaps)
+        step.forward = self.executor.submit(step, self._forward_job, step, prev_sampled, sched.swaps,
+                                            sched.lora_loads)
         return step
 
-    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, swaps: list) -> None:
+    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, swaps: list, lora_loads: list) -> None:
         ex = self.executor
         if swaps:  # KV copies the scheduler decided on since the last step, ordered before this forward
             self.offloader.run(swaps)
+        for op in lora_loads:  # adapters into the slots this step reads, after every forward that read them
+            self.lora.load_slot(op.slot, op.adapter)
         ex.mark(step.id, FWD_START)
         with torch.inference_mode():
             bufs = step.slot.inputs
@@ -161,6 +168,8 @@ class ModelRunner(StepRunner):
         b = slot.inputs
         meta = b.metadata(self.block_size)
         self.backend.prepare(meta)
+        if self.lora is not None:
+            self.lora.prepare(b.dev["lora_slots"][:b.num_tokens])
         hidden = self.model(b.dev["input_ids"][:b.num_tokens], b.dev["positions"][:b.num_tokens],
                             self.kv_caches, meta)
         if b.num_rows:
@@ -170,5 +179,7 @@ class ModelRunner(StepRunner):
     def _decode_forward(self, slot: DecodeSlot, size: int, meta) -> None:
         """What a decode graph holds: `size` one-token rows, all sampled, logits into the slot's buffer."""
         b = slot.inputs
+        if self.lora is not None:
+            self.lora.prepare(b.dev["lora_slots"][:size])
         hidden = self.model(b.dev["input_ids"][:size], b.dev["positions"][:size], self.kv_caches, meta)
         self.model.logits(hidden, out=slot.logits[:size])

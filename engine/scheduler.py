@@ -47,6 +47,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_tokens: int = 0
     swaps: list[SwapOp] = field(default_factory=list)  # run in order before this step's forward
+    lora_loads: list = field(default_factory=list)  # engine.lora.slots.LoadOp: adapters to copy into slots first
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -73,7 +74,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None,
-                 one_step_per_seq: bool = False):
+                 one_step_per_seq: bool = False, lora_slots=None):
         if policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
         self.bm = block_manager
@@ -86,6 +87,9 @@ class Scheduler:
         self.margin_blocks = math.ceil(admission_margin * block_manager.num_blocks)
         self._starved = False  # a running sequence could not get blocks in this pass
         self.cpu_pool = cpu_pool if cpu_pool is not None and cpu_pool.num_blocks else None
+        # engine.lora.slots.AdapterSlots when LoRA is enabled: a sequence holds its adapter's device slot while
+        # it runs (from admission or swap-in until it is released or preempted); None costs nothing.
+        self.lora_slots = lora_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # offloaded to the host pool, in preemption order
@@ -121,8 +125,12 @@ class Scheduler:
         if seq.finalized:
             self.bm.free(seq)
             seq.released = True
+            if seq.lora_slot:
+                self.lora_slots.release(seq)
         elif seq.preempted:
             seq.preempted = False
+            if seq.lora_slot:  # it runs no more until readmitted: its adapter may be evicted meanwhile
+                self.lora_slots.release(seq)
             if not self._offload(seq):
                 self._soft_reset(seq)
 
@@ -144,6 +152,8 @@ class Scheduler:
             self._schedule_decodes(decodes, out, budget)
         if out:  # copies ride with the next step that runs; until then nothing reads the blocks involved
             out.swaps, self._swaps = self._swaps, []
+            if self.lora_slots is not None:
+                out.lora_loads = self.lora_slots.take_loads()
         return out
 
     def _schedulable(self, seq: Sequence) -> bool:
@@ -219,6 +229,8 @@ class Scheduler:
             margin = self.margin_blocks if self.running else 0
             if needed + margin > self.bm.num_free:
                 return
+            if seq.lora is not None and not self.lora_slots.acquire(seq):
+                return  # every adapter slot is held by running sequences: wait in line for one
             self.waiting.popleft()
             self.bm.admit(seq, hits, hashes)
             ok = self.bm.allocate(seq, computed + n)
@@ -348,6 +360,8 @@ class Scheduler:
             reused_free = sum(1 for b in found.values() if self.bm.ref_counts[b] == 0)
             margin = self.margin_blocks if self.running else 0
             if fresh + reused_free + growth + margin > self.bm.num_free:
+                return
+            if seq.lora is not None and not self.lora_slots.acquire(seq):
                 return
             self._restore(seq, found)
             n = self._fit(seq, n)

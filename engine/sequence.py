@@ -51,7 +51,8 @@ class Sequence:
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
-                 "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row")
+                 "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
+                 "lora", "lora_slot", "hash_root")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -98,6 +99,9 @@ class Sequence:
         # request waiting at the head of the queue is not re-hashed every tick (BlockManager.cached_prefix).
         self.prompt_hashes: tuple[int, list[int]] | None = None
         self.table_row: int | None = None  # its row in the runner's persistent block tables (engine/block_tables.py)
+        self.lora = None  # engine.lora.adapter.LoRAAdapter the request runs under; None = the base model
+        self.lora_slot = 0  # the device slot holding it while the sequence runs (engine/lora/slots.py); 0 = none
+        self.hash_root = 0  # seeds its blocks' prefix-cache hash chain: the adapter's identity (0 = base model)
 
     @property
     def num_prompt_tokens(self) -> int:

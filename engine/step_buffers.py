@@ -37,11 +37,22 @@ _STEP_FIELDS = {
     "input_ids": (torch.long, "tokens"), "positions": (torch.long, "tokens"), "slot_mapping": (torch.long, "tokens"),
     "table_deltas": (torch.int32, "deltas"),  # [entries, 2]: flat index into the table, block id
 }
+# With LoRA (engine/lora): each token's adapter slot (0 = none), read by every LoRA linear of the forward. Only
+# engines with enable_lora have the field, so it costs the others nothing.
+_LORA_FIELD = {"lora_slots": (torch.int32, "tokens")}
 _SAMPLING_FIELDS = {  # one per sampling row (see engine/sampler.py SamplingBatch)
     "temperature": (torch.float32, "seqs"), "greedy": (torch.bool, "seqs"), "top_k": (torch.long, "seqs"),
     "top_p": (torch.float32, "seqs"), "min_p": (torch.float32, "seqs"),
 }
 _ALIGN = 64
+
+
+def _step_fields(lora: bool) -> dict:
+    """The step region's fields; the LoRA slots go before the table deltas, which must stay last."""
+    if not lora:
+        return _STEP_FIELDS
+    fields = {k: v for k, v in _STEP_FIELDS.items() if k != "table_deltas"}
+    return {**fields, **_LORA_FIELD, "table_deltas": _STEP_FIELDS["table_deltas"]}
 
 
 class _Region:
@@ -75,6 +86,7 @@ class BufferLimits:
     max_tokens: int  # tokens in one step (token budget, at least max_num_seqs for padded decode graphs)
     max_seqs: int  # sequences (= sampling rows) in one step
     max_blocks: int  # block-table width: ceil(max_model_len / block_size)
+    lora: bool = False  # steps carry each token's LoRA adapter slot (the lora_slots field)
 
     @property
     def table_rows(self) -> int:
@@ -108,7 +120,8 @@ class StepBuffers:
         pin, real = device.type == "cuda", transfer is None
         sizes = {"tokens": limits.max_tokens, "seqs": limits.max_seqs, "seqs+1": limits.max_seqs + 1,
                  "deltas": limits.max_seqs * limits.max_blocks}
-        self.step = _Region(_STEP_FIELDS, sizes, device, pin, real)
+        self.lora = limits.lora
+        self.step = _Region(_step_fields(limits.lora), sizes, device, pin, real)
         self.sampling = _Region(_SAMPLING_FIELDS, sizes, device, pin, real)
         self.host = {**self.step.host, **self.sampling.host}
         self.dev = {**self.step.dev, **self.sampling.dev}
@@ -158,6 +171,8 @@ class StepBuffers:
                 logits.append(t - 1)
         if t > lim.max_tokens or s > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
             raise ValueError(f"step of {t} tokens / {s} sequences exceeds the slot buffers {lim}")
+        if self.lora:
+            n["lora_slots"][:t] = np.repeat(np.fromiter((c.seq.lora_slot for c in chunks), np.int32, s), lens)
         starts_a = np.array(starts, dtype=np.int64)
         lens_a = np.array(lens, dtype=np.int64)
         rows_a = np.array(rows, dtype=np.int64)
@@ -199,6 +214,8 @@ class StepBuffers:
         n["query_start_loc"][:s + 1] = np.arange(s + 1) * per
         n["table_rows"][:s] = self.limits.table_rows - 1
         n["logits_indices"][:s] = np.arange(1, s + 1) * per - 1
+        if self.lora:
+            n["lora_slots"][:t] = 0
         self.num_tokens, self.num_seqs, self.num_rows, self.num_gather, self.num_deltas = t, s, s, 0, 0
         self.width = -(-per // block_size)
         self.query_lens_host, self.seq_lens_host = [per] * s, [per] * s
@@ -215,6 +232,8 @@ class StepBuffers:
         n["input_ids"][t:size] = 0
         n["positions"][t:size] = 0
         n["slot_mapping"][t:size] = -1
+        if self.lora:
+            n["lora_slots"][t:size] = 0
         n["seq_lens"][s:size] = 0
         n["table_rows"][s:size] = self.limits.table_rows - 1  # the spare row: never written, never read
         n["query_start_loc"][s + 1:size + 1] = np.arange(t + 1, t + 1 + size - s)
@@ -237,7 +256,7 @@ class StepBuffers:
 
     def _counts(self) -> dict[str, int]:
         t, s = self.num_tokens, self.num_seqs
-        return {"input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
+        return {**({"lora_slots": t} if self.lora else {}), "input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
                 "logits_indices": self.num_rows, "gather_dst": self.num_gather, "gather_src": self.num_gather,
                 "table_rows": s, "table_deltas": self.num_deltas}
 

@@ -56,7 +56,8 @@ class StepRunner:
     @staticmethod
     def buffer_limits(config: EngineConfig, max_model_len: int) -> BufferLimits:
         return BufferLimits(max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-                            max_seqs=config.max_num_seqs, max_blocks=-(-max_model_len // config.block_size))
+                            max_seqs=config.max_num_seqs, max_blocks=-(-max_model_len // config.block_size),
+                            lora=config.enable_lora)
 
     def max_graph_batch_size(self) -> int:
         """The largest decode batch replayed as a CUDA graph (0: no graphs)."""

@@ -56,8 +56,9 @@ class PipelineEngine(LLMEngine):
                           seed=cfg.seed)
                 for i, layers in enumerate(split_layers(self.spec.num_layers, p))]
 
-    def make_sequence(self, prompt, params: SamplingParams | None, request_id: str) -> Sequence:
-        seq = super().make_sequence(prompt, params, request_id)
+    def make_sequence(self, prompt, params: SamplingParams | None, request_id: str,
+                      lora_request=None) -> Sequence:
+        seq = super().make_sequence(prompt, params, request_id, lora_request)
         if not self.config.pp_cpu_sampling:
             _check_stage_sampling(seq.params)
         return seq
