@@ -1,0 +1,202 @@
+"""Multi-LoRA in the engine: fp32 greedy under PEFT adapters equals Hugging Face + PEFT token for token.
+
+Adapters are random PEFT LoRAs built here (init_lora_weights=False, so B is non-zero) on the tiny random
+checkpoints, of different ranks, targets and scales, saved with save_pretrained. The oracle is PEFT's own
+model (PeftModel over a copy of the HF checkpoint) generating greedily: never values from the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from engine import LLM, SamplingParams
+from engine.lora import LoRARequest
+from engine.lora.layers import LoRALinear
+from test_correctness_hf import MAX_NEW, assert_matches_hf, hf_greedy, make_prompts
+
+# name -> LoraConfig kwargs: rank 8 on attention with alpha != r, rank 64 on everything, rsLoRA on the MLP only
+ADAPTERS = {
+    "attn8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "all64": dict(r=64, lora_alpha=64, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"]),
+    "mlp16": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]),
+}
+
+
+def build_adapter(hf_model, out_dir, seed: int, **lora_kwargs):
+    """Save a random PEFT LoRA for `hf_model` under out_dir; return the PEFT model (the oracle)."""
+    torch.manual_seed(seed)
+    config = LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_kwargs)
+    peft_model = get_peft_model(copy.deepcopy(hf_model), config).eval()
+    with torch.no_grad():  # PEFT's default init of B is small: scale it up so every adapter changes the output
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    peft_model.save_pretrained(str(out_dir))
+    return peft_model
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_factory, tmp_path_factory):
+    """family -> (checkpoint dir, HF model, {name: (adapter dir, PEFT model)}), built once per module."""
+    root, cache = tmp_path_factory.mktemp("loras"), {}
+
+    def get(family: str):
+        if family not in cache:
+            path, hf = tiny_model_factory(family)
+            built = {name: (root / family / name, build_adapter(hf, root / family / name, seed=i + 1, **kw))
+                     for i, (name, kw) in enumerate(ADAPTERS.items())}
+            cache[family] = (path, hf, built)
+        return cache[family]
+
+    return get
+
+
+def lora_llm(path, built, **kw) -> LLM:
+    return LLM(str(path), lora_modules={n: str(d) for n, (d, _) in built.items()}, max_lora_rank=64,
+               block_size=4, max_num_batched_tokens=16, **kw)
+
+
+def greedy(llm: LLM, prompts, loras) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True),
+                        lora_request=loras)
+    llm.check_integrity()
+    return [o.token_ids for o in outs]
+
+
+def oracle(hf, built, lora: str | None):
+    return hf if lora is None else built[lora][1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mixed_adapter_batch_matches_peft(adapters, family, depth):
+    """One batch: the base model and three adapters, chunked prefills interleaved with decodes."""
+    path, hf, built = adapters(family)
+    llm = lora_llm(path, built, pipeline_depth=depth, max_loras=3)
+    prompts = make_prompts(seed=3, lengths=(3, 9, 17, 33, 40, 70, 12, 25))
+    loras = [None, "attn8", "all64", "mlp16", "mlp16", "attn8", None, "all64"]
+    outs = greedy(llm, prompts, loras)
+    for prompt, lora, ours in zip(prompts, loras, outs):
+        assert_matches_hf(oracle(hf, built, lora), prompt, ours)
+    for name in ADAPTERS:  # every adapter really changes the output (else the comparison proves little)
+        assert hf_greedy(built[name][1], prompts[0])[0] != hf_greedy(hf, prompts[0])[0], name
+    stats = llm.stats()
+    assert stats["lora_loads"] == 3 and stats["lora_evictions"] == 0
+    assert sorted(stats["lora_resident"]) == sorted(ADAPTERS)
+
+
+def test_one_slot_two_adapters_in_flight(adapters):
+    """max_loras=1: requests for two adapters (and the base model) queue for the one slot, run in turns, and
+    all match PEFT; the slot is reloaded (LRU eviction of the idle adapter)."""
+    path, hf, built = adapters("llama")
+    llm = lora_llm(path, built, max_loras=1)
+    prompts = make_prompts(seed=4, lengths=(6, 14, 9, 21, 5))
+    loras = ["attn8", "all64", None, "attn8", "all64"]
+    for prompt, lora, ours in zip(prompts, loras, greedy(llm, prompts, loras)):
+        assert_matches_hf(oracle(hf, built, lora), prompt, ours)
+    stats = llm.stats()
+    assert stats["lora_evictions"] >= 1 and stats["lora_loads"] >= 2
+    assert len(stats["lora_resident"]) == 1
+
+
+def test_lora_request_objects_and_names_are_the_same_adapter(adapters):
+    path, hf, built = adapters("qwen2")
+    llm = lora_llm(path, built, max_loras=2)
+    prompt = make_prompts(seed=5, lengths=(11,))
+    by_name = greedy(llm, prompt, "mlp16")
+    by_request = greedy(llm, prompt, LoRARequest("mlp16", str(built["mlp16"][0])))
+    assert by_name == by_request
+    assert_matches_hf(built["mlp16"][1], prompt[0], by_name[0])
+
+
+def test_prefix_cache_never_crosses_adapters(adapters):
+    """Same prompt under two adapters: no prefix-cache hit across them; a repeat under the same one hits."""
+    path, hf, built = adapters("llama")
+    llm = lora_llm(path, built, max_loras=2)
+    prompt = make_prompts(seed=6, lengths=(40,))
+    runs = []
+    for lora in ("attn8", "all64", None):
+        runs.append(greedy(llm, prompt, lora)[0])
+        assert llm.stats()["prefix_cache_hit_tokens"] == 0, lora
+    assert_matches_hf(built["all64"][1], prompt[0], runs[1])
+    assert greedy(llm, prompt, "all64")[0] == runs[1]
+    hits = llm.stats()["prefix_cache_hit_tokens"]
+    assert hits >= 36  # all full blocks but the last token's
+    assert greedy(llm, prompt, None)[0] == runs[2]
+    assert llm.stats()["prefix_cache_hit_tokens"] >= 2 * hits  # the base model's blocks are cached too
+
+
+# ---- bad adapters and bad requests ------------------------------------------------------------------------------
+def _broken(src, dst, **config_changes):
+    shutil.copytree(src, dst)
+    cfg_path = dst / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(config_changes)
+    cfg_path.write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_adapters_fail_their_request_with_a_clear_error(adapters, tmp_path, tiny_model_factory):
+    path, hf, built = adapters("llama")
+    src = built["attn8"][0]
+    head = build_adapter(hf, tmp_path / "head", seed=9, r=4, lora_alpha=4, target_modules=["lm_head"])
+    cases = {
+        "missing": (tmp_path / "nowhere", "is not a directory"),
+        "dora": (_broken(src, tmp_path / "dora", use_dora=True), "DoRA"),
+        "saves": (_broken(src, tmp_path / "saves", modules_to_save=["lm_head"]), "modules_to_save"),
+        "bias": (_broken(src, tmp_path / "bias", bias="all"), "bias='all'"),
+        "norank": (_broken(src, tmp_path / "norank", r=0), "r must be a positive integer"),
+        "head": (head and tmp_path / "head", "lm_head"),
+    }
+    wide = build_adapter(hf, tmp_path / "wide", seed=10, r=32, lora_alpha=32, target_modules=["q_proj"])
+    assert wide is not None
+    cases["wide"] = (tmp_path / "wide", "rank 32 exceeds max_lora_rank=16")
+    llm = LLM(str(path), lora_modules={n: str(d) for n, (d, _) in cases.items()}, max_lora_rank=16)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for name, (_, message) in cases.items():
+        with pytest.raises(ValueError, match=f"LoRA adapter '{name}'.*") as err:
+            llm.generate([[5, 6, 7]], params, lora_request=name)
+        assert message in str(err.value), (name, str(err.value))
+    with pytest.raises(ValueError, match="'nope' is not known"):
+        llm.generate([[5, 6, 7]], params, lora_request="nope")
+    assert not llm.engine.has_unfinished()
+    llm.check_integrity()
+
+
+def test_config_and_disabled_engine(tiny_model_factory, tmp_path):
+    path, _ = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match="max_lora_rank must be <= 64"):
+        LLM(str(path), enable_lora=True, max_lora_rank=128)
+    with pytest.raises(ValueError, match="max_loras must be a positive integer"):
+        LLM(str(path), enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="lora_dir must be a directory"):
+        LLM(str(path), lora_dir=str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="not supported with pipeline_parallel_size > 1"):
+        LLM(str(path), enable_lora=True, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="not supported on device='sim'"):
+        LLM(str(path), enable_lora=True, device="sim")
+    llm = LLM(str(path))  # LoRA off: nothing of it in the model, the step buffers or the stats
+    assert llm.engine.runner.lora is None and llm.engine.lora_slots is None
+    assert "lora_slots" not in llm.engine.runner.slots[0].inputs.np
+    assert not any(isinstance(m, LoRALinear) for m in llm.engine.runner.model.modules())
+    assert "lora_loads" not in llm.stats()
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request="attn8")
+
+
+def test_lora_dir_finds_adapters_by_subdirectory(adapters, tmp_path):
+    path, hf, built = adapters("llama")
+    shutil.copytree(built["attn8"][0], tmp_path / "mine")
+    llm = LLM(str(path), lora_dir=str(tmp_path), max_lora_rank=8)
+    prompt = make_prompts(seed=7, lengths=(13,))
+    assert_matches_hf(built["attn8"][1], prompt[0], greedy(llm, prompt, "mine")[0])
+    for bad in ("../mine", "other", "."):
+        with pytest.raises(ValueError, match="is not known"):
+            llm.generate(prompt, SamplingParams(max_tokens=2), lora_request=bad)
