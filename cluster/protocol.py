@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -17,6 +18,9 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     ingress_time: float = field(default_factory=time.time)  # wall clock: comparable across processes
+    # The LoRA adapter the request's `model` named (resolved by the ingress); None = the base model. The
+    # router prefers replicas holding it and seeds the prompt's prefix hashes with its hash_root.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

@@ -40,7 +40,8 @@ class EngineReplica:
         the engine refuses (ValueError before any output) comes back as one rejected chunk: a user error,
         logged as one line, not raised (Serve would log it with a traceback as a failure)."""
         self.metrics.request_arrived(request.ingress_time)
-        outputs = self.llm.generate(request.prompt_token_ids, request.params, request.request_id)
+        outputs = self.llm.generate(request.prompt_token_ids, request.params, request.request_id,
+                                    lora_request=request.lora_request)
         try:
             try:
                 out = await anext(outputs)
@@ -79,7 +80,8 @@ class EngineReplica:
                 "block_size": self.config.block_size,
                 "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
                 "prefix_cache_queried_tokens": s["prefix_cache_queried_tokens"],
-                "prefix_hashes": self.llm.prefix_summary}
+                "prefix_hashes": self.llm.prefix_summary,
+                "lora_adapters": s.get("lora_resident", [])}  # adapters in device slots (adapter affinity)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Engine signals for the autoscaling policy (cluster.autoscaling)."""

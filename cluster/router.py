@@ -5,6 +5,11 @@ is more loaded than the least-loaded one by more than `imbalance_threshold`; oth
 ranked by load. Prefix knowledge comes from two places: the replicas' own reports (the block hashes their
 prefix caches hold, polled through record_routing_stats) and the router's memory of where it sent recent
 prompts (immediate, before the next poll).
+
+LoRA adapters: a request's prefix hashes are seeded with its adapter's identity (as the engine's are), so
+prefix affinity is per adapter. Without a prefix match, a request for an adapter goes to the least loaded
+replica that holds the adapter in a device slot (reported as `lora_adapters`) or was recently sent it, under
+the same imbalance threshold, so adapters are not loaded on every replica.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._inflight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._hash_cache: OrderedDict[str, list[int]] = OrderedDict()
         self._reported: dict[ReplicaID, tuple[list, frozenset[int]]] = {}
+        self._adapter_sent: OrderedDict[str, ReplicaID] = OrderedDict()  # adapter -> replica last sent it (LRU)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -51,6 +57,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         ranked = sorted(candidate_replicas, key=self.load)
         hashes = self._request_hashes(pending_request, candidate_replicas)
         best = self.best_prefix_replica(candidate_replicas, hashes)
+        if best is None:
+            best = self.best_adapter_replica(candidate_replicas, _adapter_name(pending_request))
         if best is not None and self.load(best) - self.load(ranked[0]) <= self.imbalance_threshold:
             ranked.remove(best)
             ranked.insert(0, best)
@@ -70,6 +78,15 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             if depth > best_depth or (depth == best_depth and depth and self.load(replica) < self.load(best)):
                 best, best_depth = replica, depth
         return best
+
+    def best_adapter_replica(self, candidates: list[RunningReplica], adapter: str | None) -> RunningReplica | None:
+        """The least loaded candidate holding `adapter` in a device slot (or recently sent it); None if none."""
+        if adapter is None:
+            return None
+        sent = self._adapter_sent.get(adapter)
+        holders = [r for r in candidates
+                   if adapter in ((r.routing_stats or {}).get("lora_adapters") or ()) or r.replica_id == sent]
+        return min(holders, key=self.load) if holders else None
 
     def _reported_depth(self, replica: RunningReplica, hashes: list[int]) -> int:
         cached = self._reported_set(replica)
@@ -106,7 +123,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if cached is None:
             block_size = next((r.routing_stats.get("block_size") for r in candidates if r.routing_stats),
                               DEFAULT_BLOCK_SIZE)
-            cached = prefix_hashes(request.prompt_token_ids, block_size, self.max_prefix_blocks)
+            root = request.lora_request.hash_root if request.lora_request is not None else 0
+            cached = prefix_hashes(request.prompt_token_ids, block_size, self.max_prefix_blocks, root)
             self._hash_cache[request.request_id] = cached
             while len(self._hash_cache) > 1024:
                 self._hash_cache.popitem(last=False)
@@ -118,6 +136,11 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         request = _generate_request(pending_request)
         if request is None:
             return
+        if request.lora_request is not None:
+            self._adapter_sent[request.lora_request.lora_name] = replica_id
+            self._adapter_sent.move_to_end(request.lora_request.lora_name)
+            while len(self._adapter_sent) > 4096:
+                self._adapter_sent.popitem(last=False)
         for h in self._hash_cache.pop(request.request_id, []):
             self._affinity[h] = replica_id
             self._affinity.move_to_end(h)
@@ -133,6 +156,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         self._reported.pop(replica_id, None)
         for h in [h for h, r in self._affinity.items() if r == replica_id]:
             del self._affinity[h]
+        for name in [n for n, r in self._adapter_sent.items() if r == replica_id]:
+            del self._adapter_sent[name]
 
 
 def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
@@ -142,3 +167,8 @@ def _generate_request(pending: PendingRequest | None) -> GenerateRequest | None:
         if isinstance(arg, GenerateRequest):
             return arg
     return None
+
+
+def _adapter_name(pending: PendingRequest | None) -> str | None:
+    request = _generate_request(pending)
+    return request.lora_request.lora_name if request is not None and request.lora_request is not None else None

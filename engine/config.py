@@ -160,6 +160,11 @@ class EngineConfig:
             raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
         if self.lora_modules or self.lora_dir:
             object.__setattr__(self, "enable_lora", True)
+        # absolute: engine replicas may run in another working directory than the one that built the config
+        if self.lora_modules:
+            object.__setattr__(self, "lora_modules", {k: os.path.abspath(v) for k, v in self.lora_modules.items()})
+        if self.lora_dir is not None:
+            object.__setattr__(self, "lora_dir", os.path.abspath(str(self.lora_dir)))
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
         if self.max_lora_rank > MAX_LORA_RANK:

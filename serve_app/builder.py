@@ -36,7 +36,9 @@ _ENGINE_TYPES = typing.get_type_hints(EngineConfig)
 
 class AppConfig(BaseModel):
     """Everything `build_app` accepts. Engine fields (block_size, pipeline_depth, ...) may be given at the
-    top level or under `engine`; unknown names are rejected with the list of valid ones."""
+    top level or under `engine`; unknown names are rejected with the list of valid ones. LoRA adapters are
+    engine fields too: `lora_modules` ({name: PEFT dir}), `lora_dir` (adapters by subdirectory name),
+    `max_loras`, `max_lora_rank`; either source turns enable_lora on."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -151,7 +153,8 @@ def build_app(args: dict | None = None) -> serve.Application:
                                graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s, **scaling)
     return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
-                        max_model_len, cfg.api_keys, cfg.limits.model_dump())
+                        max_model_len, cfg.api_keys, cfg.limits.model_dump(),
+                        lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir)
 
 
 def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):

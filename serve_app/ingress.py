@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from cluster.metrics import IngressMetrics, RequestTiming
 from cluster.protocol import GenerateChunk, GenerateRequest
 from dashboards.metrics import STATUS_CLIENT_CLOSED
+from engine.lora.request import LoRARequest, find_adapter, list_adapters, split_model_name
 from engine.models import load_hf_config
 from serve_app.errors import (APIError, bad_request, from_engine_failure, install_handlers, param_of,
                                replica_lost)
@@ -94,7 +95,8 @@ async def _off_loop(size: int, fn, *args, **kwargs):
 class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, model_dir: str, served_model_name: str, max_model_len: int,
                  api_keys: tuple[str, ...] = (), limits: dict | None = None,
-                 engine_deployment: str = "EngineReplica"):
+                 engine_deployment: str = "EngineReplica", lora_modules: dict[str, str] | None = None,
+                 lora_dir: str | None = None):
         self.engine = engine.options(stream=True)
         self.engine_unary = engine
         self.model_name = served_model_name
@@ -103,6 +105,7 @@ class OpenAIIngress:
         self.max_model_len = max_model_len
         self.limits = Limits(**(limits or {}))
         self.engine_deployment = engine_deployment
+        self.lora_modules, self.lora_dir = lora_modules, lora_dir  # LoRA adapters requests may name
         self.metrics = IngressMetrics()
         self._health: tuple[float, int] = (0.0, 0)  # (when asked, running engine replicas)
         api.state.tandem_metrics = self.metrics  # read by the error handlers, which see every failure
@@ -137,8 +140,12 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
+        adapters = [{"id": a.lora_name, "object": "model", "created": 0, "owned_by": "tandem",
+                     "root": a.lora_path, "parent": self.model_name, "max_model_len": self.max_model_len}
+                    for a in await asyncio.to_thread(list_adapters, self.lora_modules, self.lora_dir)]
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "tandem", "max_model_len": self.max_model_len}]}
+                                            "owned_by": "tandem", "max_model_len": self.max_model_len}]
+                + adapters}
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -172,8 +179,21 @@ class OpenAIIngress:
     # ---- request handling --------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
-                           type_="not_found_error", param="model", code="model_not_found")
+            self._lora_of(model)  # an adapter by name or as BASE:ADAPTER, else 404
+
+    def _lora_of(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names ("BASE:ADAPTER" or the adapter's own name); None for the base model;
+        404 model_not_found naming it when there is no such model or adapter."""
+        adapter = None if model is None else split_model_name(model, self.model_name)
+        if adapter is None:
+            return None
+        found = find_adapter(adapter, self.lora_modules, self.lora_dir) \
+            if self.lora_modules or self.lora_dir else None
+        if found is None:
+            what = f" and no LoRA adapter is named `{adapter}`" if self.lora_modules or self.lora_dir else ""
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`"
+                                f"{what}", type_="not_found_error", param="model", code="model_not_found")
+        return found
 
     async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -197,10 +217,13 @@ class OpenAIIngress:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}",
                               param="stop_token_ids")
         request_id = uuid.uuid4().hex
-        builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
+        lora = self._lora_of(body.model)
+        builder = ResponseBuilder(request_id, body.model if lora is not None else self.model_name, chat,
+                                  self._decode_token)
         try:  # errors before any output become proper HTTP statuses
             stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
-                                                                      ingress_time=timing.receipt_wall))
+                                                                      ingress_time=timing.receipt_wall,
+                                                                      lora_request=lora))
         except APIError as err:  # a grammar that does not compile: name the field the client set
             if err.param == "structured_outputs":
                 err.message = structured_error(err.message, body.structured_source)
