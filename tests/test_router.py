@@ -21,6 +21,7 @@ from cluster.protocol import GenerateRequest
 from cluster.router import PrefixAwareRouter, router_class
 from engine import LLM, SamplingParams
 from engine.block_manager import prefix_hashes
+from engine.lora import LoRARequest
 from serve_app import AppConfig, build_app
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="app")
@@ -372,3 +373,44 @@ def test_replica_env_reaches_both_deployments_over_the_defaults():
 def test_fixed_replicas_by_default():
     dep = engine_deployment(build_app({"device": "cpu"}))
     assert dep.num_replicas == 1 and dep._deployment_config.autoscaling_config is None
+
+
+# ---- LoRA adapter affinity -------------------------------------------------------------------------------
+
+def lora_pending(tokens: list[int], adapter: str) -> SimpleNamespace:
+    request = GenerateRequest(f"req-{next(_counter)}", list(tokens), SamplingParams(),
+                              lora_request=LoRARequest(adapter, f"/adapters/{adapter}"))
+    return SimpleNamespace(args=[request], kwargs={})
+
+
+def with_adapters(r: FakeReplica, *names: str) -> FakeReplica:
+    r.routing_stats["lora_adapters"] = list(names)
+    return r
+
+
+def test_adapter_affinity_prefers_a_replica_holding_the_adapter(router):
+    replicas = [replica("idle"), with_adapters(replica("holder", waiting=2), "sql", "chat"),
+                with_adapters(replica("other"), "chat")]
+    assert choose(router, replicas, lora_pending(prompt(20, 2), "sql"))[0] == "holder"
+    assert choose(router, replicas, lora_pending(prompt(20, 2), "chat"))[0] == "other"  # the less loaded holder
+    assert choose(router, replicas, lora_pending(prompt(20, 2), "new"))[0] == "idle"  # nobody holds it: load
+    assert choose(router, replicas, pending(prompt(20, 2)))[0] == "idle"  # base model: load
+
+
+def test_adapter_affinity_yields_to_overload_and_remembers_where_it_sent(router):
+    busy = with_adapters(replica("busy", waiting=50), "sql")
+    idle = replica("idle")
+    assert choose(router, [busy, idle], lora_pending(prompt(21, 2), "sql"))[0] == "idle"
+    fresh = [replica("a"), replica("b", waiting=1)]
+    route(router, fresh, lora_pending(prompt(22, 1), "sql"), to=fresh[1])  # before any report from b
+    assert choose(router, fresh, lora_pending(prompt(23, 1), "sql"))[0] == "b"
+
+
+def test_prefix_hashes_are_per_adapter(router):
+    """A replica caching the prompt's blocks for the base model is no prefix match for an adapter request."""
+    tokens = prompt(24, 4)
+    base = replica("base_cached", waiting=1, hashes=prefix_hashes(tokens, BS, 64))
+    assert choose(router, [base, replica("idle")], lora_pending(tokens, "sql"))[0] == "idle"
+    lora = LoRARequest("sql", "/adapters/sql")
+    cached = replica("lora_cached", waiting=1, hashes=prefix_hashes(tokens, BS, 64, lora.hash_root))
+    assert choose(router, [cached, replica("idle")], lora_pending(tokens, "sql"))[0] == "lora_cached"
