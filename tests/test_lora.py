@@ -17,6 +17,7 @@ from peft import LoraConfig, get_peft_model
 
 from engine import LLM, SamplingParams
 from engine.lora import LoRARequest
+from engine.attention import triton_paged
 from engine.lora.layers import LoRALinear
 from test_correctness_hf import MAX_NEW, assert_matches_hf, hf_greedy, make_prompts
 
@@ -200,3 +201,34 @@ def test_lora_dir_finds_adapters_by_subdirectory(adapters, tmp_path):
     for bad in ("../mine", "other", "."):
         with pytest.raises(ValueError, match="is not known"):
             llm.generate(prompt, SamplingParams(max_tokens=2), lora_request=bad)
+
+
+@pytest.mark.parametrize("cpu_blocks", [64, 0], ids=["offload", "soft_reset"])
+def test_preemption_under_adapters_matches_peft(adapters, cpu_blocks):
+    """KV pressure with two adapter slots for three adapters: preempted sequences give up their slot and get
+    one back (maybe another) when they resume; outputs are unchanged. The shared prefix under two adapters
+    must not be shared in the device cache or the host pool."""
+    path, hf, built = adapters("llama")
+    llm = lora_llm(path, built, max_loras=2, num_kv_blocks=16, num_cpu_blocks=cpu_blocks, admission_margin=0.0)
+    shared = make_prompts(seed=11, lengths=(12,))[0]
+    prompts = make_prompts(seed=12, lengths=(9, 14, 11)) + [shared + t for t in make_prompts(13, (2, 5, 3))]
+    loras = ["attn8", "all64", None, "mlp16", "attn8", "mlp16"]
+    for prompt, lora, ours in zip(prompts, loras, greedy(llm, prompts, loras)):
+        assert_matches_hf(oracle(hf, built, lora), prompt, ours)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert (stats["num_offloads"] > 0) == bool(cpu_blocks)
+
+
+@pytest.mark.skipif(not triton_paged.usable_on(torch.device("cpu")), reason="triton (interpreter) not available")
+def test_decode_graph_replay_reads_the_token_slots(adapters):
+    """Decode steps replayed as (emulated) graphs take each row's adapter from the step buffers."""
+    path, hf, built = adapters("llama")
+    llm = lora_llm(path, built, max_loras=3, attention_backend="triton", max_num_seqs=8, num_kv_blocks=96)
+    llm.engine.runner.capture_graphs(max_batch_size=4, emulate=True)
+    prompts = make_prompts(seed=14, lengths=(4, 10, 7))
+    loras = ["all64", None, "attn8"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), lora_request=loras)
+    for prompt, lora, out in zip(prompts, loras, outs):
+        assert_matches_hf(oracle(hf, built, lora), prompt, out.token_ids, 6)
+    assert llm.stats()["graph_steps"] > 0
