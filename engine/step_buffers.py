@@ -256,9 +256,12 @@ class StepBuffers:
 
     def _counts(self) -> dict[str, int]:
         t, s = self.num_tokens, self.num_seqs
-        return {**({"lora_slots": t} if self.lora else {}), "input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
-                "logits_indices": self.num_rows, "gather_dst": self.num_gather, "gather_src": self.num_gather,
-                "table_rows": s, "table_deltas": self.num_deltas}
+        counts = {"input_ids": t, "positions": t, "slot_mapping": t, "seq_lens": s, "query_start_loc": s + 1,
+                  "logits_indices": self.num_rows, "gather_dst": self.num_gather, "gather_src": self.num_gather,
+                  "table_rows": s, "table_deltas": self.num_deltas}
+        if self.lora:
+            counts["lora_slots"] = t
+        return counts
 
     # ---- device side (in stream order, before the forward) -------------------------------------------------
     def upload(self) -> None:
