@@ -4,8 +4,9 @@ from engine.async_engine import AsyncLLM
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "DEFAULT_MODEL_DIR", "EngineConfig", "LLM", "LLMEngine", "RequestOutput",
+__all__ = ["AsyncLLM", "DEFAULT_MODEL_DIR", "EngineConfig", "LLM", "LLMEngine", "LoRARequest", "RequestOutput",
            "SamplingParams", "TokenLogprob"]

@@ -232,3 +232,37 @@ def test_decode_graph_replay_reads_the_token_slots(adapters):
     for prompt, lora, out in zip(prompts, loras, outs):
         assert_matches_hf(oracle(hf, built, lora), prompt, out.token_ids, 6)
     assert llm.stats()["graph_steps"] > 0
+
+
+# ---- the slot LRU on its own (pure Python: exact slots and eviction order) ----------------------------------
+def _seq(adapter):
+    from engine.sequence import Sequence
+
+    seq = Sequence(f"r{id(adapter)}", None, [1, 2], SamplingParams(), frozenset(), 64, 512)
+    seq.lora = adapter
+    return seq
+
+
+def test_adapter_slots_lru_never_evicts_a_held_adapter():
+    from types import SimpleNamespace
+
+    from engine.lora.slots import AdapterSlots
+
+    a, b, c = (SimpleNamespace(key=k, name=n) for k, n in ((11, "a"), (22, "b"), (33, "c")))
+    slots = AdapterSlots(2)
+    sa, sb, sc, sa2 = _seq(a), _seq(b), _seq(c), _seq(a)
+    assert slots.acquire(sa) and slots.acquire(sb) and (sa.lora_slot, sb.lora_slot) == (1, 2)
+    assert [(op.slot, op.adapter.name) for op in slots.take_loads()] == [(1, "a"), (2, "b")]
+    assert not slots.acquire(sc) and sc.lora_slot == 0  # both held: c waits
+    assert slots.acquire(sa2) and sa2.lora_slot == 1 and not slots.take_loads()  # resident: no load
+    slots.release(sb)
+    slots.release(sa)
+    slots.release(sa2)
+    slots.release(sa2)  # idempotent
+    assert list(slots.idle) == [2, 1]  # b went idle first: least recently used
+    assert slots.acquire(sc) and sc.lora_slot == 2 and slots.num_evictions == 1
+    assert [(op.slot, op.adapter.name) for op in slots.take_loads()] == [(2, "c")]
+    assert sorted(slots.resident()) == ["a", "c"]
+    slots.check_integrity([sc])
+    with pytest.raises(AssertionError):
+        slots.check_integrity([])
