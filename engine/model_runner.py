@@ -169,7 +169,7 @@ class ModelRunner(StepRunner):
         meta = b.metadata(self.block_size)
         self.backend.prepare(meta)
         if self.lora is not None:
-            self.lora.prepare(b.dev["lora_slots"][:b.num_tokens])
+            self.lora.prepare(b.dev["lora_slots"][:b.num_tokens], b.lora_active)
         hidden = self.model(b.dev["input_ids"][:b.num_tokens], b.dev["positions"][:b.num_tokens],
                             self.kv_caches, meta)
         if b.num_rows:

@@ -121,6 +121,7 @@ class StepBuffers:
         sizes = {"tokens": limits.max_tokens, "seqs": limits.max_seqs, "seqs+1": limits.max_seqs + 1,
                  "deltas": limits.max_seqs * limits.max_blocks}
         self.lora = limits.lora
+        self.lora_active = False  # the staged step has a token under an adapter (set by stage_step)
         self.step = _Region(_step_fields(limits.lora), sizes, device, pin, real)
         self.sampling = _Region(_SAMPLING_FIELDS, sizes, device, pin, real)
         self.host = {**self.step.host, **self.sampling.host}
@@ -172,7 +173,9 @@ class StepBuffers:
         if t > lim.max_tokens or s > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
             raise ValueError(f"step of {t} tokens / {s} sequences exceeds the slot buffers {lim}")
         if self.lora:
-            n["lora_slots"][:t] = np.repeat(np.fromiter((c.seq.lora_slot for c in chunks), np.int32, s), lens)
+            slots = np.fromiter((c.seq.lora_slot for c in chunks), np.int32, s)
+            n["lora_slots"][:t] = np.repeat(slots, lens)
+            self.lora_active = bool(slots.any())  # host memory: no row uses an adapter -> eager steps skip LoRA
         starts_a = np.array(starts, dtype=np.int64)
         lens_a = np.array(lens, dtype=np.int64)
         rows_a = np.array(rows, dtype=np.int64)
@@ -216,6 +219,7 @@ class StepBuffers:
         n["logits_indices"][:s] = np.arange(1, s + 1) * per - 1
         if self.lora:
             n["lora_slots"][:t] = 0
+            self.lora_active = True  # the profile measures the LoRA path
         self.num_tokens, self.num_seqs, self.num_rows, self.num_gather, self.num_deltas = t, s, s, 0, 0
         self.width = -(-per // block_size)
         self.query_lens_host, self.seq_lens_host = [per] * s, [per] * s

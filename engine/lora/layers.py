@@ -41,9 +41,11 @@ class LoRAContext:
         self.scales = torch.zeros(max_loras + 1, max_loras, dtype=dtype, device=device)
         self.mask: torch.Tensor | None = None
 
-    def prepare(self, token_slots: torch.Tensor) -> None:
-        """token_slots [T] int: each token's slot (0 = none); called at the top of every forward."""
-        self.mask = self.scales.index_select(0, token_slots)  # [T, S]
+    def prepare(self, token_slots: torch.Tensor, active: bool = True) -> None:
+        """token_slots [T] int: each token's slot (0 = none); called at the top of every forward. `active`
+        False (a host-side fact: no token of the step uses an adapter) skips LoRA in an eager forward; a
+        graph always runs it (its kernels are fixed at capture)."""
+        self.mask = self.scales.index_select(0, token_slots) if active else None  # [T, S]
 
 
 class LoRALinear(nn.Module):
@@ -65,6 +67,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [T, out]
+        if self.ctx.mask is None:  # an eager step without adapter rows
+            return y
         t = x.shape[0]
         h = torch.mm(x, self.lora_a.t()).view(t, self.num_slots, self.block)  # [T, S, n * R]
         h = (h * self.ctx.mask.unsqueeze(-1)).view(t, -1)
@@ -106,8 +110,8 @@ class LoRAModel:
                 wrapped[name] = lin
             self.layers.append(wrapped)
 
-    def prepare(self, token_slots: torch.Tensor) -> None:
-        self.ctx.prepare(token_slots)
+    def prepare(self, token_slots: torch.Tensor, active: bool = True) -> None:
+        self.ctx.prepare(token_slots, active)
 
     @torch.inference_mode()
     def load_slot(self, slot: int, adapter) -> None:
