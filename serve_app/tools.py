@@ -5,7 +5,8 @@ As vLLM does it: `tool_choice` "auto" lets the model answer freely and the deplo
 object valid against that function's `parameters` (the output is the arguments); "required" constrains it to
 a JSON array (at least one item, at most one without `parallel_tool_calls`) of `{"name": NAME, "parameters":
 ARGS}` objects, anyOf over the tools, parsed straight into tool_calls. Constraints go through the engine's
-structured output (xgrammar), so such a call is always valid JSON for the tool's parameters.
+structured output (xgrammar), so such a call is always valid JSON for the tool's parameters; compact JSON
+(no free whitespace), so a call costs the tokens it needs and no model pads it into `length`.
 """
 
 from __future__ import annotations
@@ -118,14 +119,14 @@ def constraint(body) -> StructuredOutputsParams | None:
         return None
     tools = {t.function.name: t.function.parameters or _EMPTY_PARAMETERS for t in body.tools}
     if isinstance(body.tool_choice, NamedToolChoice):
-        return StructuredOutputsParams(json=tools[body.tool_choice.function.name])
+        return StructuredOutputsParams(json=tools[body.tool_choice.function.name], disable_any_whitespace=True)
     items = {"type": "object", "anyOf": [
         {"properties": {"name": {"type": "string", "const": name}, "parameters": schema},
          "required": ["name", "parameters"]} for name, schema in tools.items()]}
     array: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
     if body.parallel_tool_calls is False:
         array["maxItems"] = 1
-    return StructuredOutputsParams(json=array)
+    return StructuredOutputsParams(json=array, disable_any_whitespace=True)
 
 
 def output_parser(body, parser_name: str | None) -> ToolParser | None:
