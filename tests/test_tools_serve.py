@@ -118,3 +118,24 @@ def test_tools_without_parser_or_template_are_400(client, plain_client):
     with pytest.raises(openai.BadRequestError) as err:
         create(client, tool_choice="required", response_format={"type": "json_object"})
     assert err.value.body["param"] == "tool_choice"
+
+
+def test_auto_parses_hermes_calls_whole_and_streamed(client):
+    """tool_choice "auto" with the model's output pinned (guided_choice) to a Hermes-format reply: the deployment's
+    parser turns it into tool_calls, and the stream's pieces reassemble into the same call."""
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    pinned = {"guided_choice": [text]}
+    r = create(client, extra_body=pinned, max_tokens=128).choices[0]
+    assert r.finish_reason == "tool_calls" and r.message.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == \
+        [("get_weather", {"city": "Oslo"})]
+    content, name, args, reasons = "", None, "", []
+    for chunk in create(client, extra_body=pinned, max_tokens=128, stream=True):
+        delta = chunk.choices[0].delta
+        reasons.append(chunk.choices[0].finish_reason)
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            name = tc.function.name or name
+            args += tc.function.arguments or ""
+    assert (content, name, json.loads(args)) == ("Checking.", "get_weather", {"city": "Oslo"})
+    assert args == r.message.tool_calls[0].function.arguments and reasons[-1] == "tool_calls"
