@@ -204,6 +204,11 @@ class ChatCompletionRequest(_SamplingFields):
         """tool_choice "required" or a named function is a constraint of its own (checked not to clash)."""
         return tool_constraint(self) or super()._structured()
 
+    @property
+    def structured_source(self) -> str | None:
+        """"tools" when tool_choice constrains the output: a schema the engine cannot compile names them."""
+        return "tools" if tool_constraint(self) is not None else super().structured_source
+
 
 def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
     if fmt.type == "json_object":

@@ -75,8 +75,9 @@ def check_tools(body, parser_name: str | None, chat_template: Any) -> None:
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not among the tools "
                           f"({', '.join(names)})", param="tool_choice")
-    if choice not in (None, "auto") and body.structured_source is not None:
-        raise bad_request(f"tool_choice {_label(choice)!r} cannot be combined with {body.structured_source}",
+    others = body._structured_sources()  # the structured-output fields the client set
+    if choice not in (None, "auto") and others:
+        raise bad_request(f"tool_choice {_label(choice)!r} cannot be combined with {others[0]}",
                           param="tool_choice")
 
 

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 
 from engine.config import DEFAULT_MODEL_DIR
 from serve_app.errors import APIError
-from serve_app.protocol import ChatCompletionRequest
+from serve_app.builder import AppConfig
+from serve_app.protocol import ChatCompletionRequest, structured_error
 from serve_app.tools import check_tools, constraint, template_message, template_tools
 from tool_template import tool_model_dir
 
@@ -97,5 +98,13 @@ def test_constraints_follow_vllm():
     assert [b["properties"]["name"]["const"] for b in branches] == ["get_weather", "get_time"]
     assert branches[0]["properties"]["parameters"] == params
     assert "maxItems" not in schema(constraint(request(tools=[WEATHER], tool_choice="required")))
+    assert named.structured_source == "tools" and request(tools=[WEATHER]).structured_source is None
+    assert structured_error("structured_outputs.json: bad schema", named.structured_source) == "tools: bad schema"
     assert constraint(request(tools=[WEATHER])) is None and constraint(request(tools=[WEATHER],
                                                                                tool_choice="none")) is None
+
+
+def test_app_config_tool_parser_is_checked():
+    assert AppConfig(tool_parser="hermes").tool_parser == "hermes" and AppConfig().tool_parser is None
+    with pytest.raises(ValidationError, match=r"hermes.*llama3_json.*mistral"):
+        AppConfig(tool_parser="qwen")
