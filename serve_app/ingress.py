@@ -29,7 +29,7 @@ from dashboards.metrics import STATUS_CLIENT_CLOSED
 from engine.models import load_hf_config
 from serve_app.errors import (APIError, bad_request, from_engine_failure, install_handlers, param_of,
                                replica_lost)
-from serve_app.limits import Limits, check_context, check_request
+from serve_app.limits import Limits, check_context, check_request, check_tool_schemas
 from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
 from serve_app.responses import Accumulated, ResponseBuilder, sse
@@ -161,6 +161,7 @@ class OpenAIIngress:
         timing = RequestTiming()
         self._check_model(body.model)
         check_request(body, self.limits)
+        check_tool_schemas(body, self.limits)
         check_tools(body, self.tool_parser, self.tokenizer.chat_template)
         try:
             messages = [template_message(m) for m in body.messages]

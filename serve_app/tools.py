@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import StructuredOutputsParams
 from serve_app.errors import bad_request
@@ -28,6 +28,15 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI: the parameters are a JSON schema for the arguments object (the rest the grammar compiler
+        checks when the schema is used as a constraint)."""
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f"tools: function.parameters must be a JSON schema of type object, got {v['type']!r}")
+        return v
 
 
 class ToolDefinition(BaseModel):

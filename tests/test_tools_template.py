@@ -78,7 +78,8 @@ def test_request_checks(tokenizer):
     check_tools(request(tools=[WEATHER], tool_choice="none"), None, None)  # tools not used: no parser needed
     check_tools(request(tools=[WEATHER]), "hermes", tokenizer.chat_template)
     for bad in ({"type": "function", "function": {"name": "has space"}}, {"type": "x", "function": {"name": "f"}},
-                {"type": "function", "function": {"name": "f", "parameters": [1]}}):
+                {"type": "function", "function": {"name": "f", "parameters": [1]}},
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}):
         with pytest.raises(ValidationError):
             request(tools=[bad])
 
@@ -108,3 +109,14 @@ def test_app_config_tool_parser_is_checked():
     assert AppConfig(tool_parser="hermes").tool_parser == "hermes" and AppConfig().tool_parser is None
     with pytest.raises(ValidationError, match=r"hermes.*llama3_json.*mistral"):
         AppConfig(tool_parser="qwen")
+
+
+def test_tool_schemas_are_held_to_the_schema_limits():
+    from serve_app.limits import Limits, check_tool_schemas
+
+    deep: dict = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"x": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    assert _status(check_tool_schemas, request(tools=[tool]), Limits())[:2] == (400, "tools")
+    check_tool_schemas(request(tools=[WEATHER]), Limits())
