@@ -20,6 +20,7 @@ from engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.models import load_hf_config, model_spec
 from serve_app.ingress import OpenAIIngress
 from serve_app.limits import Limits
+from serve_app.tool_parsers import get_tool_parser
 
 # Serve runs a replica's user code in a thread of its own by default. Here it runs on Serve's own loop: the
 # engine replica's stream generator is then asked for its next chunk only once Ray has taken the last one,
@@ -84,6 +85,16 @@ class AppConfig(BaseModel):
     health_check_period_s: float = Field(default=5.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
     engine: dict[str, Any] = Field(default_factory=dict)
+    # Tool calling (serve_app/tool_parsers.py): the format this model writes its calls in ("hermes" for
+    # Qwen2.5/Qwen3, "llama3_json", "mistral"). None: requests with tools get a 400.
+    tool_parser: str | None = None
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parser(cls, v: str | None) -> str | None:
+        if v is not None:
+            get_tool_parser(v)  # ValueError listing the valid names
+        return v
 
     @field_validator("api_key")
     @classmethod
@@ -154,7 +165,8 @@ def build_app(args: dict | None = None) -> serve.Application:
                                graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s, **scaling)
     return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
                         max_model_len, cfg.api_keys, cfg.limits.model_dump(),
-                        lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir)
+                        lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
+                        tool_parser=cfg.tool_parser)
 
 
 def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):

@@ -39,7 +39,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs", "prompt",
                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                "structured_outputs", "logit_bias", "allowed_token_ids")
+                "structured_outputs", "logit_bias", "allowed_token_ids", "tools")
 
 
 def param_of(message: str, fields: tuple[str, ...] = PARAM_FIELDS) -> str | None:

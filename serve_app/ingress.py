@@ -30,10 +30,12 @@ from engine.lora.request import LoRARequest, find_adapter, list_adapters, split_
 from engine.models import load_hf_config
 from serve_app.errors import (APIError, bad_request, from_engine_failure, install_handlers, param_of,
                                replica_lost)
-from serve_app.limits import Limits, check_context, check_request
+from serve_app.limits import Limits, check_context, check_request, check_tool_schemas
 from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
 from serve_app.responses import Accumulated, ResponseBuilder, sse
+from serve_app.tool_parsers import get_tool_parser
+from serve_app.tools import check_tools, output_parser, template_message, template_tools
 
 logger = logging.getLogger("ray.serve")
 
@@ -96,7 +98,7 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, model_dir: str, served_model_name: str, max_model_len: int,
                  api_keys: tuple[str, ...] = (), limits: dict | None = None,
                  engine_deployment: str = "EngineReplica", lora_modules: dict[str, str] | None = None,
-                 lora_dir: str | None = None):
+                 lora_dir: str | None = None, tool_parser: str | None = None):
         self.engine = engine.options(stream=True)
         self.engine_unary = engine
         self.model_name = served_model_name
@@ -106,6 +108,7 @@ class OpenAIIngress:
         self.limits = Limits(**(limits or {}))
         self.engine_deployment = engine_deployment
         self.lora_modules, self.lora_dir = lora_modules, lora_dir  # LoRA adapters requests may name
+        self.tool_parser = tool_parser and get_tool_parser(tool_parser).name  # validated: the name or None
         self.metrics = IngressMetrics()
         self._health: tuple[float, int] = (0.0, 0)  # (when asked, running engine replicas)
         api.state.tandem_metrics = self.metrics  # read by the error handlers, which see every failure
@@ -165,16 +168,19 @@ class OpenAIIngress:
         timing = RequestTiming()
         self._check_model(body.model)
         check_request(body, self.limits)
+        check_tool_schemas(body, self.limits)
+        check_tools(body, self.tool_parser, self.tokenizer.chat_template)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            size = sum(len(m["content"]) for m in messages)
-            text = await _off_loop(size, self.tokenizer.apply_chat_template, messages,
+            messages = [template_message(m) for m in body.messages]
+            tools = template_tools(body)
+            size = sum(len(m["content"]) for m in messages) + (len(str(tools)) if tools else 0)
+            text = await _off_loop(size, self.tokenizer.apply_chat_template, messages, tools=tools,
                                    add_generation_prompt=body.add_generation_prompt, tokenize=False)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
         prompt_ids = await _off_loop(len(text), self.tokenizer.encode, text, add_special_tokens=False)
         return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request,
-                                 timing=timing)
+                                 timing=timing, tool_parser=output_parser(body, self.tool_parser))
 
     # ---- request handling --------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -205,12 +211,14 @@ class OpenAIIngress:
         return prompt
 
     async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
-                     timing: RequestTiming, echo: str = ""):
+                     timing: RequestTiming, echo: str = "", tool_parser=None):
         try:
             params = body.sampling_params()
         except ValueError as exc:
             message = structured_error(str(exc), body.structured_source)
             raise bad_request(message, param=param_of(message)) from None
+        if tool_parser is not None and tool_parser.keep_special_tokens:  # its call marker is a special token
+            params.skip_special_tokens = False
         check_context(len(prompt_ids), params.max_tokens, self.max_model_len, chat)
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
@@ -220,6 +228,7 @@ class OpenAIIngress:
         lora = self._lora_of(body.model)
         builder = ResponseBuilder(request_id, body.model if lora is not None else self.model_name, chat,
                                   self._decode_token)
+        builder.tool_parser = tool_parser
         try:  # errors before any output become proper HTTP statuses
             stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
                                                                       ingress_time=timing.receipt_wall,
@@ -260,11 +269,13 @@ class OpenAIIngress:
         try:
             if builder.chat:
                 yield sse(builder.first_chat_chunk())
-            yield sse(builder.chunk(first, want_logprobs))
+            for payload in builder.chunks(first, want_logprobs):
+                yield sse(payload)
             async for chunk in stream:
                 timing.chunk(chunk)
                 last = chunk
-                yield sse(builder.chunk(chunk, want_logprobs))
+                for payload in builder.chunks(chunk, want_logprobs):
+                    yield sse(payload)
             if include_usage:
                 yield sse(builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens))
             status, reason = 200, last.finish_reason

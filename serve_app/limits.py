@@ -119,3 +119,10 @@ def nesting_depth(value: Any) -> int:
         deepest = max(deepest, depth)
         stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def check_tool_schemas(body, limits: Limits) -> None:
+    """Each tool's `parameters` schema is held to the schema limits (it may become a grammar), naming `tools`."""
+    for tool in getattr(body, "tools", None) or []:
+        if tool.function.parameters is not None:
+            _check_schema("tools", tool.function.parameters, limits)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from serve_app.tools import ToolChoice, ToolDefinition, constraint as tool_constraint
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -166,6 +167,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (serve_app/tools.py)
+    tool_call_id: str | None = None  # a role "tool" result: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         """Plain-text content; list content keeps its text parts (this server has no image input)."""
@@ -187,11 +191,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's default)
+    parallel_tool_calls: bool | None = None
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs)
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        """tool_choice "required" or a named function is a constraint of its own (checked not to clash)."""
+        return tool_constraint(self) or super()._structured()
+
+    @property
+    def structured_source(self) -> str | None:
+        """"tools" when tool_choice constrains the output: a schema the engine cannot compile names them."""
+        return "tools" if tool_constraint(self) is not None else super().structured_source
 
 
 def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:

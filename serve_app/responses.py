@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import GenerateChunk
 from engine.outputs import TokenLogprob
+from serve_app.tool_parsers import ToolParser, ToolStreamer
 
 
 @dataclass
@@ -47,6 +48,8 @@ class ResponseBuilder:
         self.chat = chat
         self.created = int(time.time())
         self.decode = decode
+        self.tool_parser: ToolParser | None = None  # set for a chat request whose output may hold tool calls
+        self._tool_stream: ToolStreamer | None = None
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -57,6 +60,8 @@ class ResponseBuilder:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
+            if self.tool_parser is not None:
+                _with_tool_calls(choice, self.tool_parser, acc.text)
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": acc.text, "logprobs": lp, "finish_reason": acc.finish_reason}
@@ -79,6 +84,24 @@ class ResponseBuilder:
         choice = {"index": 0, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
         return self._envelope("text_completion", [choice])
 
+    def chunks(self, c: GenerateChunk, want_logprobs: bool) -> list[dict]:
+        """The SSE payloads for one engine chunk: one, or with tools one per content / tool_calls delta
+        (a call's header and its argument pieces each in a chunk of their own, as OpenAI streams them)."""
+        if self.tool_parser is None:
+            return [self.chunk(c, want_logprobs)]
+        if self._tool_stream is None:
+            self._tool_stream = ToolStreamer(self.tool_parser)
+        stream = self._tool_stream
+        deltas = stream.feed(c.delta_text) + (stream.finish() if c.finished else [])
+        lp = self._logprobs(c.delta_logprobs or []) if want_logprobs else None
+        out = [self._envelope("chat.completion.chunk", [{"index": 0, "delta": d, "logprobs": lp if i == 0 else None,
+                                                         "finish_reason": None}]) for i, d in enumerate(deltas)]
+        if c.finished:
+            reason = "tool_calls" if stream.made_calls and c.finish_reason == "stop" else c.finish_reason
+            out.append(self._envelope("chat.completion.chunk", [{"index": 0, "delta": {}, "logprobs": None,
+                                                                 "finish_reason": reason}]))
+        return out
+
     def usage_chunk(self, num_prompt: int, num_output: int) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = usage(num_prompt, num_output)
@@ -95,3 +118,14 @@ class ResponseBuilder:
         return {"tokens": [self.decode(e.token_id) for e in entries],
                 "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{self.decode(t): lp for t, lp in e.top} for e in entries]}
+
+
+def _with_tool_calls(choice: dict, parser: ToolParser, text: str) -> None:
+    """Move the calls found in a whole chat output into message.tool_calls (content keeps the rest)."""
+    content, calls = parser.extract(text)
+    if not calls:
+        return
+    choice["message"] = {"role": "assistant", "content": content,
+                         "tool_calls": [call.to_openai() for call in calls]}
+    if choice["finish_reason"] == "stop":
+        choice["finish_reason"] = "tool_calls"
