@@ -51,7 +51,8 @@ class Sequence:
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
-                 "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row")
+                 "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
+                 "prompt_logprobs", "prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -98,6 +99,10 @@ class Sequence:
         # request waiting at the head of the queue is not re-hashed every tick (BlockManager.cached_prefix).
         self.prompt_hashes: tuple[int, list[int]] | None = None
         self.table_row: int | None = None  # its row in the runner's persistent block tables (engine/block_tables.py)
+        # SamplingParams.prompt_logprobs: per prompt position (engine/prompt_logprobs.py), the first stays None.
+        self.prompt_logprobs: list | None = \
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:
