@@ -146,8 +146,6 @@ class OpenAIIngress:
         self._check_model(body.model)
         check_request(body, self.limits)
         prompt_ids = await self._encode_prompt(body.prompt)
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", param="echo")
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             await _off_loop(4 * len(prompt_ids), self.tokenizer.decode, prompt_ids)
         return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
@@ -198,6 +196,7 @@ class OpenAIIngress:
                               param="stop_token_ids")
         request_id = uuid.uuid4().hex
         builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
+        _set_logprob_echo(builder, body, prompt_ids, chat)
         try:  # errors before any output become proper HTTP statuses
             stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
                                                                       ingress_time=timing.receipt_wall))
@@ -265,3 +264,11 @@ class OpenAIIngress:
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _set_logprob_echo(builder: ResponseBuilder, body, prompt_ids: list[int], chat: bool) -> None:
+    """Completions echo with logprobs lists the prompt's tokens first; prompt_logprobs answers in vLLM's form."""
+    builder.prompt_logprobs_k = body.prompt_logprobs
+    if not chat and body.echo and body.logprobs is not None:
+        builder.completion_logprobs.echo_prompt_ids = prompt_ids
+        builder.completion_logprobs.echo_k = body.logprobs

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import GenerateChunk
 from engine.outputs import TokenLogprob
+from serve_app.logprobs_format import CompletionLogprobs, prompt_logprobs_json
 
 
 @dataclass
@@ -20,8 +21,11 @@ class Accumulated:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, chunk: GenerateChunk) -> None:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.text += chunk.delta_text
         self.token_ids += chunk.delta_token_ids
         self.logprobs += chunk.delta_logprobs or []
@@ -47,13 +51,15 @@ class ResponseBuilder:
         self.chat = chat
         self.created = int(time.time())
         self.decode = decode
+        self.completion_logprobs = CompletionLogprobs(decode)  # text_offset runs on across chunks
+        self.prompt_logprobs_k: int | None = None  # the request's prompt_logprobs: answer them in that format
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     # ---- whole responses ---------------------------------------------------------------------------------
     def full(self, acc: Accumulated, want_logprobs: bool) -> dict:
-        lp = self._logprobs(acc.logprobs) if want_logprobs else None
+        lp = self._logprobs(acc.logprobs, acc.prompt_logprobs) if want_logprobs else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
@@ -62,6 +68,7 @@ class ResponseBuilder:
             choice = {"index": 0, "text": acc.text, "logprobs": lp, "finish_reason": acc.finish_reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage(acc.num_prompt_tokens, acc.num_output_tokens)
+        self._add_prompt_logprobs(body, acc.prompt_logprobs)
         return body
 
     # ---- streamed chunks ---------------------------------------------------------------------------------
@@ -71,13 +78,20 @@ class ResponseBuilder:
                                 "finish_reason": None}])
 
     def chunk(self, c: GenerateChunk, want_logprobs: bool) -> dict:
-        lp = self._logprobs(c.delta_logprobs or []) if want_logprobs else None
+        lp = self._logprobs(c.delta_logprobs or [], c.prompt_logprobs) if want_logprobs else None
         if self.chat:
             delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
+            return self._add_prompt_logprobs(self._envelope("chat.completion.chunk", [choice]), c.prompt_logprobs)
         choice = {"index": 0, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
-        return self._envelope("text_completion", [choice])
+        return self._add_prompt_logprobs(self._envelope("text_completion", [choice]), c.prompt_logprobs)
+
+    def _add_prompt_logprobs(self, body: dict, entries: list[TokenLogprob | None] | None) -> dict:
+        """vLLM's places: the choice for completions, the response for chat (first chunk when streaming)."""
+        if self.prompt_logprobs_k is not None and entries is not None:
+            lp = prompt_logprobs_json(entries, self.decode, self.prompt_logprobs_k)
+            (body if self.chat else body["choices"][0])["prompt_logprobs"] = lp
+        return body
 
     def usage_chunk(self, num_prompt: int, num_output: int) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
@@ -85,13 +99,11 @@ class ResponseBuilder:
         return body
 
     # ---- logprobs ----------------------------------------------------------------------------------------
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict:
+    def _logprobs(self, entries: list[TokenLogprob], prompt: list[TokenLogprob | None] | None = None) -> dict:
         if self.chat:
             return {"content": [{"token": self.decode(e.token_id), "logprob": e.logprob,
                                  "bytes": list(self.decode(e.token_id).encode()),
                                  "top_logprobs": [{"token": self.decode(t), "logprob": lp,
                                                    "bytes": list(self.decode(t).encode())} for t, lp in e.top]}
                                 for e in entries]}
-        return {"tokens": [self.decode(e.token_id) for e in entries],
-                "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.decode(t): lp for t, lp in e.top} for e in entries]}
+        return self.completion_logprobs.build(entries, prompt)
