@@ -30,6 +30,7 @@ from engine.models import load_hf_config
 from serve_app.errors import (APIError, bad_request, from_engine_failure, install_handlers, param_of,
                                replica_lost)
 from serve_app.limits import Limits, check_context, check_request
+from serve_app.logprobs_format import set_logprob_echo
 from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
 from serve_app.responses import Accumulated, ResponseBuilder, sse
@@ -196,7 +197,7 @@ class OpenAIIngress:
                               param="stop_token_ids")
         request_id = uuid.uuid4().hex
         builder = ResponseBuilder(request_id, self.model_name, chat, self._decode_token)
-        _set_logprob_echo(builder, body, prompt_ids, chat)
+        set_logprob_echo(builder, body, prompt_ids, chat)
         try:  # errors before any output become proper HTTP statuses
             stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
                                                                       ingress_time=timing.receipt_wall))
@@ -265,10 +266,3 @@ class OpenAIIngress:
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-
-def _set_logprob_echo(builder: ResponseBuilder, body, prompt_ids: list[int], chat: bool) -> None:
-    """Completions echo with logprobs lists the prompt's tokens first; prompt_logprobs answers in vLLM's form."""
-    builder.prompt_logprobs_k = body.prompt_logprobs
-    if not chat and body.echo and body.logprobs is not None:
-        builder.completion_logprobs.echo_prompt_ids = prompt_ids
-        builder.completion_logprobs.echo_k = body.logprobs

@@ -51,3 +51,12 @@ def prompt_logprobs_json(entries: list[TokenLogprob | None], decode, k: int) -> 
         d[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": decode(e.token_id)}
         out.append(d)
     return out
+
+
+def set_logprob_echo(builder, body, prompt_ids: list[int], chat: bool) -> None:
+    """Set up a ResponseBuilder: completions echo with logprobs lists the prompt's tokens first, and a
+    request's prompt_logprobs are answered in vLLM's format."""
+    builder.prompt_logprobs_k = body.prompt_logprobs
+    if not chat and body.echo and body.logprobs is not None:
+        builder.completion_logprobs.echo_prompt_ids = prompt_ids
+        builder.completion_logprobs.echo_k = body.logprobs

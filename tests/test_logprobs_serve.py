@@ -116,8 +116,11 @@ def test_chat_logprobs_streamed_equal_whole_and_hf(client, hf):
                                                           temperature=0, logprobs=True, top_logprobs=3, stream=True,
                                                           extra_body={"ignore_eos": True})
                 if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in streamed] == \
-        [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
+    # Same tokens; values equal up to float noise (the second request's prefill may hit the prefix cache).
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, [t.token for t in e.top_logprobs]) for e in content]
+    flat = [[e.logprob] + [t.logprob for t in e.top_logprobs] for e in streamed]
+    assert flat == [pytest.approx([e.logprob] + [t.logprob for t in e.top_logprobs], abs=1e-5) for e in content]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = tok.encode(text, add_special_tokens=False)
     out_ids = hf_greedy(model, prompt_ids, 8)
