@@ -87,3 +87,21 @@ def test_prompt_logprobs_validated():
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_sim_and_pipeline_engines_reject_prompt_logprobs(tiny_model_factory):
+    """They cannot score prompt positions: a clear ValueError naming the field (HTTP 400), not a silent None."""
+    from engine.config import EngineConfig
+    from engine.pipeline import LocalStageGroup, PipelineEngine
+    from engine.sim import SIM_MODELS
+
+    sim = LLM(str(SIM_MODELS / "qwen2.5-0.5b"), device="sim", max_model_len=256, max_num_seqs=4)
+    path, _ = tiny_model_factory("llama", num_hidden_layers=4)
+    pp = PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2), LocalStageGroup)
+    try:
+        for engine in (sim.engine, pp):
+            with pytest.raises(ValueError, match="^prompt_logprobs"):
+                engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, prompt_logprobs=0))
+    finally:
+        sim.shutdown()
+        pp.shutdown()
