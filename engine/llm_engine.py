@@ -32,6 +32,7 @@ from engine.lora.request import LoRARequest
 from engine.lora.slots import AdapterSlots
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
+from engine import prompt_logprobs
 from engine.outputs import RequestOutput, StepRecord, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -148,6 +149,8 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids, params)
+        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
+            raise ValueError(f"prompt_logprobs is not supported by this engine ({type(self.runner).__name__})")
         adapter = self._adapter(lora_request) if lora_request is not None else None
         seq = Sequence(request_id, text, ids, params, self.eos_token_ids, self.max_model_len,
                        self.spec.vocab_size, self.device)
@@ -316,6 +319,8 @@ class LLMEngine:
         self.host_time["wait"] += t1 - t0
         self._record_timing(step, result, t1 - t0)
         try:
+            if result.prompt_logprobs is not None:
+                prompt_logprobs.commit(result.prompt_logprobs)
             return self._commit_tokens(step, result)
         finally:
             self.host_time["commit"] += time.perf_counter() - t1
@@ -419,7 +424,7 @@ class LLMEngine:
         seq.num_emitted_tokens = seq.num_output_tokens
         out_ids = seq.output_token_ids
         now = time.monotonic()
-        return RequestOutput(
+        out = RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             token_ids=out_ids, text=seq.detok.text, finished=seq.finalized, finish_reason=seq.finish_reason,
             logprobs=None if seq.logprobs is None else list(seq.logprobs),
@@ -428,6 +433,9 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached, arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
             finish_time=now if seq.finalized else None, output_time=now)
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = list(seq.prompt_logprobs), True
+        return out
 
     def _fail_step(self, step: Step, exc: Exception, error: str | None = None) -> list[RequestOutput]:
         outputs = []

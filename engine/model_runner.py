@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from engine import prompt_logprobs
 from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -36,6 +37,7 @@ MAX_GRAPH_BATCH_SIZE = 512
 
 
 class ModelRunner(StepRunner):
+    supports_prompt_logprobs = True
     def __init__(self, config: EngineConfig, hf_config, spec: ModelSpec, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0):
         threaded = config.cpu_executor_thread and config.pipeline_depth > 1
@@ -130,7 +132,8 @@ class ModelRunner(StepRunner):
         return self.graphs.sizes[-1] if self.graphs else 0
 
     def _graph_size(self, step: Step) -> int | None:
-        if self.graphs is None or not all(c.num_tokens == 1 and c.samples for c in step.chunks):
+        if self.graphs is None or step.prompt_logprobs is not None or \
+                not all(c.num_tokens == 1 and c.samples for c in step.chunks):
             return None
         return self.graphs.padded_size(len(step.chunks))
 
@@ -138,6 +141,8 @@ class ModelRunner(StepRunner):
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
         """Enqueue the forward of a planned step into `slot`. Pending input tokens come from `prev`'s slot."""
         step = self._new_step(sched, slot)
+        if self._wants_prompt_logprobs(sched.chunks):
+            step.prompt_logprobs = prompt_logprobs.plan_step(sched.chunks)
         step.graph_size = self._graph_size(step)
         self._stage(step, pad_to=step.graph_size)
         prev_sampled = prev.slot.sampled if prev is not None else None
@@ -161,10 +166,20 @@ class ModelRunner(StepRunner):
             if step.graph_size is not None:
                 self.graphs.replay(step.slot, step.graph_size)
             else:
-                self._eager_forward(step.slot)
+                hidden = self._eager_forward(step.slot)
+                if step.prompt_logprobs is not None:
+                    prompt_logprobs.compute(step.prompt_logprobs, hidden, self.model.logits)
         ex.mark(step.id, FWD_END)
 
-    def _eager_forward(self, slot: DecodeSlot) -> None:
+    @staticmethod
+    def _wants_prompt_logprobs(chunks) -> bool:
+        for c in chunks:
+            if c.seq.prompt_logprobs is not None:
+                return True
+        return False
+
+    def _eager_forward(self, slot: DecodeSlot) -> torch.Tensor:
+        """The step's forward, its sampling rows' logits into the slot; returns the hidden states."""
         b = slot.inputs
         meta = b.metadata(self.block_size)
         self.backend.prepare(meta)
@@ -175,6 +190,7 @@ class ModelRunner(StepRunner):
         if b.num_rows:
             rows = hidden.index_select(0, b.dev["logits_indices"][:b.num_rows])
             self.model.logits(rows, out=slot.logits[:b.num_rows])
+        return hidden
 
     def _decode_forward(self, slot: DecodeSlot, size: int, meta) -> None:
         """What a decode graph holds: `size` one-token rows, all sampled, logits into the slot's buffer."""

@@ -12,6 +12,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # prompt logprobs: 1 + tokens the model found strictly more likely
 
 
 @dataclass(slots=True)
@@ -41,6 +42,8 @@ class RequestOutput:
     finish_time: float | None = None
     output_time: float = 0.0  # when this output was produced (its tokens committed)
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), on the first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -66,4 +69,6 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     newer.delta_text = older.delta_text + newer.delta_text
     if newer.delta_logprobs is not None:
         newer.delta_logprobs = (older.delta_logprobs or []) + newer.delta_logprobs
+    if newer.prompt_logprobs is None:
+        newer.prompt_logprobs = older.prompt_logprobs  # sent once: a merged-away first output carried them
     return newer

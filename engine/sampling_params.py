@@ -125,6 +125,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
+    # vLLM's prompt_logprobs: None off; 0: each prompt token's own logprob (the first is None); k: plus top-k.
+    # Such a request never reads the prefix cache (every prompt position's logits are computed).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalize_stop(self.stop)
@@ -161,6 +164,9 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
+        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         for tid in self.stop_token_ids:
             _check_int("stop_token_ids", tid, 0)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -220,7 +220,9 @@ class Scheduler:
         while (self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs
                and not self._starved and not self.swapped):
             seq = self.waiting[0]
-            hits, hashes = self.bm.cached_prefix(seq.token_ids, self.bm.prompt_hashes(seq))
+            # prompt_logprobs needs every prompt position's logits: such a request never reads the cache.
+            hits, hashes = self.bm.cached_prefix(seq.token_ids, self.bm.prompt_hashes(seq)) \
+                if seq.params.prompt_logprobs is None else ([], [])
             computed = len(hits) * self.bm.block_size
             n = min(seq.num_total - computed, budget[0])
             # Cached hits sitting in the free queue are taken back out of it, so they count as needed.

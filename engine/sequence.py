@@ -52,7 +52,8 @@ class Sequence:
                  "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
-                 "lora", "lora_slot", "hash_root")
+                 "lora", "lora_slot", "hash_root",
+                 "prompt_logprobs", "prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -102,6 +103,10 @@ class Sequence:
         self.lora = None  # engine.lora.adapter.LoRAAdapter the request runs under; None = the base model
         self.lora_slot = 0  # the device slot holding it while the sequence runs (engine/lora/slots.py); 0 = none
         self.hash_root = 0  # seeds its blocks' prefix-cache hash chain: the adapter's identity (0 = base model)
+        # SamplingParams.prompt_logprobs: per prompt position (engine/prompt_logprobs.py), the first stays None.
+        self.prompt_logprobs: list | None = \
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,6 +55,7 @@ class StepResult:
     sample_s: float
     period_s: float = 0.0
     sample_wait_s: float = 0.0  # the compute queue idled this long between the forward and sampling
+    prompt_logprobs: object | None = None  # engine.prompt_logprobs.PromptLogprobPlan, scored (host-readable)
 
 
 @dataclass(slots=True)
@@ -73,3 +74,4 @@ class Step:
     graph_size: int | None = None  # padded batch size of the CUDA graph replayed, None = eager forward
     num_logprobs: int = -1  # what the sampler produced: -1 none, 0 chosen token only, k top-k too
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)
+    prompt_logprobs: object | None = None  # engine.prompt_logprobs.PromptLogprobPlan; None for most steps

@@ -33,6 +33,8 @@ class StepRunner:
     # False: a sequence may ride in two launched steps at once (the next forward reads its pending token on
     # the device). The pipeline-parallel runner sets it: its microbatches must be disjoint.
     one_step_per_seq = False
+    # Whether the forward can score prompt tokens (SamplingParams.prompt_logprobs); others reject such requests.
+    supports_prompt_logprobs = False
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, limits: BufferLimits,
                  executor, num_slots: int = NUM_SLOTS, slot_logits: bool = True, transfer=None):
@@ -140,7 +142,8 @@ class StepRunner:
             top_logprobs=host_rows(slot.host_top_logprobs, n, k).tolist() if k > 0 else None,  # host memory
             forward_s=ex.elapsed((step.id, FWD_START), (step.id, FWD_END)),
             sample_s=ex.elapsed((step.id, SAMPLE_START), (step.id, SAMPLE_END)), period_s=period,
-            sample_wait_s=max(0.0, ex.elapsed((step.id, FWD_END), (step.id, SAMPLE_START))))
+            sample_wait_s=max(0.0, ex.elapsed((step.id, FWD_END), (step.id, SAMPLE_START))),
+            prompt_logprobs=step.prompt_logprobs)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

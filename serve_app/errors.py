@@ -37,7 +37,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 # Request fields an engine ValueError may name (SamplingParams and prompt checks start with the field).
 PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs", "prompt",
+                "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs",
+                "prompt_logprobs", "prompt",
                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                 "structured_outputs", "logit_bias", "allowed_token_ids", "tools")
 

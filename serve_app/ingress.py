@@ -31,6 +31,7 @@ from engine.models import load_hf_config
 from serve_app.errors import (APIError, bad_request, from_engine_failure, install_handlers, param_of,
                                replica_lost)
 from serve_app.limits import Limits, check_context, check_request, check_tool_schemas
+from serve_app.logprobs_format import set_logprob_echo
 from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
 from serve_app.responses import Accumulated, ResponseBuilder, sse
@@ -156,8 +157,6 @@ class OpenAIIngress:
         self._check_model(body.model)
         check_request(body, self.limits)
         prompt_ids = await self._encode_prompt(body.prompt)
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported", param="echo")
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             await _off_loop(4 * len(prompt_ids), self.tokenizer.decode, prompt_ids)
         return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
@@ -229,6 +228,7 @@ class OpenAIIngress:
         builder = ResponseBuilder(request_id, body.model if lora is not None else self.model_name, chat,
                                   self._decode_token)
         builder.tool_parser = tool_parser
+        set_logprob_echo(builder, body, prompt_ids, chat)
         try:  # errors before any output become proper HTTP statuses
             stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
                                                                       ingress_time=timing.receipt_wall,
@@ -299,3 +299,4 @@ class OpenAIIngress:
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+

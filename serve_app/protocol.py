@@ -11,6 +11,7 @@ field it came from, so an error about it names that field.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Literal
 
@@ -89,6 +90,7 @@ class _SamplingFields(BaseModel):
     structured_outputs: StructuredOutputsField | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob (+ top-k), first None
 
     @field_validator("n")
     @classmethod
@@ -107,7 +109,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self._structured(), logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs)
 
     @property
     def structured_source(self) -> str | None:
@@ -159,7 +161,10 @@ class CompletionRequest(_SamplingFields):
         return v
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling(self.max_tokens, self.logprobs)
+        params = self._sampling(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens need their logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
+        return params
 
 
 class ChatMessage(BaseModel):

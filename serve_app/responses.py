@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from cluster.protocol import GenerateChunk
 from engine.outputs import TokenLogprob
 from serve_app.tool_parsers import ToolParser, ToolStreamer
+from serve_app.logprobs_format import CompletionLogprobs, prompt_logprobs_json
 
 
 @dataclass
@@ -21,8 +22,11 @@ class Accumulated:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, chunk: GenerateChunk) -> None:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.text += chunk.delta_text
         self.token_ids += chunk.delta_token_ids
         self.logprobs += chunk.delta_logprobs or []
@@ -50,13 +54,15 @@ class ResponseBuilder:
         self.decode = decode
         self.tool_parser: ToolParser | None = None  # set for a chat request whose output may hold tool calls
         self._tool_stream: ToolStreamer | None = None
+        self.completion_logprobs = CompletionLogprobs(decode)  # text_offset runs on across chunks
+        self.prompt_logprobs_k: int | None = None  # the request's prompt_logprobs: answer them in that format
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     # ---- whole responses ---------------------------------------------------------------------------------
     def full(self, acc: Accumulated, want_logprobs: bool) -> dict:
-        lp = self._logprobs(acc.logprobs) if want_logprobs else None
+        lp = self._logprobs(acc.logprobs, acc.prompt_logprobs) if want_logprobs else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": acc.text}, "logprobs": lp,
                       "finish_reason": acc.finish_reason}
@@ -67,6 +73,7 @@ class ResponseBuilder:
             choice = {"index": 0, "text": acc.text, "logprobs": lp, "finish_reason": acc.finish_reason}
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage(acc.num_prompt_tokens, acc.num_output_tokens)
+        self._add_prompt_logprobs(body, acc.prompt_logprobs)
         return body
 
     # ---- streamed chunks ---------------------------------------------------------------------------------
@@ -76,13 +83,20 @@ class ResponseBuilder:
                                 "finish_reason": None}])
 
     def chunk(self, c: GenerateChunk, want_logprobs: bool) -> dict:
-        lp = self._logprobs(c.delta_logprobs or []) if want_logprobs else None
+        lp = self._logprobs(c.delta_logprobs or [], c.prompt_logprobs) if want_logprobs else None
         if self.chat:
             delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
             choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
+            return self._add_prompt_logprobs(self._envelope("chat.completion.chunk", [choice]), c.prompt_logprobs)
         choice = {"index": 0, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
-        return self._envelope("text_completion", [choice])
+        return self._add_prompt_logprobs(self._envelope("text_completion", [choice]), c.prompt_logprobs)
+
+    def _add_prompt_logprobs(self, body: dict, entries: list[TokenLogprob | None] | None) -> dict:
+        """vLLM's places: the choice for completions, the response for chat (first chunk when streaming)."""
+        if self.prompt_logprobs_k is not None and entries is not None:
+            lp = prompt_logprobs_json(entries, self.decode, self.prompt_logprobs_k)
+            (body if self.chat else body["choices"][0])["prompt_logprobs"] = lp
+        return body
 
     def chunks(self, c: GenerateChunk, want_logprobs: bool) -> list[dict]:
         """The SSE payloads for one engine chunk: one, or with tools one per content / tool_calls delta
@@ -96,6 +110,8 @@ class ResponseBuilder:
         lp = self._logprobs(c.delta_logprobs or []) if want_logprobs else None
         out = [self._envelope("chat.completion.chunk", [{"index": 0, "delta": d, "logprobs": lp if i == 0 else None,
                                                          "finish_reason": None}]) for i, d in enumerate(deltas)]
+        if out:
+            self._add_prompt_logprobs(out[0], c.prompt_logprobs)
         if c.finished:
             reason = "tool_calls" if stream.made_calls and c.finish_reason == "stop" else c.finish_reason
             out.append(self._envelope("chat.completion.chunk", [{"index": 0, "delta": {}, "logprobs": None,
@@ -108,16 +124,14 @@ class ResponseBuilder:
         return body
 
     # ---- logprobs ----------------------------------------------------------------------------------------
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict:
+    def _logprobs(self, entries: list[TokenLogprob], prompt: list[TokenLogprob | None] | None = None) -> dict:
         if self.chat:
             return {"content": [{"token": self.decode(e.token_id), "logprob": e.logprob,
                                  "bytes": list(self.decode(e.token_id).encode()),
                                  "top_logprobs": [{"token": self.decode(t), "logprob": lp,
                                                    "bytes": list(self.decode(t).encode())} for t, lp in e.top]}
                                 for e in entries]}
-        return {"tokens": [self.decode(e.token_id) for e in entries],
-                "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.decode(t): lp for t, lp in e.top} for e in entries]}
+        return self.completion_logprobs.build(entries, prompt)
 
 
 def _with_tool_calls(choice: dict, parser: ToolParser, text: str) -> None:
