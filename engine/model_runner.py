@@ -132,8 +132,8 @@ class ModelRunner(StepRunner):
         return self.graphs.sizes[-1] if self.graphs else 0
 
     def _graph_size(self, step: Step) -> int | None:
-        if self.graphs is None or step.prompt_logprobs is not None or \
-                not all(c.num_tokens == 1 and c.samples for c in step.chunks):
+        # (a step scoring prompt tokens has a multi-token chunk, so it never replays a graph)
+        if self.graphs is None or not all(c.num_tokens == 1 and c.samples for c in step.chunks):
             return None
         return self.graphs.padded_size(len(step.chunks))
 
@@ -141,7 +141,7 @@ class ModelRunner(StepRunner):
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
         """Enqueue the forward of a planned step into `slot`. Pending input tokens come from `prev`'s slot."""
         step = self._new_step(sched, slot)
-        if self._wants_prompt_logprobs(sched.chunks):
+        if sched.prompt_logprobs:
             step.prompt_logprobs = prompt_logprobs.plan_step(sched.chunks)
         step.graph_size = self._graph_size(step)
         self._stage(step, pad_to=step.graph_size)
@@ -170,13 +170,6 @@ class ModelRunner(StepRunner):
                 if step.prompt_logprobs is not None:
                     prompt_logprobs.compute(step.prompt_logprobs, hidden, self.model.logits)
         ex.mark(step.id, FWD_END)
-
-    @staticmethod
-    def _wants_prompt_logprobs(chunks) -> bool:
-        for c in chunks:
-            if c.seq.prompt_logprobs is not None:
-                return True
-        return False
 
     def _eager_forward(self, slot: DecodeSlot) -> torch.Tensor:
         """The step's forward, its sampling rows' logits into the slot; returns the hidden states."""

@@ -48,6 +48,9 @@ class SchedulerOutput:
     num_tokens: int = 0
     swaps: list[SwapOp] = field(default_factory=list)  # run in order before this step's forward
     lora_loads: list = field(default_factory=list)  # engine.lora.slots.LoadOp: adapters to copy into slots first
+    # A chunk scores prompt tokens (SamplingParams.prompt_logprobs): set where prefill chunks are planned, so
+    # the runner looks at the chunks only then (decode chunks never score the prompt).
+    prompt_logprobs: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -245,6 +248,8 @@ class Scheduler:
         start = seq.num_computed
         samples = start + n == seq.num_total
         out.chunks.append(ScheduledChunk(seq, start, n, samples))
+        if seq.params.prompt_logprobs is not None and start < len(seq.prompt_token_ids) - 1:
+            out.prompt_logprobs = True
         out.num_tokens += n
         budget[0] -= n
         seq.num_computed += n

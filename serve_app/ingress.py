@@ -154,18 +154,18 @@ class OpenAIIngress:
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         timing = RequestTiming()
-        self._check_model(body.model)
+        lora = self._lora_of(body.model)  # 404 for an unknown model or adapter, before any work
         check_request(body, self.limits)
         prompt_ids = await self._encode_prompt(body.prompt)
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
             await _off_loop(4 * len(prompt_ids), self.tokenizer.decode, prompt_ids)
         return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
-                                 request=request, timing=timing, echo=echo)
+                                 request=request, timing=timing, lora=lora, echo=echo)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         timing = RequestTiming()
-        self._check_model(body.model)
+        lora = self._lora_of(body.model)  # 404 for an unknown model or adapter, before any work
         check_request(body, self.limits)
         check_tool_schemas(body, self.limits)
         check_tools(body, self.tool_parser, self.tokenizer.chat_template)
@@ -179,13 +179,9 @@ class OpenAIIngress:
             raise bad_request(str(exc), param="messages") from None
         prompt_ids = await _off_loop(len(text), self.tokenizer.encode, text, add_special_tokens=False)
         return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request,
-                                 timing=timing, tool_parser=output_parser(body, self.tool_parser))
+                                 timing=timing, lora=lora, tool_parser=output_parser(body, self.tool_parser))
 
     # ---- request handling --------------------------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            self._lora_of(model)  # an adapter by name or as BASE:ADAPTER, else 404
-
     def _lora_of(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names ("BASE:ADAPTER" or the adapter's own name); None for the base model;
         404 model_not_found naming it when there is no such model or adapter."""
@@ -210,7 +206,7 @@ class OpenAIIngress:
         return prompt
 
     async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
-                     timing: RequestTiming, echo: str = "", tool_parser=None):
+                     timing: RequestTiming, lora: LoRARequest | None, echo: str = "", tool_parser=None):
         try:
             params = body.sampling_params()
         except ValueError as exc:
@@ -224,7 +220,6 @@ class OpenAIIngress:
             raise bad_request(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}",
                               param="stop_token_ids")
         request_id = uuid.uuid4().hex
-        lora = self._lora_of(body.model)
         builder = ResponseBuilder(request_id, body.model if lora is not None else self.model_name, chat,
                                   self._decode_token)
         builder.tool_parser = tool_parser
@@ -299,4 +294,3 @@ class OpenAIIngress:
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
-
