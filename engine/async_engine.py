@@ -70,7 +70,8 @@ class AsyncLLM:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiled)), timeout)
             except asyncio.TimeoutError:
                 raise self.engine.structured.timed_out(seq.params, compiled, timeout) from None
-        q = _Collector(asyncio.get_running_loop())
+        n = seq.params.n
+        q = _Collector(asyncio.get_running_loop(), n)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -78,18 +79,17 @@ class AsyncLLM:
         self._send(("add", seq))
         if self.dead is not None:  # died between the health check and the submission
             self._fail_all(EngineDeadError(f"engine loop died: {self.dead!r}"))
-        finished = False
+        unfinished = n  # n > 1: the samples' outputs interleave (RequestOutput.index), each ends on its own
         try:
-            while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            while unfinished:
+                items = await q.get()
+                for item in items:
+                    unfinished -= item.finished
+                    yield item
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if not finished:
+            if unfinished:
                 self._send(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
@@ -171,9 +171,7 @@ class AsyncLLM:
             if kind == "add":
                 self._add(arg)
             else:
-                out = self.engine.abort(arg)
-                if out is not None:
-                    self._deliver([out])
+                self._deliver(self.engine.abort(arg))
 
     def _add(self, seq) -> None:
         with self._lock:
@@ -216,36 +214,50 @@ class AsyncLLM:
 
 
 class _Collector:
-    """One request's outputs on their way from the engine thread to the caller: a single slot, not a queue.
+    """One request's outputs on their way from the engine thread to the caller: one slot per sample (n),
+    not a queue.
 
-    An output the caller has not taken yet is merged with the next one (its deltas prepended), so a caller
-    that falls behind the engine (a busy event loop, thousands of tokens a second) receives fewer, larger
-    outputs instead of a growing backlog of wake-ups; one that keeps up gets every commit on its own. An
-    exception replaces whatever is pending and ends the stream. Lives on the caller's event loop: put()
-    and get() run only there."""
+    An output the caller has not taken yet is merged with the next one of the same sample (its deltas
+    prepended), so a caller that falls behind the engine (a busy event loop, thousands of tokens a second)
+    receives fewer, larger outputs instead of a growing backlog of wake-ups; one that keeps up gets every
+    commit on its own. The engine reads `items` to skip building outputs nobody has taken. An exception
+    ends the stream (raised by get() before anything pending). Lives on the caller's event loop: put() and
+    get() run only there."""
 
-    __slots__ = ("loop", "item", "_waiter")
+    __slots__ = ("loop", "items", "error", "_pending", "_waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1):
         self.loop = loop
-        self.item: RequestOutput | BaseException | None = None
+        self.items: list[RequestOutput | None] = [None] * n  # by RequestOutput.index
+        self.error: BaseException | None = None
+        self._pending = 0  # slots holding an output
         self._waiter: asyncio.Future | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        pending = self.item
-        if pending is None or isinstance(item, BaseException):
-            self.item = item
-        elif not isinstance(pending, BaseException):
-            self.item = merge_outputs(pending, item)
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            pending = self.items[item.index]
+            if pending is None:
+                self._pending += 1
+            self.items[item.index] = item if pending is None else merge_outputs(pending, item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def get(self) -> RequestOutput | BaseException:
-        while self.item is None:
+    async def get(self) -> list[RequestOutput]:
+        """The outputs pending (at least one), in sample order; raises the stream's exception."""
+        while not self._pending and self.error is None:
             self._waiter = self.loop.create_future()
             await self._waiter
-        item, self.item = self.item, None
-        return item
+        if self.error is not None:
+            raise self.error
+        if len(self.items) == 1:
+            item, self.items[0], self._pending = self.items[0], None, 0
+            return [item]
+        items = [i for i in self.items if i is not None]
+        self.items = [None] * len(self.items)
+        self._pending = 0
+        return items
 
 
 def _put_all(items: list[tuple[_Collector, RequestOutput]]) -> None:

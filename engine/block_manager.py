@@ -127,6 +127,35 @@ class BlockManager:
             seq.block_table.append(self._pop_free())
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share `parent`'s blocks with `child` (another sample of the same prompt): each gains a reference.
+        Full blocks are never written again; a shared partial block is copied by whichever sequence writes
+        into it first (copy_on_write)."""
+        assert not child.block_table, "fork() is for sequences without blocks"
+        for block in parent.block_table:
+            self.ref_counts[block] += 1  # held by the parent: not in the free queue
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def copy_on_write(self, seq: Sequence, index: int) -> tuple[int, int] | None:
+        """Before `seq` writes into its `index`-th block: when another sequence shares it, `seq` takes a free
+        block instead and the caller copies the KV (src, dst) ahead of the write; None when it is `seq`'s
+        alone. The caller has checked that a block is free. The copy carries no hash: only full blocks
+        are hashed, and a block being written is not full."""
+        block = seq.block_table[index]
+        if self.ref_counts[block] == 1:
+            return None
+        fresh = self._pop_free()
+        self.ref_counts[block] -= 1
+        # A new list, not an edit in place: the runner's persistent block tables rewrite a row when its list
+        # is replaced (engine/block_tables.py) and otherwise only append.
+        seq.block_table = seq.block_table[:index] + [fresh] + seq.block_table[index + 1:]
+        return block, fresh
+
+    def shares_block(self, seq: Sequence, index: int) -> bool:
+        """Whether `seq`'s `index`-th block (if it has one) is referenced by another sequence too."""
+        return index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] > 1
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Tail blocks are queued first so they are evicted before shared heads."""
         for block in reversed(seq.block_table):

@@ -28,6 +28,15 @@ class KVSwapError(RuntimeError):
     replica is then replaced) rather than fail one step's requests and go on."""
 
 
+def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole device blocks (all layers, K and V) src -> dst, in stream order (copy-on-write of a block
+    that n > 1 siblings share). The block ids go up pinned and non-blocking: a pageable upload would wait for
+    the compute stream to drain."""
+    pin = kv_cache.device.type == "cuda"
+    idx = torch.tensor(pairs, dtype=torch.long, pin_memory=pin).to(kv_cache.device, non_blocking=True)
+    kv_cache.index_copy_(2, idx[:, 1], kv_cache.index_select(2, idx[:, 0]))
+
+
 class KVOffloader:
     def __init__(self, kv_cache: torch.Tensor, num_cpu_blocks: int):
         self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]

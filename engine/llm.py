@@ -28,7 +28,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  lora_request: LoRARequest | str | Seq[LoRARequest | str | None] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+        """Generate for every prompt; outputs come back in prompt order (a prompt with n > 1 samples gives n
+        outputs in a row, RequestOutput.index 0..n-1).
 
         `lora_request`: one LoRA adapter for every prompt, or one per prompt (None = the base model); a
         LoRARequest(name, path) or the name of an adapter in lora_modules / lora_dir.
@@ -48,12 +49,12 @@ class LLM:
                 self.engine.abort(rid)
             self._drain()
             raise
-        done: dict[str, RequestOutput] = {}
+        done: dict[tuple[str, int], RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
-                    done[out.request_id] = out
-        return [done[rid] for rid in ids]
+                    done[out.request_id, out.index] = out
+        return [done[rid, i] for rid, p in zip(ids, params_list) for i in range(p.n)]
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn through the tokenizer's chat template."""

@@ -34,7 +34,7 @@ from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
 from engine import prompt_logprobs
 from engine.outputs import RequestOutput, StepRecord, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, sibling_params
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.slot import Step, StepResult
@@ -151,25 +151,45 @@ class LLMEngine:
         self._check_prompt(ids, params)
         if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
             raise ValueError(f"prompt_logprobs is not supported by this engine ({type(self.runner).__name__})")
+        if params.n > 1:
+            self._check_n(params.n)
         adapter = self._adapter(lora_request) if lora_request is not None else None
+        seq = self._sequence(request_id, text, ids, params, adapter, 0)
+        if params.n > 1:  # siblings: own seeds (seed + index) and detokenizers, no second prompt scoring
+            seq.forks = [self._sequence(request_id, text, ids, sibling_params(params, i), adapter, i)
+                         for i in range(1, params.n)]
+        return seq
+
+    def _sequence(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, adapter,
+                  index: int) -> Sequence:
         seq = Sequence(request_id, text, ids, params, self.eos_token_ids, self.max_model_len,
-                       self.spec.vocab_size, self.device)
+                       self.spec.vocab_size, self.device, index)
         if adapter is not None:
             seq.lora, seq.hash_root = adapter, adapter.key
         seq.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params)
         return seq
+
+    def _check_n(self, n: int) -> None:
+        if not self.runner.supports_forks:
+            raise ValueError(f"n > 1 is not supported by this engine ({type(self.runner).__name__}); send n "
+                             f"separate requests")
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}): all n samples run "
+                             f"together; got n={n}")
 
     def add_sequence(self, seq: Sequence, stream: bool, sink: object | None = None) -> None:
         """Queue a validated sequence. One whose grammar is still compiling waits outside the scheduler
         (nothing else waits for it); a grammar already known not to compile raises ValueError here."""
         if self.fault is not None:
             raise RuntimeError(f"the engine is unhealthy ({self.fault}); no new requests")
-        if seq.request_id in self.requests:
+        if seq.key in self.requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in use")
         compiled = self.structured.compile_async(seq.params)
         if compiled is not None and compiled.done():
             compiled.result()  # raises the compile error, before anything is queued
-        self.requests[seq.request_id] = _Request(seq, stream, sink)
+        self.requests[seq.key] = _Request(seq, stream, sink)
+        for sibling in seq.forks or ():
+            self.requests[sibling.key] = _Request(sibling, stream, sink)
         self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
         if compiled is None or compiled.done():
             self._admit(seq, compiled)
@@ -177,7 +197,8 @@ class LLMEngine:
             self.compiling.append((seq, compiled))
 
     def _admit(self, seq: Sequence, compiled: Future | None) -> None:
-        seq.constraint = self.structured.constraint(seq.params, compiled and compiled.result())
+        for s in [seq, *(seq.forks or ())]:
+            s.constraint = self.structured.constraint(s.params, compiled and compiled.result())
         self.scheduler.add(seq)
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -194,7 +215,7 @@ class LLMEngine:
                     raise self.structured.timed_out(seq.params, compiled, timeout)
                 self._admit(seq, compiled)
             except ValueError as exc:
-                outputs.append(self._finish(self.requests[seq.request_id], "abort", error=str(exc)))
+                outputs += self._end(self.requests[seq.key], "abort", error=str(exc))
         self.compiling = waiting
         return outputs
 
@@ -235,15 +256,20 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
                              f"({self.block_manager.num_blocks} blocks of {self.config.block_size})")
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now. Its blocks are freed at once, or when its in-flight step drains (zombie)."""
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request (all its n samples) now; returns their final outputs (none when it is unknown or
+        already finished). Blocks are freed at once, or when an in-flight step drains (zombie)."""
         req = self.requests.get(request_id)
-        if req is None or req.seq.finalized:
-            return None
+        if req is None:
+            return []
         self.compiling = [(seq, f) for seq, f in self.compiling if seq is not req.seq]
-        out = self._finish(req, "abort")
+        outputs = []
+        for key in [request_id] + [(request_id, i) for i in range(1, req.seq.params.n)]:
+            req = self.requests.get(key)
+            if req is not None and not req.seq.finalized:
+                outputs += self._end(req, "abort")
         self._note_idle()
-        return out
+        return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.inflight is not None
@@ -301,8 +327,8 @@ class LLMEngine:
             return []
         seq = stuck[0]
         logger.warning("request %s needs more KV blocks than the cache holds; ending it", seq.request_id)
-        return [self._finish(self.requests[seq.request_id], "length",
-                             error="KV cache exhausted: the request needs more blocks than the engine has")]
+        return self._end(self.requests[seq.key], "length",
+                         error="KV cache exhausted: the request needs more blocks than the engine has")
 
     def _commit(self, step: Step) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -330,7 +356,7 @@ class LLMEngine:
         chunks (a sequence appears in at most one chunk of a step)."""
         outputs, requests, tokens = [], self.requests, result.tokens
         row = generated = zombies = 0
-        for c in step.chunks:
+        for c in step.chunks + step.forks if step.forks else step.chunks:  # forks' rows come last
             seq = c.seq
             seq.inflight_refs -= 1
             if seq.first_scheduled_time is None:
@@ -342,7 +368,7 @@ class LLMEngine:
                 elif self._append_token(seq, tokens[row], result, row):
                     generated += 1
                 row += 1
-            req = requests.get(seq.request_id)
+            req = requests.get(seq.key)
             if req is not None and req.seq is seq and (seq.finish_reason is not None or req.stream):
                 out = self._maybe_finish(req)
                 if out is not None:
@@ -403,7 +429,7 @@ class LLMEngine:
         if seq.finish_reason is not None and not seq.finalized:
             return self._finish(req, seq.finish_reason)
         if req.stream and seq.num_output_tokens > seq.num_emitted_tokens and \
-                (req.sink is None or req.sink.item is None):  # read across threads: a stale value only
+                (req.sink is None or req.sink.items[seq.index] is None):  # read across threads: a stale value only
             return self._output(seq)                            # delays or merges an output, never loses one
         return None
 
@@ -413,11 +439,19 @@ class LLMEngine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.scheduler.release_if_idle(seq)
-        del self.requests[seq.request_id]
-        self.counters["requests_finished"] += 1
+        del self.requests[seq.key]
+        self.counters["requests_finished"] += seq.index == 0
         out = self._output(seq)
         out.error = error
         return out
+
+    def _end(self, req: _Request, reason: str, error: str | None = None) -> list[RequestOutput]:
+        """_finish, and the same for siblings not forked yet (n > 1): they only ever run as forks of it."""
+        outputs = [self._finish(req, reason, error)]  # (the scheduler frees the siblings' seats)
+        forks, req.seq.forks = req.seq.forks, None
+        for sibling in forks or ():
+            outputs.append(self._finish(self.requests[sibling.key], reason, error))
+        return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
         start = seq.num_emitted_tokens
@@ -430,7 +464,7 @@ class LLMEngine:
             logprobs=None if seq.logprobs is None else list(seq.logprobs),
             delta_token_ids=out_ids[start:], delta_text=seq.detok.take_delta(seq.finalized),
             delta_logprobs=None if seq.logprobs is None else seq.logprobs[start:],
-            num_cached_tokens=seq.num_cached, arrival_time=seq.arrival_time,
+            num_cached_tokens=seq.num_cached, arrival_time=seq.arrival_time, index=seq.index,
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
             finish_time=now if seq.finalized else None, output_time=now)
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
@@ -439,14 +473,14 @@ class LLMEngine:
 
     def _fail_step(self, step: Step, exc: Exception, error: str | None = None) -> list[RequestOutput]:
         outputs = []
-        for c in step.chunks:
+        for c in [*step.chunks, *step.forks]:
             c.seq.inflight_refs -= 1
             if c.samples:
                 c.seq.num_pending -= 1
-            req = self.requests.get(c.seq.request_id)
+            req = self.requests.get(c.seq.key)
             if req is not None and req.seq is c.seq and not c.seq.finalized:
                 why = error or f"engine step failed: {type(exc).__name__}"
-                outputs.append(self._finish(req, "abort", error=why))
+                outputs += self._end(req, "abort", error=why)
             self.scheduler.release_if_idle(c.seq)
         return outputs
 
@@ -504,6 +538,7 @@ class LLMEngine:
             "num_preemptions": sched.num_preemptions, "num_offloads": sched.num_offloads,
             "num_swap_ins": sched.num_swap_ins, "num_soft_resets": sched.num_soft_resets,
             "kv_tokens_discarded": sched.kv_tokens_discarded,
+            "num_forks": sched.num_forks, "num_cow_copies": sched.num_cow_copies,
             "blocks_swapped_out": offloader.blocks_out if offloader else 0,
             "blocks_swapped_in": offloader.blocks_in if offloader else 0,
             "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
@@ -531,7 +566,7 @@ class LLMEngine:
         """Assert block accounting; when idle, every block must be free."""
         live = {id(r.seq): r.seq for r in self.requests.values()}
         for step in self.inflight_steps():  # zombies: finished, blocks held until their step drains
-            live.update((id(c.seq), c.seq) for c in step.chunks)
+            live.update((id(c.seq), c.seq) for c in [*step.chunks, *step.forks])
         live = [s for s in live.values() if not s.released]
         self.block_manager.check_integrity(live)
         self.cpu_pool.check_integrity(c for s in self.scheduler.swapped for c in s.cpu_blocks)

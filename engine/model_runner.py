@@ -21,7 +21,7 @@ from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.executor import FWD_END, FWD_START, make_executor
-from engine.kv_offload import KVOffloader
+from engine.kv_offload import KVOffloader, copy_blocks
 from engine.lora.layers import LoRAModel
 from engine.memory import CudaMeter, HostMeter, MemoryPlan, kv_blocks
 from engine.models import build_model
@@ -38,6 +38,8 @@ MAX_GRAPH_BATCH_SIZE = 512
 
 class ModelRunner(StepRunner):
     supports_prompt_logprobs = True
+    supports_forks = True
+
     def __init__(self, config: EngineConfig, hf_config, spec: ModelSpec, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0):
         threaded = config.cpu_executor_thread and config.pipeline_depth > 1
@@ -133,7 +135,7 @@ class ModelRunner(StepRunner):
 
     def _graph_size(self, step: Step) -> int | None:
         # (a step scoring prompt tokens has a multi-token chunk, so it never replays a graph)
-        if self.graphs is None or not all(c.num_tokens == 1 and c.samples for c in step.chunks):
+        if self.graphs is None or step.forks or not all(c.num_tokens == 1 and c.samples for c in step.chunks):
             return None
         return self.graphs.padded_size(len(step.chunks))
 
@@ -147,13 +149,16 @@ class ModelRunner(StepRunner):
         self._stage(step, pad_to=step.graph_size)
         prev_sampled = prev.slot.sampled if prev is not None else None
         step.forward = self.executor.submit(step, self._forward_job, step, prev_sampled, sched.swaps,
-                                            sched.lora_loads)
+                                            sched.lora_loads, sched.copies)
         return step
 
-    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, swaps: list, lora_loads: list) -> None:
+    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, swaps: list, lora_loads: list,
+                     copies: list) -> None:
         ex = self.executor
         if swaps:  # KV copies the scheduler decided on since the last step, ordered before this forward
             self.offloader.run(swaps)
+        if copies:  # copy-on-write of blocks shared by n > 1 siblings, after the forward that wrote them
+            copy_blocks(self.kv_cache, copies)
         for op in lora_loads:  # adapters into the slots this step reads, after every forward that read them
             self.lora.load_slot(op.slot, op.adapter)
         ex.mark(step.id, FWD_START)

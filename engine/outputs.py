@@ -44,6 +44,7 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed the request (finish_reason "abort")
     # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), on the first output only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's SamplingParams.n samples this is (outputs of one request interleave)
 
 
 @dataclass(slots=True)

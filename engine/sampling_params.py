@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -128,6 +129,9 @@ class SamplingParams:
     # vLLM's prompt_logprobs: None off; 0: each prompt token's own logprob (the first is None); k: plus top-k.
     # Such a request never reads the prefix cache (every prompt position's logits are computed).
     prompt_logprobs: int | None = None
+    # Samples of the prompt (OpenAI's n): they share its KV blocks (forked after its prefill, copy-on-write)
+    # and come back as outputs with RequestOutput.index 0..n-1; sample i is seeded with seed + i.
+    n: int = 1
 
     def __post_init__(self) -> None:
         self.stop_strings = _normalize_stop(self.stop)
@@ -161,6 +165,7 @@ class SamplingParams:
         _check_int("seed", self.seed, -(2**63), allow_none=True)
         if self.seed is not None and self.seed > 2**64 - 1:
             raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
+        _check_int("n", self.n, 1)
         _check_int("logprobs", self.logprobs, 0, allow_none=True)
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
@@ -193,6 +198,15 @@ class SamplingParams:
     def constrained(self) -> bool:
         """True when some tokens may be forbidden at a step (a grammar or a whitelist)."""
         return self.structured_outputs is not None or self.allowed_token_ids is not None
+
+
+def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an n > 1 request: seeded with seed + index (wrapping in the seed's range), so the
+    samples differ and each is reproducible; the prompt's logprobs are scored once, by sample 0."""
+    seed = params.seed
+    if seed is not None:
+        seed = seed + index if seed + index <= 2**64 - 1 else seed + index - 2**64
+    return dataclasses.replace(params, seed=seed, prompt_logprobs=None)
 
 
 def _logit_bias(bias) -> dict[int, float]:

@@ -25,12 +25,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """`num_tokens` positions of `seq` starting at `start`; `samples` when the chunk reaches its end."""
+    """`num_tokens` positions of `seq` starting at `start`; `samples` when the chunk reaches its end.
+
+    A fork (SchedulerOutput.forks) computes nothing (num_tokens 0): it samples `seq`'s first token from the
+    logits row of `parent`, its sibling's chunk that ends the shared prompt."""
 
     seq: Sequence
     start: int
     num_tokens: int
     samples: bool
+    parent: ScheduledChunk | None = None
 
 
 @dataclass(slots=True)
@@ -47,6 +51,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     num_tokens: int = 0
     swaps: list[SwapOp] = field(default_factory=list)  # run in order before this step's forward
+    # Samples 1..n-1 of n > 1 requests whose prompt this step ends: sampling rows only, after the chunks' rows.
+    forks: list[ScheduledChunk] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks, before the forward
     lora_loads: list = field(default_factory=list)  # engine.lora.slots.LoadOp: adapters to copy into slots first
     # A chunk scores prompt tokens (SamplingParams.prompt_logprobs): set where prefill chunks are planned, so
     # the runner looks at the chunks only then (decode chunks never score the prompt).
@@ -60,6 +67,12 @@ class Scheduler:
     """Plans each step. Policies: "fifo" (running decodes, then running prefills, then swapped-out
     sequences, then new requests in arrival order) and "prefill_first" (running prefills, swapped, new
     requests, then decodes).
+
+    n > 1: a request's first sequence is admitted alone, its siblings hanging on it (Sequence.forks), but
+    with seats for all of them (max_num_seqs). The step that ends its prompt also forks them: they share
+    its blocks (reference counts) and sample their first tokens from its logits row; from then on each is an
+    ordinary running sequence. The shared last block, when partial, is copied by each sequence that writes
+    into it while it is still shared (copy-on-write: the copy rides with the step, before its forward).
 
     Preemption: when a running sequence needs a block and none is free, the newest other running sequence
     is the victim (the least KV to move or recompute, and arrival order stays fair: the oldest requests
@@ -97,11 +110,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # offloaded to the host pool, in preemption order
         self._swaps: list[SwapOp] = []  # decided, not yet handed to a step
+        self._copies: list[tuple[int, int]] = []  # copy-on-write block copies, likewise
+        self._unforked = 0  # siblings of running sequences not forked yet: their seats are taken
         self.num_preemptions = 0
         self.num_offloads = 0
         self.num_swap_ins = 0
         self.num_soft_resets = 0
         self.kv_tokens_discarded = 0  # KV positions soft resets threw away (to be recomputed)
+        self.num_forks = 0  # n > 1 siblings forked off a computed prompt (its prefill not repeated)
+        self.num_cow_copies = 0  # shared blocks copied before a write
 
     # ---- queue management ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -114,7 +131,7 @@ class Scheduler:
         """Take a finalized sequence out of the queues (device blocks are released separately; host
         blocks of a swapped sequence are freed now: nothing in flight reads them)."""
         if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
+            self._leave_running(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.SWAPPED:
@@ -155,6 +172,8 @@ class Scheduler:
             self._schedule_decodes(decodes, out, budget)
         if out:  # copies ride with the next step that runs; until then nothing reads the blocks involved
             out.swaps, self._swaps = self._swaps, []
+            if self._copies:
+                out.copies, self._copies = self._copies, []
             if self.lora_slots is not None:
                 out.lora_loads = self.lora_slots.take_loads()
         return out
@@ -194,7 +213,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this same pass
                 continue
             start = seq.num_computed
-            if start >= len(seq.block_table) * bs and not self._fit(seq, 1):
+            if (start >= len(seq.block_table) * bs or seq.cow) and not self._fit(seq, 1):
                 continue
             chunks.append(ScheduledChunk(seq, start, 1, True))
             seq.num_computed = start + 1
@@ -220,9 +239,10 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
         # A running sequence waiting for a victim's blocks must get them, and swapped-out sequences come
         # back before anyone new: admit nobody meanwhile.
-        while (self.waiting and budget[0] > 0 and len(self.running) < self.max_num_seqs
-               and not self._starved and not self.swapped):
+        while self.waiting and budget[0] > 0 and not self._starved and not self.swapped:
             seq = self.waiting[0]
+            if not self._has_seats(seq):
+                return
             # prompt_logprobs needs every prompt position's logits: such a request never reads the cache.
             hits, hashes = self.bm.cached_prefix(seq.token_ids, self.bm.prompt_hashes(seq)) \
                 if seq.params.prompt_logprobs is None else ([], [])
@@ -240,9 +260,24 @@ class Scheduler:
             self.bm.admit(seq, hits, hashes)
             ok = self.bm.allocate(seq, computed + n)
             assert ok, "admission checked the free blocks"
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self._enter_running(seq)
             self._plan(seq, n, out, budget)
+
+    def _has_seats(self, seq: Sequence) -> bool:
+        """Room under max_num_seqs for `seq` and its unforked siblings."""
+        need = 1 + len(seq.forks) if seq.forks else 1
+        return len(self.running) + self._unforked + need <= self.max_num_seqs
+
+    def _enter_running(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        if seq.forks:
+            self._unforked += len(seq.forks)
+
+    def _leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if seq.forks:
+            self._unforked -= len(seq.forks)
 
     def _plan(self, seq: Sequence, n: int, out: SchedulerOutput, budget: list[int]) -> None:
         start = seq.num_computed
@@ -259,6 +294,30 @@ class Scheduler:
         known = min(seq.num_computed, len(seq.token_ids))
         if known // self.bm.block_size > len(seq.block_hashes):
             self.bm.cache_full_blocks(seq, known)
+        if samples and seq.forks:
+            self._fork(seq, out)
+
+    def _fork(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """`seq`'s planned chunk ends the prompt: its siblings take its blocks and sample their first tokens
+        from the same logits row, in this step; the seats they held become theirs."""
+        parent, forks = out.chunks[-1], seq.forks
+        seq.forks = None
+        self._unforked -= len(forks)
+        self.num_forks += len(forks)
+        shared_tail = seq.num_computed % self.bm.block_size != 0  # a partial last block: copy before writing
+        seq.cow = shared_tail
+        for child in forks:
+            self.bm.fork(seq, child)
+            child.num_computed, child.num_cached = seq.num_computed, seq.num_cached
+            child.prompt_hashes = seq.prompt_hashes
+            child.num_pending = 1
+            child.inflight_refs += 1
+            child.cow = shared_tail
+            if child.lora is not None:
+                self.lora_slots.acquire(child)  # cannot fail: `seq` holds the adapter's slot
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+            out.forks.append(ScheduledChunk(child, seq.num_computed, 0, True, parent))
 
     # ---- preemption ----------------------------------------------------------------------------------
     def _fit(self, seq: Sequence, n: int) -> int:
@@ -269,7 +328,11 @@ class Scheduler:
         step rather than preempting more than it needs. With nobody left to preempt, a prefill chunk
         shrinks to what the free blocks hold.
         """
-        needed = self.bm.blocks_needed(seq, seq.num_computed + n)
+        bs = self.bm.block_size
+        cow = seq.cow and self.bm.shares_block(seq, seq.num_computed // bs)  # the block written is shared
+        if not cow:
+            seq.cow = False
+        needed = self.bm.blocks_needed(seq, seq.num_computed + n) + cow
         releasing = 0
         while needed > self.bm.num_free:
             if needed <= self.bm.num_free + releasing:
@@ -282,11 +345,17 @@ class Scheduler:
             self._preempt(victim)
             if victim.preempted:  # reset deferred until its in-flight step drains
                 releasing += held
-        capacity = (len(seq.block_table) + self.bm.num_free) * self.bm.block_size - seq.num_computed
+        if cow and not self.bm.shares_block(seq, seq.num_computed // bs):
+            cow = seq.cow = False  # the sibling sharing it was preempted and released it meanwhile
+        capacity = (len(seq.block_table) + self.bm.num_free - cow) * bs - seq.num_computed
         n = min(n, capacity)
         if n <= 0:
             self._starved = True
             return 0
+        if cow:
+            self._copies.append(self.bm.copy_on_write(seq, seq.num_computed // bs))
+            self.num_cow_copies += 1
+            seq.cow = False
         ok = self.bm.allocate(seq, seq.num_computed + n)
         assert ok, "capacity was computed from the free blocks"
         return n
@@ -311,7 +380,7 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempting %s (%d blocks, %d tokens)", seq.request_id, len(seq.block_table),
                      seq.num_computed)
-        self.running.remove(seq)
+        self._leave_running(seq)
         seq.preempted = True
         seq.status = SeqStatus.WAITING
         self.release_if_idle(seq)
@@ -358,8 +427,10 @@ class Scheduler:
 
     def _swap_in(self, out: SchedulerOutput, budget: list[int]) -> None:
         """Bring swapped sequences back, oldest first, while their blocks fit with the margin kept free."""
-        while self.swapped and budget[0] > 0 and len(self.running) < self.max_num_seqs and not self._starved:
+        while self.swapped and budget[0] > 0 and not self._starved:
             seq = min(self.swapped, key=lambda s: s.arrival_time)
+            if not self._has_seats(seq):
+                return
             found = self._on_device(seq)
             n = min(seq.num_uncomputed, budget[0])
             growth = max(0, -(-(seq.num_computed + n) // self.bm.block_size) - len(seq.cpu_blocks))
@@ -401,8 +472,7 @@ class Scheduler:
             self._swaps.append(SwapOp("in", fresh, cpu))
         self._drop_swapped(seq)  # host blocks may be reused now: a later swap-out runs after this copy
         seq.block_table = table
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        self._enter_running(seq)
         self.num_swap_ins += 1
 
     def _drop_swapped(self, seq: Sequence) -> None:

@@ -53,12 +53,20 @@ class Sequence:
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
                  "lora", "lora_slot", "hash_root",
-                 "prompt_logprobs", "prompt_logprobs_sent")
+                 "prompt_logprobs", "prompt_logprobs_sent", "index", "key", "forks", "cow")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
-                 vocab_size: int, device: torch.device | str = "cpu"):
+                 vocab_size: int, device: torch.device | str = "cpu", index: int = 0):
         self.request_id = request_id
+        # SamplingParams.n > 1: the request's samples are sequences 0..n-1 of one request id; `key` names this one
+        # in the engine's request table (the plain request id for sample 0, so n = 1 costs nothing).
+        self.index = index
+        self.key = request_id if index == 0 else (request_id, index)
+        # Sample 0 of an n > 1 request carries its siblings until the step that samples its first token is
+        # planned: they then take its prompt blocks and sample from the same logits row (Scheduler._fork).
+        self.forks: list[Sequence] | None = None
+        self.cow = False  # its last block may be shared with a sibling: copy it before writing (copy-on-write)
         self.vocab_size = vocab_size
         self.params = params
         self.sample_row = sample_row(params)

@@ -75,3 +75,4 @@ class Step:
     num_logprobs: int = -1  # what the sampler produced: -1 none, 0 chosen token only, k top-k too
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)
     prompt_logprobs: object | None = None  # engine.prompt_logprobs.PromptLogprobPlan; None for most steps
+    forks: list[ScheduledChunk] = ()  # SchedulerOutput.forks: sampling rows past the chunks' (n > 1 siblings)

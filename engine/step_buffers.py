@@ -137,14 +137,17 @@ class StepBuffers:
         self.seq_lens_host: list[int] = []
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
-    def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None) -> None:
+    def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None,
+                   forks=()) -> None:
         """Stage a step's chunks (engine.scheduler.ScheduledChunk): one pass of Python over the chunks for
         what only the sequences know (their table rows, known token ids, pending tokens), numpy for the
         rest. A chunk's last position may be a token the previous step sampled that is still on the device:
         it is gathered there (gather_dst/src) from the sequence's `pending_src` (step id, row).
 
         pad_to: a CUDA-graph batch size; the rows past the real ones become empty sequences (slot -1,
-        seq_len 0) that write no KV and attend to nothing."""
+        seq_len 0) that write no KV and attend to nothing.
+        forks: sampling rows that compute nothing (n > 1 siblings, engine.scheduler.Scheduler._fork): each
+        reads the logits of its parent chunk's last position, after the chunks' own rows."""
         n, lim = self.np, self.limits
         s = len(chunks)
         rows, starts, lens, ids, gdst, gsrc, logits = [], [], [], [], [], [], []
@@ -170,7 +173,10 @@ class StepBuffers:
             t += k
             if c.samples:
                 logits.append(t - 1)
-        if t > lim.max_tokens or s > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
+        if forks:
+            sampled = [c for c in chunks if c.samples]
+            logits += [logits[next(i for i, c in enumerate(sampled) if c is f.parent)] for f in forks]
+        if t > lim.max_tokens or s + len(forks) > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
             raise ValueError(f"step of {t} tokens / {s} sequences exceeds the slot buffers {lim}")
         if self.lora:
             slots = np.fromiter((c.seq.lora_slot for c in chunks), np.int32, s)

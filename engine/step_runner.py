@@ -35,6 +35,8 @@ class StepRunner:
     one_step_per_seq = False
     # Whether the forward can score prompt tokens (SamplingParams.prompt_logprobs); others reject such requests.
     supports_prompt_logprobs = False
+    # Whether steps may carry forks (SamplingParams.n > 1) and copy-on-write block copies; others reject n > 1.
+    supports_forks = False
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, limits: BufferLimits,
                  executor, num_slots: int = NUM_SLOTS, slot_logits: bool = True, transfer=None):
@@ -74,13 +76,16 @@ class StepRunner:
     def _new_step(self, sched: SchedulerOutput, slot: DecodeSlot) -> Step:
         step = Step(self._next_step_id, slot, sched.chunks, [c for c in sched.chunks if c.samples],
                     sched.num_tokens, time.monotonic())
+        if sched.forks:
+            step.forks = sched.forks
+            step.sample_chunks += sched.forks
         self._next_step_id += 1
         slot.busy = True
         return step
 
     def _stage(self, step: Step, pad_to: int | None = None) -> None:
         """Stage `step` into its slot (engine/step_buffers.py); its sampling rows' tokens will be pending there."""
-        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to)
+        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks)
         for row, c in enumerate(step.sample_chunks):
             c.seq.pending_src = (step.id, row)
 

@@ -320,7 +320,7 @@ def test_abort_while_compiling_frees_the_request(llama):
     real_compile = engine.structured.backend.compile
     engine.structured.backend.compile = lambda p: release.wait(10) and real_compile(p)
     rid = engine.add_request(PROMPTS[0], params(so(regex="[a-z]{4}")))
-    out = engine.abort(rid)
+    [out] = engine.abort(rid)
     assert out.finished and out.finish_reason == "abort" and not engine.has_unfinished()
     assert engine.stats()["num_compiling"] == 0
     release.set()
