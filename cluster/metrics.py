@@ -206,7 +206,10 @@ class RequestTiming:
         self.first_at = self.last_at = 0.0
 
     def chunk(self, chunk) -> None:
-        """Note a cluster.protocol.GenerateChunk on arrival at the ingress."""
+        """Note a cluster.protocol.GenerateChunk on arrival at the ingress (of an n > 1 request, sample 0's
+        chunks stand for the request: the spans below compare one sample's token counts)."""
+        if chunk.index:
+            return
         now = time.monotonic()
         if chunk.delta_token_ids or chunk.finished:
             if self.first is None and chunk.delta_token_ids:

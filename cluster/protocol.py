@@ -46,6 +46,7 @@ class GenerateChunk:
     output_time: float = 0.0
     rejected: bool = False  # the request itself was bad (error says why): the ingress answers 400
     prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs, first chunk only
+    index: int = 0  # the sample (SamplingParams.n) this chunk belongs to: a request's samples interleave
 
     @classmethod
     def rejection(cls, request_id: str, message: str) -> "GenerateChunk":
@@ -58,4 +59,4 @@ class GenerateChunk:
         return cls(out.request_id, out.delta_text, out.delta_token_ids, out.delta_logprobs, out.finished,
                    out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
                    out.error, out.arrival_time, out.first_scheduled_time, out.first_token_time,
-                   out.finish_time, out.output_time, prompt_logprobs=out.prompt_logprobs)
+                   out.finish_time, out.output_time, prompt_logprobs=out.prompt_logprobs, index=out.index)

@@ -49,9 +49,9 @@ class EngineReplica:
                 logger.info("request %s rejected: %s", request.request_id, exc)
                 yield GenerateChunk.rejection(request.request_id, str(exc))
                 return
-            last_token_time = None
+            last_token_time: dict[int, float | None] = {}  # per sample (n > 1 samples interleave)
             while out is not None:
-                last_token_time = self.metrics.output(out, last_token_time)
+                last_token_time[out.index] = self.metrics.output(out, last_token_time.get(out.index))
                 if out.finish_reason == "abort" and out.error is not None:
                     # The engine failed the request (a failed step, a dead pipeline stage): an error for the
                     # client (an SSE error event, or a 500), not a normal-looking "abort" finish.

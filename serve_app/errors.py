@@ -40,12 +40,14 @@ PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "mi
                 "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs",
                 "prompt_logprobs", "prompt",
                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                "structured_outputs", "logit_bias", "allowed_token_ids", "tools")
+                "structured_outputs", "logit_bias", "allowed_token_ids", "tools", "best_of", "n")
 
 
 def param_of(message: str, fields: tuple[str, ...] = PARAM_FIELDS) -> str | None:
-    """The request field a ValueError message names (SamplingParams messages start with the field)."""
-    return next((f for f in fields if message.startswith(f)), None)
+    """The request field a ValueError message names (SamplingParams messages start with the field, followed by
+    something that cannot continue a name: "n must ..." names n, "no ..." names nothing)."""
+    return next((f for f in fields if message.startswith(f) and not message[len(f):len(f) + 1].isidentifier()),
+                None)
 
 
 def from_engine_failure(exc: BaseException) -> APIError:

@@ -34,7 +34,7 @@ from serve_app.limits import Limits, check_context, check_request, check_tool_sc
 from serve_app.logprobs_format import set_logprob_echo
 from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
-from serve_app.responses import Accumulated, ResponseBuilder, sse
+from serve_app.responses import Accumulated, ResponseBuilder, best_of, sse
 from serve_app.tool_parsers import get_tool_parser
 from serve_app.tools import check_tools, output_parser, template_message, template_tools
 
@@ -221,8 +221,8 @@ class OpenAIIngress:
                               param="stop_token_ids")
         request_id = uuid.uuid4().hex
         builder = ResponseBuilder(request_id, body.model if lora is not None else self.model_name, chat,
-                                  self._decode_token)
-        builder.tool_parser = tool_parser
+                                  self._decode_token, body.n)
+        builder.tool_parser, builder.echo = tool_parser, echo
         set_logprob_echo(builder, body, prompt_ids, chat)
         try:  # errors before any output become proper HTTP statuses
             stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
@@ -234,17 +234,16 @@ class OpenAIIngress:
                 err.param = param_of(err.message)
             raise
         timing.chunk(first)
-        first.delta_text = echo + first.delta_text
         if body.stream:
             return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs,
                                                timing, _endpoint(request)),
                                      media_type="text/event-stream")
-        acc = Accumulated()
+        accs = [Accumulated() for _ in range(params.n)]  # one per sample (best_of of them when set)
         try:
-            acc.add(first)
+            accs[first.index].add(first)
             async for chunk in stream:
                 timing.chunk(chunk)
-                acc.add(chunk)
+                accs[chunk.index].add(chunk)
         except (asyncio.CancelledError, RequestCancelledError):  # the client went away: 499, not an error
             self.metrics.count(_endpoint(request), STATUS_CLIENT_CLOSED, "abort")
             raise
@@ -252,8 +251,10 @@ class OpenAIIngress:
             raise from_engine_failure(exc) from None
         finally:
             stream.cancel()
-        self._finished(timing, _endpoint(request), acc.finish_reason)
-        return builder.full(acc, want_logprobs)
+        self._finished(timing, _endpoint(request), accs[0].finish_reason)
+        if params.n > body.n:  # best_of: usage counts every sample generated
+            return builder.full(best_of(accs, body.n), want_logprobs, sum(a.num_output_tokens for a in accs))
+        return builder.full(accs, want_logprobs)
 
     async def _sse(self, stream, first: GenerateChunk, builder: ResponseBuilder, include_usage: bool,
                    want_logprobs: bool, timing: RequestTiming, endpoint: str) -> AsyncIterator[str]:
@@ -263,7 +264,8 @@ class OpenAIIngress:
         status, reason = STATUS_CLIENT_CLOSED, "abort"  # unless the stream runs to its end
         try:
             if builder.chat:
-                yield sse(builder.first_chat_chunk())
+                for payload in builder.first_chat_chunks():
+                    yield sse(payload)
             for payload in builder.chunks(first, want_logprobs):
                 yield sse(payload)
             async for chunk in stream:
@@ -272,7 +274,7 @@ class OpenAIIngress:
                 for payload in builder.chunks(chunk, want_logprobs):
                     yield sse(payload)
             if include_usage:
-                yield sse(builder.usage_chunk(last.num_prompt_tokens, last.num_output_tokens))
+                yield sse(builder.usage_chunk(last.num_prompt_tokens))
             status, reason = 200, last.finish_reason
         except RequestCancelledError:  # the client went away (the call was cancelled): 499, nothing to send
             return

@@ -40,6 +40,9 @@ class Limits(BaseModel):
     max_schema_bytes: int = Field(default=64 * 1024, ge=64)  # a JSON schema, as compact JSON
     max_schema_depth: int = Field(default=32, ge=1)  # nesting of objects and arrays in a schema
     max_grammar_bytes: int = Field(default=64 * 1024, ge=16)  # a regex or an EBNF grammar
+    # Samples per request (n, and best_of): each is a running sequence with its own KV past the shared prompt.
+    # Engines also cap them at max_num_seqs.
+    max_n: int = Field(default=16, ge=1)
 
 
 def check_request(body, limits: Limits) -> None:
@@ -48,6 +51,7 @@ def check_request(body, limits: Limits) -> None:
     for name, unused in UNSUPPORTED_FIELDS.items():
         if extra.get(name) not in unused:
             raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_field")
+    _check_samples(body, limits)
     stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
     _at_most("stop", len(stops), limits.max_stop_strings, "stop strings")
     longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
@@ -67,6 +71,21 @@ def check_request(body, limits: Limits) -> None:
     for field, schema in schemas:
         if schema is not None:
             _check_schema(field, schema, limits)
+
+
+def _check_samples(body, limits: Limits) -> None:
+    if body.n < 1:
+        raise bad_request(f"n must be an integer >= 1, got {body.n}", param="n")
+    _at_most("n", body.n, limits.max_n, "samples per request")
+    best_of = getattr(body, "best_of", None)
+    if best_of is None:
+        return
+    if best_of < body.n:
+        raise bad_request(f"best_of must be >= n, got best_of={best_of} and n={body.n}", param="best_of")
+    _at_most("best_of", best_of, limits.max_n, "samples per request")
+    if body.stream and best_of > body.n:
+        raise bad_request("best_of cannot be used with stream: the best samples are known only at the end",
+                          param="best_of")
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int, chat: bool) -> None:

@@ -58,5 +58,5 @@ def set_logprob_echo(builder, body, prompt_ids: list[int], chat: bool) -> None:
     request's prompt_logprobs are answered in vLLM's format."""
     builder.prompt_logprobs_k = body.prompt_logprobs
     if not chat and body.echo and body.logprobs is not None:
-        builder.completion_logprobs.echo_prompt_ids = prompt_ids
-        builder.completion_logprobs.echo_k = body.logprobs
+        builder.echo_prompt_ids = prompt_ids
+        builder.echo_k = body.logprobs

@@ -92,13 +92,6 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob (+ top-k), first None
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the offending field."""
         return SamplingParams(
@@ -109,7 +102,7 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self._structured(), logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs)
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self.prompt_logprobs, n=self.n)
 
     @property
     def structured_source(self) -> str | None:
@@ -148,6 +141,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    # The legacy completions field: generate best_of samples, return the n with the highest mean token
+    # logprob (non-streamed only; usage counts every sample's tokens, as OpenAI bills them).
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -164,6 +160,8 @@ class CompletionRequest(_SamplingFields):
         params = self._sampling(self.max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens need their logprobs too
             params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
+        if self.best_of is not None and self.best_of > self.n:  # ranking needs each token's logprob
+            params = dataclasses.replace(params, n=self.best_of, logprobs=self.logprobs or 0)
         return params
 
 

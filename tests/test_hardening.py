@@ -110,7 +110,12 @@ LIMIT_CASES = [
     ("functions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, "functions",
      "not supported"),
     ("suffix", {"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
-    ("best_of", {"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+    ("chat_best_of", {"messages": [{"role": "user", "content": "x"}], "best_of": 3}, "best_of", "not supported"),
+    ("n", {"prompt": "x", "n": 17}, "n", "at most 16 samples per request"),
+    ("best_of", {"prompt": "x", "best_of": 17}, "best_of", "at most 16 samples per request"),
+    ("best_of_below_n", {"prompt": "x", "n": 3, "best_of": 2}, "best_of", "best_of must be >= n"),
+    ("best_of_stream", {"prompt": "x", "n": 1, "best_of": 2, "stream": True}, "best_of",
+     "cannot be used with stream"),
 ]
 
 

@@ -1,5 +1,6 @@
-"""Logprobs over HTTP with the official `openai` client: completions echo (with and without logprobs,
-text_offset), vLLM's prompt_logprobs extra, chat logprobs + top_logprobs streamed and whole.
+"""Logprobs and several choices over HTTP with the official `openai` client: completions echo (with and
+without logprobs, text_offset), vLLM's prompt_logprobs extra, chat logprobs + top_logprobs streamed and whole;
+n > 1 (streamed interleaved by index, seeded, with echo) and best_of.
 
 One private Serve cluster (one engine replica) on the embedded model. Oracle: Hugging Face transformers'
 log_softmax over the same checkpoint in fp32 (the engine runs fp32 on CPU)."""
@@ -130,3 +131,68 @@ def test_chat_logprobs_streamed_equal_whole_and_hf(client, hf):
         assert e.token == tok.decode([out_ids[j]]) and abs(e.logprob - row[out_ids[j]].item()) < ATOL
         assert e.bytes == list(e.token.encode())
         assert [t.logprob for t in e.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=ATOL)
+
+
+# ---- n > 1 and best_of ----------------------------------------------------------------------------------------
+def test_n3_streamed_chat_interleaves_choices_each_equal_to_hf(client, hf):
+    tok, model = hf
+    messages = [{"role": "user", "content": "Name a prime number."}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    text, roles, finish, order, usage = {}, {}, {}, [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            order.append(c.index)
+            roles.setdefault(c.index, c.delta.role)
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert sorted(text) == [0, 1, 2] and roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert order != sorted(order), "choices stream interleaved as their tokens commit, not one after another"
+    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = tok.decode(hf_greedy(model, list(prompt_ids), 8))
+    assert text == {0: expected, 1: expected, 2: expected}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 3 * 8), "the prompt counts once"
+
+
+def test_n3_seeded_samples_are_distinct_reproducible_and_stream_like_whole(client):
+    kw = dict(model=MODEL, prompt=PROMPT, n=3, max_tokens=10, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.text for c in whole.choices]
+    assert len(set(texts)) == 3
+    assert [c.text for c in client.completions.create(**kw).choices] == texts
+    streamed = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == texts
+    assert whole.usage.completion_tokens == 30
+
+
+def test_best_of_returns_the_samples_with_the_highest_mean_logprob(client):
+    """best_of=4 draws the same four samples as n=4 with the same seed (sample i is seeded seed + i): the
+    two it returns must be the two best of those by mean token logprob, and usage counts all four."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=99, extra_body={"ignore_eos": True})
+    every = client.completions.create(n=4, logprobs=0, **kw)
+    mean = {c.text: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in every.choices}
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == sorted(mean, key=mean.get, reverse=True)[:2]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices), "logprobs were not asked for"
+    assert best.usage.completion_tokens == 4 * 6
+
+
+def test_echo_with_logprobs_on_every_choice(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=3, temperature=0, echo=True,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    first, second = r.choices
+    assert first.text == second.text and first.text.startswith(PROMPT)
+    assert first.logprobs.tokens == second.logprobs.tokens
+    assert first.logprobs.token_logprobs[0] is None and second.logprobs.token_logprobs[0] is None
+    assert second.logprobs.token_logprobs == pytest.approx(first.logprobs.token_logprobs, abs=1e-6)

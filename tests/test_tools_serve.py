@@ -139,3 +139,25 @@ def test_auto_parses_hermes_calls_whole_and_streamed(client):
             args += tc.function.arguments or ""
     assert (content, name, json.loads(args)) == ("Checking.", "get_weather", {"city": "Oslo"})
     assert args == r.message.tool_calls[0].function.arguments and reasons[-1] == "tool_calls"
+
+
+def test_n2_streamed_tool_calls_parse_per_choice(client):
+    """Each choice has its own tool-call parser: two sampled choices' deltas interleave yet reassemble into
+    one valid call each."""
+    calls: dict[int, dict] = {}
+    finish: dict[int, str] = {}
+    for chunk in create(client, tool_choice="required", parallel_tool_calls=False, stream=True, n=2,
+                        temperature=1.0, seed=5):
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+            for tc in choice.delta.tool_calls or []:
+                assert tc.index == 0
+                if tc.id is not None:
+                    calls[choice.index] = {"name": tc.function.name, "args": ""}
+                else:
+                    calls[choice.index]["args"] += tc.function.arguments
+    assert finish == {0: "tool_calls", 1: "tool_calls"} and sorted(calls) == [0, 1]
+    for call in calls.values():
+        assert call["name"] in SCHEMAS
+        jsonschema.validate(json.loads(call["args"]), SCHEMAS[call["name"]])
