@@ -257,3 +257,14 @@ def test_async_engine_streams_samples_interleaved_with_their_index(tiny_model_fa
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     finally:
         llm.shutdown()
+
+
+def test_simulated_device_rejects_n_above_one():
+    """The simulated accelerator models no shared logits rows or block copies: n > 1 is refused, by name."""
+    from engine.sim import SIM_MODELS
+
+    llm = LLM(str(SIM_MODELS / "qwen2.5-0.5b"), device="sim", max_model_len=2048, max_num_seqs=8)
+    with pytest.raises(ValueError, match=r"^n > 1 is not supported by this engine \(SimRunner\)"):
+        llm.generate([[5, 6, 7]], greedy(2))
+    assert len(llm.generate([[5, 6, 7]], greedy(1))) == 1
+    llm.shutdown()
