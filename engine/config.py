@@ -44,8 +44,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_bytes: int | None = None
     cpu_memory_utilization: float = 0.5
-    # CPU forwards run on a dedicated thread so the two slots overlap (torch ops release the GIL).
-    cpu_executor_thread: bool = True
+    # CPU forwards on a dedicated thread, so the engine loop's host work overlaps them (torch ops release the
+    # GIL). None (auto): only when a core is left for that host work beyond the forward's intra-op threads.
+    # On a machine whose cores all run the forward's OpenMP team, host work beside it stalls the team at
+    # every parallel region: measured on 2 cores (SmolLM2-135M, fp32), depth 2 with the thread ran 1.35x
+    # slower per token at batch 1 and ~1.15x slower at batch 32 than the same depth inline.
+    cpu_executor_thread: bool | None = None
     # CPU linears through oneDNN with weights packed at load (engine/models/cpu_linear.py); off = F.linear.
     cpu_onednn: bool = True
     # Pipeline parallelism (engine/pipeline, cluster/pipeline.py): the layers split over this many stage
@@ -104,7 +108,9 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1 and (self.num_cpu_blocks or self.swap_space_gb):
             raise ValueError("num_cpu_blocks/swap_space_gb (KV offload) is not supported with "
                              "pipeline_parallel_size > 1: preempted requests are soft-reset instead")
-        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_executor_thread", "cpu_onednn", "pp_cpu_sampling",
+        if self.cpu_executor_thread not in (None, True, False):
+            raise ValueError(f"cpu_executor_thread must be a boolean or None (auto), got {self.cpu_executor_thread!r}")
+        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_cpu_sampling",
                      "pp_token_safe", "pp_structure_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

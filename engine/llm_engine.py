@@ -546,6 +546,7 @@ class LLMEngine:
             "num_swapped": len(sched.swapped),
             "device": str(self.compute_device), "dtype": str(self.dtype).removeprefix("torch."),
             "pipeline_depth": self.config.pipeline_depth, "num_compiling": len(self.compiling),
+            "executor": type(self.runner.executor).__name__,
             "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
             "cuda_graph_max_batch_size": self.runner.max_graph_batch_size(),
             **self.counters,

@@ -12,6 +12,7 @@ steps (engine/cuda_graphs.py).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -36,13 +37,21 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH_SIZE = 512
 
 
+def cpu_thread_helps(setting: bool | None) -> bool:
+    """EngineConfig.cpu_executor_thread resolved: None = a forward thread only when the process has a core
+    beyond the intra-op threads, for the engine loop's host work to run on (see EngineConfig)."""
+    if setting is not None:
+        return setting
+    return torch.get_num_threads() < len(os.sched_getaffinity(0))
+
+
 class ModelRunner(StepRunner):
     supports_prompt_logprobs = True
     supports_forks = True
 
     def __init__(self, config: EngineConfig, hf_config, spec: ModelSpec, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0):
-        threaded = config.cpu_executor_thread and config.pipeline_depth > 1
+        threaded = config.pipeline_depth > 1 and cpu_thread_helps(config.cpu_executor_thread)
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len),
                          make_executor(device, threaded))
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size)

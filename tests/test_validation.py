@@ -91,6 +91,7 @@ def test_invalid_engine_config_names_the_field(ckpt, field, value):
     ("cuda_graphs", "off"),
     ("admission_margin", "x"),  # today: TypeError
     ("cpu_kv_cache_bytes", -5),  # today: accepted, silently a 1-block KV cache
+    ("cpu_executor_thread", "auto"),  # None is auto
 ])
 def test_engine_config_rejects_other_bad_fields(ckpt, field, value):
     """Rule 8 / ARCHITECTURE: every config field is validated where the config is built, by name."""
@@ -267,3 +268,22 @@ def test_request_outgrowing_the_whole_kv_cache_never_stalls(ckpt):
             break
     llm.check_integrity()
     assert llm.stats()["kv_blocks_free"] == 2
+
+
+def test_cpu_forward_thread_only_when_a_core_is_spare():
+    """cpu_executor_thread=None: a forward thread only if the intra-op threads leave a core for the loop."""
+    import os
+
+    import torch
+
+    from engine.model_runner import cpu_thread_helps
+
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores)
+        assert not cpu_thread_helps(None) and cpu_thread_helps(True)
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert cpu_thread_helps(None) and not cpu_thread_helps(False)
+    finally:
+        torch.set_num_threads(before)
