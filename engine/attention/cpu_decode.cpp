@@ -7,9 +7,10 @@
 // torch.utils.cpp_extension (engine/attention/cpu_native.py); the gather + SDPA path stays the reference
 // and the fallback.
 //
-// Parallel over (sequence, KV head); the G = H / Hkv query heads sharing a KV head are processed together
-// so each K/V row is loaded once for all of them. Scores are kept for the whole context (two passes over
-// the scores, one over K, one over V); accumulation is fp32 for fp32 and bf16 caches alike.
+// Parallel over sequences (or (sequence, KV head) when there are few); the G = H / Hkv query heads sharing a
+// KV head are processed together so each K/V row is loaded once for all of them. Scores are kept for the
+// whole context (two passes over the scores, one over K, one over V); accumulation is fp32 for fp32 and bf16
+// caches alike.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -46,34 +47,46 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const int64_t row_stride = kv_heads * dim;  // between consecutive tokens of one block
+  const int64_t block_elems = block_size * row_stride;  // one block of one layer's K (or V): contiguous
+  // A work item is one sequence and a span of its KV heads: all of them when there are enough sequences to
+  // keep every thread busy, so each block is read as one contiguous run (a K row holds every KV head; one
+  // head's slice of it is a third of the row for SmolLM2, and the hardware fetches the lines around it
+  // anyway), else one head per item so a few long sequences still spread over the threads.
+  const int64_t span = batch >= 4 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t spans = kv_heads / span, hs = span * group;  // query heads per item
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores;
+  at::parallel_for(0, batch * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(hs * dim), acc(hs * dim), scores, inv_sum(hs);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / kv_heads, h = w % kv_heads;
+      const int64_t b = w / spans, h0 = (w % spans) * span;  // KV heads [h0, h0 + span)
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int32_t* table = tables + b * table_width;
-      // Calls f(position, cache row) for positions [lo, hi), walking the block table block by block.
-      auto for_each_row = [&](int64_t lo, int64_t hi, auto&& f) {
+      // Calls f(position, cache row) for positions [lo, hi), walking the block table block by block and
+      // prefetching the next block of `base_ptr` (blocks are scattered: the stream restarts at each one).
+      auto for_each_row = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
         for (int64_t blk = lo / block_size; blk * block_size < hi; ++blk) {
+          if ((blk + 1) * block_size < hi) {
+            const char* next = reinterpret_cast<const char*>(base_ptr + int64_t(table[blk + 1]) * block_elems);
+            for (int64_t off = 0; off < int64_t(block_elems * sizeof(T)); off += 64) __builtin_prefetch(next + off);
+          }
           const int64_t base = int64_t(table[blk]) * block_size - blk * block_size;
           const int64_t stop = std::min(hi, (blk + 1) * block_size);
           for (int64_t t = std::max(lo, blk * block_size); t < stop; ++t) f(t, base + t);
         }
       };
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < hs; ++j)
         for (int64_t i = 0; i < dim; ++i)
-          qf[g * dim + i] = static_cast<float>(qp[(b * heads + h * group + g) * dim + i]) * float(scale);
-      scores.assign(group * n, 0.f);
-      for_each_row(first, len, [&](int64_t t, int64_t row) {
-        const T* krow = kp + row * row_stride + h * dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * n + (t - first)] = dot(qf.data() + g * dim, krow, dim);
+          qf[j * dim + i] = static_cast<float>(qp[(b * heads + h0 * group + j) * dim + i]) * float(scale);
+      scores.assign(hs * n, 0.f);
+      for_each_row(kp, first, len, [&](int64_t t, int64_t row) {
+        const T* krow = kp + row * row_stride + h0 * dim;
+        for (int64_t j = 0; j < hs; ++j)
+          scores[j * n + (t - first)] = dot(qf.data() + j * dim, krow + (j / group) * dim, dim);
       });
-      std::vector<float> inv_sum(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
+      for (int64_t j = 0; j < hs; ++j) {
+        float* s = scores.data() + j * n;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
         float sum = 0.f;
@@ -82,16 +95,17 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           s[i] = expf(s[i] - m);  // vectorized through glibc's libmvec (-fno-math-errno, omp simd)
           sum += s[i];
         }
-        inv_sum[g] = 1.f / sum;
+        inv_sum[j] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(first, len, [&](int64_t t, int64_t row) {
-        const T* vrow = vp + row * row_stride + h * dim;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + (t - first)], vrow, acc.data() + g * dim, dim);
+      for_each_row(vp, first, len, [&](int64_t t, int64_t row) {
+        const T* vrow = vp + row * row_stride + h0 * dim;
+        for (int64_t j = 0; j < hs; ++j)
+          axpy(scores[j * n + (t - first)], vrow + (j / group) * dim, acc.data() + j * dim, dim);
       });
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < hs; ++j)
         for (int64_t i = 0; i < dim; ++i)
-          op[(b * heads + h * group + g) * dim + i] = static_cast<T>(acc[g * dim + i] * inv_sum[g]);
+          op[(b * heads + h0 * group + j) * dim + i] = static_cast<T>(acc[j * dim + i] * inv_sum[j]);
     }
   });
 }
