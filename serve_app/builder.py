@@ -59,6 +59,9 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int | None = Field(default=None, ge=1)
     max_queued_requests: int = Field(default=512, ge=-1)
     replica_num_cpus: float | None = Field(default=None, ge=0)
+    # Serve's max_replicas_per_node for the engine deployment: 1 spreads the engine replicas one per node, so
+    # losing a node costs one replica (README "Multi-node", tests/test_multinode.py). None: Serve's default.
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     # Ingress autoscaling (Serve's default policy on ongoing requests): set ingress_max_replicas above
     # ingress_replicas and the ingress scales between the two, aiming at ingress_target_ongoing_requests
@@ -186,6 +189,8 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
             request_router_class=router_class(cfg.router),
             request_routing_stats_period_s=cfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * cfg.routing_stats_period_s)))
+    if cfg.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = cfg.max_replicas_per_node
     if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
             pp, device, engine_cfg.pp_stage_num_cpus)

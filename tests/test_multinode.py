@@ -1,0 +1,276 @@
+"""Tandem on a real two-node Ray cluster on this one machine: a head (custom resource node_a) and a worker
+(node_b), each started with the venv's `ray start --block` as a subprocess, exactly as README "Multi-node"
+tells an operator to. The engine deployment runs 2 replicas with max_replicas_per_node=1, so one replica per
+node; the test driver joins with ray.init(address=...) and deploys with serve.run(build_app(...)).
+
+Then the worker node is killed (SIGKILL of its `ray start` process, its raylet and every descendant: the
+engine replica's worker process among them) while streams are in flight on both replicas. Every stream must
+end within a bound: those on the dead node with an error the openai client raises, the others complete. New
+requests must then succeed on the head's replica within ~90 s, with the same greedy text as before.
+
+Isolation: the cluster has its own temp dir (the worker shares it: a worker node on the same machine takes
+the head's temp dir when it is given none), its own GCS/HTTP/client/dashboard/agent ports, and teardown
+kills exactly the process trees of the two `ray start` processes it started (plus any process whose command
+line names its temp dir), never `ray stop`: other tests' in-process clusters may run beside it. The state
+API (ray.util.state) needs the dashboard, which this cluster does not run; replica placement is read from
+the GCS actor table instead (ray._private.state.actors)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from serve_cluster import ENGINE_DEPLOYMENT, free_port, wait_for
+
+RAY_CLI = Path(sys.executable).with_name("ray")  # the venv's CLI: same Ray and Python as the driver
+if not RAY_CLI.exists():
+    pytest.skip(f"no ray CLI next to {sys.executable}", allow_module_level=True)
+
+import openai  # noqa: E402
+import psutil  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from serve_app import build_app  # noqa: E402
+
+APP = {"num_replicas": 2, "max_replicas_per_node": 1, "router": "pow2", "health_check_period_s": 1.0,
+       "health_check_timeout_s": 10.0, "graceful_shutdown_timeout_s": 5.0}
+MODEL = "tandem-default"
+PROMPT = "The history of the river begins"
+STREAM_TOKENS = 900  # long enough to be in flight when the node dies (max_model_len is 1024)
+START_TIMEOUT_S = 60
+STREAM_END_BOUND_S = 60  # after the kill, every stream has ended (error or complete) within this
+RECOVERY_BOUND_S = 90
+
+
+@dataclass
+class Node:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def tree(self) -> list[psutil.Process]:
+        """The `ray start --block` process and every descendant (gcs, raylet, agents, Ray workers)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        return []
+
+
+@dataclass
+class Cluster:
+    gcs_port: int
+    http_port: int
+    temp_dir: str
+    app_name: str
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def node_id(self, resource: str) -> str:
+        [node] = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+        return node
+
+    def alive_actors(self, deployment: str) -> list[dict]:
+        """GCS actor-table entries of the live replicas of `deployment` (Address.NodeID is their node)."""
+        import ray._private.state as state
+
+        prefix = f"SERVE_REPLICA::{self.app_name}#{deployment}#"
+        return [a for a in state.actors().values()
+                if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(prefix)]
+
+    def replica_handles(self) -> dict[str, object]:
+        """{node id: handle} of the live engine replicas."""
+        return {a["Address"]["NodeID"]: ray.get_actor(a["Name"], namespace="serve")
+                for a in self.alive_actors(ENGINE_DEPLOYMENT)}
+
+
+def kill_tree(procs: list[psutil.Process], timeout_s: float = 20) -> None:
+    """SIGKILL every process in `procs` at once (no survivor gets to respawn another) and check they are gone."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    assert not alive, f"processes survived SIGKILL: {alive}"
+
+
+def _ray_start(name: str, args: list[str], temp_dir: str, env: dict) -> Node:
+    log = Path(temp_dir) / f"ray_start_{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(RAY_CLI), "start", *args, "--block"], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)  # own session: no terminal signals from pytest
+    node = Node(name, proc, log)
+    wait_for(lambda: _started(node), START_TIMEOUT_S, what=f"`ray start` of the {name} node (log {log})")
+    return node
+
+
+def _started(node: Node) -> bool:
+    if node.proc.poll() is not None:
+        raise AssertionError(f"`ray start` of the {node.name} node exited {node.proc.returncode}: "
+                             f"{node.log.read_text()[-2000:]}")
+    return "Ray runtime started" in node.log.read_text()
+
+
+def _teardown(cluster: Cluster) -> None:
+    with contextlib.suppress(Exception):
+        if ray.is_initialized():  # serve.shutdown waits on the controller: bound it (the head may be broken)
+            t = threading.Thread(target=serve.shutdown, daemon=True)
+            t.start()
+            t.join(timeout=30)
+    ray.shutdown()
+    procs = [p for node in cluster.nodes.values() for p in node.tree()]
+    for p in psutil.process_iter(["cmdline"]):  # anything of this cluster that left the two trees
+        with contextlib.suppress(psutil.Error):
+            if p.pid != os.getpid() and any(cluster.temp_dir in arg for arg in p.info["cmdline"] or []):
+                procs.append(p)
+    try:
+        kill_tree(procs)
+    finally:
+        for node in cluster.nodes.values():
+            with contextlib.suppress(Exception):
+                node.proc.wait(timeout=5)
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    temp_dir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")  # short: Ray puts unix sockets under it
+    cluster = Cluster(gcs_port=free_port(), http_port=free_port(), temp_dir=temp_dir,
+                      app_name=f"tandem{uuid.uuid4().hex[:6]}")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver too (Ray 2.60 turns token auth on by default)
+    # Every port a node would otherwise take at a fixed default (8265, 10001, 52365, ...) is a free one: the
+    # two nodes share the machine, and so may other tests' clusters.
+    agent_ports = lambda: [f"--dashboard-agent-listen-port={free_port()}",  # noqa: E731
+                           f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+                           f"--metrics-export-port={free_port()}"]
+    try:
+        cluster.nodes["head"] = _ray_start("head", [
+            "--head", f"--port={cluster.gcs_port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+            '--resources={"node_a": 4}', "--include-dashboard=false", "--disable-usage-stats",
+            f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}",
+            *agent_ports()], temp_dir, env)
+        cluster.nodes["worker"] = _ray_start("worker", [
+            f"--address={cluster.address}", "--num-cpus=4", '--resources={"node_b": 4}', *agent_ports()],
+            temp_dir, env)
+        ray.init(address=cluster.address, namespace=f"tandem-test-{uuid.uuid4().hex[:8]}", log_to_driver=False)
+        wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 30, what="both nodes alive")
+        serve.start(http_options={"host": "127.0.0.1", "port": cluster.http_port}, proxy_location="HeadOnly")
+        serve.run(build_app(APP), name=cluster.app_name, route_prefix="/")
+        yield cluster
+    finally:
+        _teardown(cluster)
+
+
+def client(cluster: Cluster, timeout: float = 30) -> openai.OpenAI:
+    """The official client, no retries of its own; `timeout` bounds connecting and each read of a stream."""
+    return openai.OpenAI(base_url=cluster.api_url, api_key="unused", max_retries=0, timeout=timeout)
+
+
+def greedy(cluster: Cluster, timeout: float = 30) -> str:
+    r = client(cluster, timeout).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    return r.choices[0].text
+
+
+def test_the_engine_replicas_run_one_per_node(cluster):
+    """The driver joined the head, both nodes are in the cluster, and max_replicas_per_node=1 put the two
+    engine replicas on different nodes: one on node_a (the head), one on node_b (the worker)."""
+    assert ray.get_runtime_context().get_node_id() == cluster.node_id("node_a")
+    actors = cluster.alive_actors(ENGINE_DEPLOYMENT)
+    assert len(actors) == 2, actors
+    assert {a["Address"]["NodeID"] for a in actors} == {cluster.node_id("node_a"), cluster.node_id("node_b")}
+
+
+def test_a_greedy_completion_is_served_and_repeatable(cluster):
+    first, second = greedy(cluster), greedy(cluster)
+    assert first and first == second
+
+
+def test_losing_the_worker_node_ends_its_streams_and_the_head_replica_serves_on(cluster):
+    expected = greedy(cluster)
+    head_id, worker_id = cluster.node_id("node_a"), cluster.node_id("node_b")
+    replicas = cluster.replica_handles()
+    assert set(replicas) == {head_id, worker_id}
+    ingress_nodes = {a["Address"]["NodeID"] for a in cluster.alive_actors("OpenAIIngress")}
+    results: list[dict] = [{} for _ in range(6)]
+
+    def stream(i: int) -> None:
+        res = results[i]
+        res["chunks"], res["finish"] = 0, None
+        try:
+            for chunk in client(cluster, timeout=STREAM_END_BOUND_S).completions.create(
+                    model=MODEL, prompt=f"Stream {i}: {PROMPT}", max_tokens=STREAM_TOKENS, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True}):
+                res["chunks"] += 1
+                res["finish"] = chunk.choices[0].finish_reason if chunk.choices else res["finish"]
+        except Exception as exc:  # noqa: BLE001 - recorded; the assertions below say which streams may fail
+            res["error"] = exc
+        res["ended"] = time.monotonic()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(results))]
+    for t in threads:
+        t.start()
+
+    def in_flight_on_both() -> dict[str, int] | None:
+        """Streams per replica, once both replicas have some and every stream has its first token (after
+        that a replica's loss is the client's error, not a silent retry on the other replica)."""
+        counts = {node: ray.get(h.get_num_ongoing_requests.remote(), timeout=10) for node, h in replicas.items()}
+        return counts if all(counts.values()) and all(r.get("chunks") for r in results) else None
+
+    counts = wait_for(in_flight_on_both, 60, 0.05, what="streams in flight on both replicas")
+    assert all("ended" not in r for r in results), "a stream ended before the node was killed: make them longer"
+    worker_tree = cluster.nodes["worker"].tree()
+    assert any(p.name() == "raylet" for p in worker_tree), [p.name() for p in worker_tree]
+    killed_at = time.monotonic()
+    kill_tree(worker_tree)
+
+    for t in threads:
+        t.join(timeout=max(1.0, killed_at + STREAM_END_BOUND_S + 10 - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"streams still open {STREAM_END_BOUND_S} s after the kill"
+    failed = [r for r in results if "error" in r]
+    completed = [r for r in results if "error" not in r]
+    assert failed, f"no stream failed although {counts[worker_id]} ran on the killed node: {results}"
+    for r in failed:  # an error the openai client raises: an error event, a 5xx, or a cut connection
+        assert isinstance(r["error"], openai.OpenAIError), r
+        assert r["ended"] - killed_at < STREAM_END_BOUND_S, r
+    for r in completed:
+        assert r["finish"] == "length", r
+    if worker_id not in ingress_nodes:  # the ingress lived: exactly the streams on the dead replica failed
+        assert len(failed) == counts[worker_id], (counts, results)
+
+    # New requests: the head's replica serves them (the replacement for node_b's replica cannot be placed:
+    # one replica per node, and node_b is gone), with the same greedy text as before the kill.
+    recovered_at = None
+
+    def served() -> bool:
+        nonlocal recovered_at
+        if greedy(cluster, timeout=20) == expected:
+            recovered_at = time.monotonic()
+            return True
+        return False
+
+    wait_for(served, RECOVERY_BOUND_S, 1.0, what="a completion served after the worker node died")
+    assert [a["Address"]["NodeID"] for a in cluster.alive_actors(ENGINE_DEPLOYMENT)] == [head_id]
+    assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == worker_id)
+    for _ in range(3):
+        assert greedy(cluster) == expected
+    print(f"ingress on {'worker' if worker_id in ingress_nodes else 'head'}; streams per node {counts}; "
+          f"{len(failed)} failed, last after {max(r['ended'] for r in failed) - killed_at:.1f} s; "
+          f"served again {recovered_at - killed_at:.1f} s after the kill")
