@@ -63,6 +63,10 @@ class AppConfig(BaseModel):
     # losing a node costs one replica (README "Multi-node", tests/test_multinode.py). None: Serve's default.
     max_replicas_per_node: int | None = Field(default=None, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
+    # Ray resources each ingress replica asks for (ray_actor_options.resources), e.g. {"head": 0.01} with a
+    # custom resource only the head node offers: the ingress then lives beside the head's HTTP proxy and a
+    # lost worker node costs only its engine replica (README "Multi-node"). Empty: any node.
+    ingress_resources: dict[str, float] = Field(default_factory=dict)
     # Ingress autoscaling (Serve's default policy on ongoing requests): set ingress_max_replicas above
     # ingress_replicas and the ingress scales between the two, aiming at ingress_target_ongoing_requests
     # streams per ingress replica. Every proxy spreads its requests over the ingress replicas.
@@ -163,7 +167,9 @@ def build_app(args: dict | None = None) -> serve.Application:
             max_replicas=cfg.ingress_max_replicas, target_ongoing_requests=cfg.ingress_target_ongoing_requests,
             upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)}
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0, **_user_code(cfg)},
+                               ray_actor_options={"num_cpus": 0, **_user_code(cfg),
+                                                  **({"resources": cfg.ingress_resources} if cfg.ingress_resources
+                                                     else {})},
                                graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s, **scaling)
     return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
