@@ -78,6 +78,7 @@ class Cluster:
     temp_dir: str
     app_name: str
     nodes: dict[str, Node] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # of the `ray start` processes
 
     @property
     def address(self) -> str:
@@ -114,21 +115,33 @@ def kill_tree(procs: list[psutil.Process], timeout_s: float = 20) -> None:
     assert not alive, f"processes survived SIGKILL: {alive}"
 
 
-def _ray_start(name: str, args: list[str], temp_dir: str, env: dict) -> Node:
-    log = Path(temp_dir) / f"ray_start_{name}.log"
+def _ray_start(cluster: Cluster, name: str, args: list[str]) -> Node:
+    """`ray start ARGS --block` as a subprocess, registered for teardown before anything can fail; returns
+    once it says the node runs (a `ray start` that exits fails at once, with its log)."""
+    log = Path(cluster.temp_dir) / f"ray_start_{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(RAY_CLI), "start", *args, "--block"], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)  # own session: no terminal signals from pytest
-    node = Node(name, proc, log)
-    wait_for(lambda: _started(node), START_TIMEOUT_S, what=f"`ray start` of the {name} node (log {log})")
+                                env=cluster.env, start_new_session=True)  # no terminal signals from pytest
+    node = cluster.nodes[name] = Node(name, proc, log)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "Ray runtime started" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"`ray start` of the {name} node exited {proc.returncode} or took over "
+                                 f"{START_TIMEOUT_S} s: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
     return node
 
 
-def _started(node: Node) -> bool:
-    if node.proc.poll() is not None:
-        raise AssertionError(f"`ray start` of the {node.name} node exited {node.proc.returncode}: "
-                             f"{node.log.read_text()[-2000:]}")
-    return "Ray runtime started" in node.log.read_text()
+def _agent_ports() -> list[str]:
+    """Every port a node would otherwise take at a fixed default (52365, ...) is a free one: the nodes share
+    the machine, and so may other tests' clusters."""
+    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+
+
+def start_worker(cluster: Cluster, name: str) -> Node:
+    return _ray_start(cluster, name, [
+        f"--address={cluster.address}", "--num-cpus=4", '--resources={"node_b": 4}', *_agent_ports()])
 
 
 def _teardown(cluster: Cluster) -> None:
@@ -157,22 +170,15 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")  # short: Ray puts unix sockets under it
     cluster = Cluster(gcs_port=free_port(), http_port=free_port(), temp_dir=temp_dir,
                       app_name=f"tandem{uuid.uuid4().hex[:6]}")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    cluster.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver too (Ray 2.60 turns token auth on by default)
-    # Every port a node would otherwise take at a fixed default (8265, 10001, 52365, ...) is a free one: the
-    # two nodes share the machine, and so may other tests' clusters.
-    agent_ports = lambda: [f"--dashboard-agent-listen-port={free_port()}",  # noqa: E731
-                           f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-                           f"--metrics-export-port={free_port()}"]
     try:
-        cluster.nodes["head"] = _ray_start("head", [
+        _ray_start(cluster, "head", [
             "--head", f"--port={cluster.gcs_port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
             '--resources={"node_a": 4}', "--include-dashboard=false", "--disable-usage-stats",
             f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}",
-            *agent_ports()], temp_dir, env)
-        cluster.nodes["worker"] = _ray_start("worker", [
-            f"--address={cluster.address}", "--num-cpus=4", '--resources={"node_b": 4}', *agent_ports()],
-            temp_dir, env)
+            *_agent_ports()])
+        start_worker(cluster, "worker")
         ray.init(address=cluster.address, namespace=f"tandem-test-{uuid.uuid4().hex[:8]}", log_to_driver=False)
         wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 30, what="both nodes alive")
         serve.start(http_options={"host": "127.0.0.1", "port": cluster.http_port}, proxy_location="HeadOnly")
@@ -190,6 +196,58 @@ def client(cluster: Cluster, timeout: float = 30) -> openai.OpenAI:
 def greedy(cluster: Cluster, timeout: float = 30) -> str:
     r = client(cluster, timeout).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     return r.choices[0].text
+
+
+def start_streams(cluster: Cluster, prompts: list[str]) -> tuple[list[dict], list[threading.Thread]]:
+    """One thread per prompt streaming a long greedy completion; each fills its dict with chunks, text,
+    finish (reason), error (what the client raised) and ended (monotonic time)."""
+    results: list[dict] = [{"chunks": 0, "text": "", "finish": None} for _ in prompts]
+
+    def stream(prompt: str, res: dict) -> None:
+        try:
+            for chunk in client(cluster, timeout=STREAM_END_BOUND_S).completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}):
+                res["chunks"] += 1
+                if chunk.choices:
+                    res["text"] += chunk.choices[0].text
+                    res["finish"] = chunk.choices[0].finish_reason or res["finish"]
+        except Exception as exc:  # noqa: BLE001 - recorded; the tests say which streams may fail
+            res["error"] = exc
+        res["ended"] = time.monotonic()
+
+    threads = [threading.Thread(target=stream, args=(p, r), daemon=True) for p, r in zip(prompts, results)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def in_flight_on_all(replicas: dict[str, object], results: list[dict]) -> dict[str, int] | None:
+    """Streams per replica, once every replica has some and every stream has its first token (after that a
+    replica's loss is the client's error, not a silent retry on another replica)."""
+    counts = {node: ray.get(h.get_num_ongoing_requests.remote(), timeout=10) for node, h in replicas.items()}
+    return counts if all(counts.values()) and all(r["chunks"] for r in results) else None
+
+
+def join(threads: list[threading.Thread], deadline: float) -> None:
+    for t in threads:
+        t.join(timeout=max(1.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "streams still open past their bound"
+
+
+def test_the_placement_keys_reach_serve():
+    """max_replicas_per_node and ingress_resources are passed to Serve as given, and absent when not given
+    (Serve's scheduler spreads replicas by default, so the placement test alone could pass without them)."""
+    def deployments(app):
+        ingress = app._bound_deployment
+        return ingress, ingress.init_args[0]._bound_deployment
+
+    ingress, engine = deployments(build_app(APP))
+    assert engine.name == ENGINE_DEPLOYMENT and engine._replica_config.max_replicas_per_node == 1
+    assert ingress._replica_config.max_replicas_per_node is None
+    assert ingress.ray_actor_options["resources"] == {"node_a": 0.01} and "resources" not in engine.ray_actor_options
+    ingress, engine = deployments(build_app({}))
+    assert engine._replica_config.max_replicas_per_node is None and "resources" not in ingress.ray_actor_options
 
 
 def test_the_engine_replicas_run_one_per_node(cluster):
@@ -212,41 +270,15 @@ def test_losing_the_worker_node_ends_its_streams_and_the_head_replica_serves_on(
     head_id, worker_id = cluster.node_id("node_a"), cluster.node_id("node_b")
     replicas = cluster.replica_handles()
     assert set(replicas) == {head_id, worker_id}
-    results: list[dict] = [{} for _ in range(6)]
-
-    def stream(i: int) -> None:
-        res = results[i]
-        res["chunks"], res["finish"] = 0, None
-        try:
-            for chunk in client(cluster, timeout=STREAM_END_BOUND_S).completions.create(
-                    model=MODEL, prompt=f"Stream {i}: {PROMPT}", max_tokens=STREAM_TOKENS, temperature=0,
-                    stream=True, extra_body={"ignore_eos": True}):
-                res["chunks"] += 1
-                res["finish"] = chunk.choices[0].finish_reason if chunk.choices else res["finish"]
-        except Exception as exc:  # noqa: BLE001 - recorded; the assertions below say which streams may fail
-            res["error"] = exc
-        res["ended"] = time.monotonic()
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(results))]
-    for t in threads:
-        t.start()
-
-    def in_flight_on_both() -> dict[str, int] | None:
-        """Streams per replica, once both replicas have some and every stream has its first token (after
-        that a replica's loss is the client's error, not a silent retry on the other replica)."""
-        counts = {node: ray.get(h.get_num_ongoing_requests.remote(), timeout=10) for node, h in replicas.items()}
-        return counts if all(counts.values()) and all(r.get("chunks") for r in results) else None
-
-    counts = wait_for(in_flight_on_both, 60, 0.05, what="streams in flight on both replicas")
+    results, threads = start_streams(cluster, [f"Stream {i}: {PROMPT}" for i in range(6)])
+    counts = wait_for(lambda: in_flight_on_all(replicas, results), 60, 0.05, what="streams in flight on both")
     assert all("ended" not in r for r in results), "a stream ended before the node was killed: make them longer"
     worker_tree = cluster.nodes["worker"].tree()
     assert any(p.name() == "raylet" for p in worker_tree), [p.name() for p in worker_tree]
     killed_at = time.monotonic()
     kill_tree(worker_tree)
 
-    for t in threads:
-        t.join(timeout=max(1.0, killed_at + STREAM_END_BOUND_S + 10 - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"streams still open {STREAM_END_BOUND_S} s after the kill"
+    join(threads, killed_at + STREAM_END_BOUND_S + 10)
     failed = [r for r in results if "error" in r]
     completed = [r for r in results if "error" not in r]
     assert failed, f"no stream failed although {counts[worker_id]} ran on the killed node: {results}"
@@ -279,3 +311,32 @@ def test_losing_the_worker_node_ends_its_streams_and_the_head_replica_serves_on(
     print(f"streams per node {counts}; {len(failed)} failed, the last {max(r['ended'] for r in failed) - killed_at:.1f}"
           f" s after the kill; served again after {recovered_at - killed_at:.1f} s; node dead after "
           f"{dead_at - killed_at:.1f} s")
+
+
+def test_a_new_worker_node_gets_the_missing_replica(cluster):
+    """While node_b is gone, Serve's replacement replica waits (no node with room for it); a new worker node
+    offering node_b gets it, and its replica serves the same greedy text as the head's."""
+    head_id = cluster.node_id("node_a")
+
+    def states() -> dict[str, int]:
+        status = serve.status().applications[cluster.app_name].deployments[ENGINE_DEPLOYMENT]
+        return {str(getattr(k, "value", k)): n for k, n in status.replica_states.items() if n}
+
+    pending = wait_for(lambda: (s := states()).get("RUNNING") == 1 and sum(s.values()) == 2 and s, 30,
+                       what="Serve's replacement replica, waiting for a node")
+    assert len(cluster.alive_actors(ENGINE_DEPLOYMENT)) == 1, pending
+    started_at = time.monotonic()
+    start_worker(cluster, "worker2")
+    new_id = wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2 and cluster.node_id("node_b"), 30,
+                      what="the new worker node to join")
+    wait_for(lambda: states() == {"RUNNING": 2}, RECOVERY_BOUND_S, what="two running engine replicas")
+    replicas = cluster.replica_handles()
+    assert set(replicas) == {head_id, new_id}
+
+    results, threads = start_streams(cluster, [PROMPT] * 4)
+    counts = wait_for(lambda: in_flight_on_all(replicas, results), 60, 0.05, what="streams on both replicas")
+    join(threads, time.monotonic() + 120)
+    assert all("error" not in r and r["finish"] == "length" for r in results), results
+    assert len({r["text"] for r in results}) == 1, [r["text"][:80] for r in results]  # same text on both nodes
+    print(f"replacement replica pending ({pending}); new node serving after {time.monotonic() - started_at:.1f}"
+          f" s; streams per node {counts}")
