@@ -59,7 +59,14 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int | None = Field(default=None, ge=1)
     max_queued_requests: int = Field(default=512, ge=-1)
     replica_num_cpus: float | None = Field(default=None, ge=0)
+    # Serve's max_replicas_per_node for the engine deployment: 1 spreads the engine replicas one per node, so
+    # losing a node costs one replica (README "Multi-node", tests/test_multinode.py). None: Serve's default.
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
+    # Ray resources each ingress replica asks for (ray_actor_options.resources), e.g. {"head": 0.01} with a
+    # custom resource only the head node offers: the ingress then lives beside the head's HTTP proxy and a
+    # lost worker node costs only its engine replica (README "Multi-node"). Empty: any node.
+    ingress_resources: dict[str, float] = Field(default_factory=dict)
     # Ingress autoscaling (Serve's default policy on ongoing requests): set ingress_max_replicas above
     # ingress_replicas and the ingress scales between the two, aiming at ingress_target_ongoing_requests
     # streams per ingress replica. Every proxy spreads its requests over the ingress replicas.
@@ -160,7 +167,9 @@ def build_app(args: dict | None = None) -> serve.Application:
             max_replicas=cfg.ingress_max_replicas, target_ongoing_requests=cfg.ingress_target_ongoing_requests,
             upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)}
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0, **_user_code(cfg)},
+                               ray_actor_options={"num_cpus": 0, **_user_code(cfg),
+                                                  **({"resources": cfg.ingress_resources} if cfg.ingress_resources
+                                                     else {})},
                                graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s, **scaling)
     return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
@@ -186,6 +195,8 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
             request_router_class=router_class(cfg.router),
             request_routing_stats_period_s=cfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * cfg.routing_stats_period_s)))
+    if cfg.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = cfg.max_replicas_per_node
     if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
             pp, device, engine_cfg.pp_stage_num_cpus)

@@ -1,0 +1,342 @@
+"""Tandem on a real two-node Ray cluster on this one machine: a head (custom resource node_a) and a worker
+(node_b), each started with the venv's `ray start --block` as a subprocess, exactly as README "Multi-node"
+tells an operator to. The engine deployment runs 2 replicas with max_replicas_per_node=1, so one replica per
+node; the test driver joins with ray.init(address=...) and deploys with serve.run(build_app(...)).
+
+Then the worker node is killed (SIGKILL of its `ray start` process, its raylet and every descendant: the
+engine replica's worker process among them) while streams are in flight on both replicas. Every stream must
+end within a bound: those on the dead node with an error the openai client raises, the others complete. New
+requests must then succeed on the head's replica within ~90 s, with the same greedy text as before.
+
+Isolation: the cluster has its own temp dir (the worker shares it: a worker node on the same machine takes
+the head's temp dir when it is given none), its own GCS/HTTP/client/dashboard/agent ports, and teardown
+kills exactly the process trees of the two `ray start` processes it started (plus any process whose command
+line names its temp dir), never `ray stop`: other tests' in-process clusters may run beside it. The state
+API (ray.util.state) needs the dashboard, which this cluster does not run; replica placement is read from
+the GCS actor table instead (ray._private.state.actors)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from serve_cluster import ENGINE_DEPLOYMENT, free_port, wait_for
+
+RAY_CLI = Path(sys.executable).with_name("ray")  # the venv's CLI: same Ray and Python as the driver
+if not RAY_CLI.exists():
+    pytest.skip(f"no ray CLI next to {sys.executable}", allow_module_level=True)
+
+import openai  # noqa: E402
+import psutil  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from serve_app import build_app  # noqa: E402
+
+# The ingress asks for a sliver of node_a, so it lives on the head beside the only HTTP proxy (HeadOnly):
+# losing the worker node then costs exactly its engine replica, and what the client sees is Tandem's
+# error event, not a cut connection. (Left to Serve, the ingress lands on either node.)
+APP = {"num_replicas": 2, "max_replicas_per_node": 1, "ingress_resources": {"node_a": 0.01}, "router": "pow2",
+       "health_check_period_s": 1.0, "health_check_timeout_s": 10.0, "graceful_shutdown_timeout_s": 5.0}
+MODEL = "tandem-default"
+PROMPT = "The history of the river begins"
+STREAM_TOKENS = 900  # long enough to be in flight when the node dies (max_model_len is 1024)
+START_TIMEOUT_S = 60
+STREAM_END_BOUND_S = 60  # after the kill, every stream has ended (error or complete) within this
+RECOVERY_BOUND_S = 90
+
+
+@dataclass
+class Node:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+
+    def tree(self) -> list[psutil.Process]:
+        """The `ray start --block` process and every descendant (gcs, raylet, agents, Ray workers)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        return []
+
+
+@dataclass
+class Cluster:
+    gcs_port: int
+    http_port: int
+    temp_dir: str
+    app_name: str
+    nodes: dict[str, Node] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # of the `ray start` processes
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def node_id(self, resource: str) -> str:
+        [node] = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+        return node
+
+    def alive_actors(self, deployment: str) -> list[dict]:
+        """GCS actor-table entries of the live replicas of `deployment` (Address.NodeID is their node)."""
+        import ray._private.state as state
+
+        prefix = f"SERVE_REPLICA::{self.app_name}#{deployment}#"
+        return [a for a in state.actors().values()
+                if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(prefix)]
+
+    def replica_handles(self) -> dict[str, object]:
+        """{node id: handle} of the live engine replicas."""
+        return {a["Address"]["NodeID"]: ray.get_actor(a["Name"], namespace="serve")
+                for a in self.alive_actors(ENGINE_DEPLOYMENT)}
+
+
+def kill_tree(procs: list[psutil.Process], timeout_s: float = 20) -> None:
+    """SIGKILL every process in `procs` at once (no survivor gets to respawn another) and check they are gone."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    assert not alive, f"processes survived SIGKILL: {alive}"
+
+
+def _ray_start(cluster: Cluster, name: str, args: list[str]) -> Node:
+    """`ray start ARGS --block` as a subprocess, registered for teardown before anything can fail; returns
+    once it says the node runs (a `ray start` that exits fails at once, with its log)."""
+    log = Path(cluster.temp_dir) / f"ray_start_{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(RAY_CLI), "start", *args, "--block"], stdout=out, stderr=subprocess.STDOUT,
+                                env=cluster.env, start_new_session=True)  # no terminal signals from pytest
+    node = cluster.nodes[name] = Node(name, proc, log)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "Ray runtime started" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"`ray start` of the {name} node exited {proc.returncode} or took over "
+                                 f"{START_TIMEOUT_S} s: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    return node
+
+
+def _agent_ports() -> list[str]:
+    """Every port a node would otherwise take at a fixed default (52365, ...) is a free one: the nodes share
+    the machine, and so may other tests' clusters."""
+    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+
+
+def start_worker(cluster: Cluster, name: str) -> Node:
+    return _ray_start(cluster, name, [
+        f"--address={cluster.address}", "--num-cpus=4", '--resources={"node_b": 4}', *_agent_ports()])
+
+
+def _teardown(cluster: Cluster) -> None:
+    with contextlib.suppress(Exception):
+        if ray.is_initialized():  # serve.shutdown waits on the controller: bound it (the head may be broken)
+            t = threading.Thread(target=serve.shutdown, daemon=True)
+            t.start()
+            t.join(timeout=30)
+    ray.shutdown()
+    procs = [p for node in cluster.nodes.values() for p in node.tree()]
+    for p in psutil.process_iter(["cmdline"]):  # anything of this cluster that left the two trees
+        with contextlib.suppress(psutil.Error):
+            if p.pid != os.getpid() and any(cluster.temp_dir in arg for arg in p.info["cmdline"] or []):
+                procs.append(p)
+    try:
+        kill_tree(procs)
+    finally:
+        for node in cluster.nodes.values():
+            with contextlib.suppress(Exception):
+                node.proc.wait(timeout=5)
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    temp_dir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")  # short: Ray puts unix sockets under it
+    cluster = Cluster(gcs_port=free_port(), http_port=free_port(), temp_dir=temp_dir,
+                      app_name=f"tandem{uuid.uuid4().hex[:6]}")
+    cluster.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver too (Ray 2.60 turns token auth on by default)
+    try:
+        _ray_start(cluster, "head", [
+            "--head", f"--port={cluster.gcs_port}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+            '--resources={"node_a": 4}', "--include-dashboard=false", "--disable-usage-stats",
+            f"--temp-dir={temp_dir}", f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}",
+            *_agent_ports()])
+        start_worker(cluster, "worker")
+        ray.init(address=cluster.address, namespace=f"tandem-test-{uuid.uuid4().hex[:8]}", log_to_driver=False)
+        wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 30, what="both nodes alive")
+        serve.start(http_options={"host": "127.0.0.1", "port": cluster.http_port}, proxy_location="HeadOnly")
+        serve.run(build_app(APP), name=cluster.app_name, route_prefix="/")
+        yield cluster
+    finally:
+        _teardown(cluster)
+
+
+def client(cluster: Cluster, timeout: float = 30) -> openai.OpenAI:
+    """The official client, no retries of its own; `timeout` bounds connecting and each read of a stream."""
+    return openai.OpenAI(base_url=cluster.api_url, api_key="unused", max_retries=0, timeout=timeout)
+
+
+def greedy(cluster: Cluster, timeout: float = 30) -> str:
+    r = client(cluster, timeout).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    return r.choices[0].text
+
+
+def start_streams(cluster: Cluster, prompts: list[str]) -> tuple[list[dict], list[threading.Thread]]:
+    """One thread per prompt streaming a long greedy completion; each fills its dict with chunks, text,
+    finish (reason), error (what the client raised) and ended (monotonic time)."""
+    results: list[dict] = [{"chunks": 0, "text": "", "finish": None} for _ in prompts]
+
+    def stream(prompt: str, res: dict) -> None:
+        try:
+            for chunk in client(cluster, timeout=STREAM_END_BOUND_S).completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}):
+                res["chunks"] += 1
+                if chunk.choices:
+                    res["text"] += chunk.choices[0].text
+                    res["finish"] = chunk.choices[0].finish_reason or res["finish"]
+        except Exception as exc:  # noqa: BLE001 - recorded; the tests say which streams may fail
+            res["error"] = exc
+        res["ended"] = time.monotonic()
+
+    threads = [threading.Thread(target=stream, args=(p, r), daemon=True) for p, r in zip(prompts, results)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def in_flight_on_all(replicas: dict[str, object], results: list[dict]) -> dict[str, int] | None:
+    """Streams per replica, once every replica has some and every stream has its first token (after that a
+    replica's loss is the client's error, not a silent retry on another replica)."""
+    counts = {node: ray.get(h.get_num_ongoing_requests.remote(), timeout=10) for node, h in replicas.items()}
+    return counts if all(counts.values()) and all(r["chunks"] for r in results) else None
+
+
+def join(threads: list[threading.Thread], deadline: float) -> None:
+    for t in threads:
+        t.join(timeout=max(1.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "streams still open past their bound"
+
+
+def test_the_placement_keys_reach_serve():
+    """max_replicas_per_node and ingress_resources are passed to Serve as given, and absent when not given
+    (Serve's scheduler spreads replicas by default, so the placement test alone could pass without them)."""
+    def deployments(app):
+        ingress = app._bound_deployment
+        return ingress, ingress.init_args[0]._bound_deployment
+
+    ingress, engine = deployments(build_app(APP))
+    assert engine.name == ENGINE_DEPLOYMENT and engine._replica_config.max_replicas_per_node == 1
+    assert ingress._replica_config.max_replicas_per_node is None
+    assert ingress.ray_actor_options["resources"] == {"node_a": 0.01} and "resources" not in engine.ray_actor_options
+    ingress, engine = deployments(build_app({}))
+    assert engine._replica_config.max_replicas_per_node is None and "resources" not in ingress.ray_actor_options
+
+
+def test_the_engine_replicas_run_one_per_node(cluster):
+    """The driver joined the head, both nodes are in the cluster, and max_replicas_per_node=1 put the two
+    engine replicas on different nodes: one on node_a (the head), one on node_b (the worker)."""
+    assert ray.get_runtime_context().get_node_id() == cluster.node_id("node_a")
+    actors = cluster.alive_actors(ENGINE_DEPLOYMENT)
+    assert len(actors) == 2, actors
+    assert {a["Address"]["NodeID"] for a in actors} == {cluster.node_id("node_a"), cluster.node_id("node_b")}
+    assert [a["Address"]["NodeID"] for a in cluster.alive_actors("OpenAIIngress")] == [cluster.node_id("node_a")]
+
+
+def test_a_greedy_completion_is_served_and_repeatable(cluster):
+    first, second = greedy(cluster), greedy(cluster)
+    assert first and first == second
+
+
+def test_losing_the_worker_node_ends_its_streams_and_the_head_replica_serves_on(cluster):
+    expected = greedy(cluster)
+    head_id, worker_id = cluster.node_id("node_a"), cluster.node_id("node_b")
+    replicas = cluster.replica_handles()
+    assert set(replicas) == {head_id, worker_id}
+    results, threads = start_streams(cluster, [f"Stream {i}: {PROMPT}" for i in range(6)])
+    counts = wait_for(lambda: in_flight_on_all(replicas, results), 60, 0.05, what="streams in flight on both")
+    assert all("ended" not in r for r in results), "a stream ended before the node was killed: make them longer"
+    worker_tree = cluster.nodes["worker"].tree()
+    assert any(p.name() == "raylet" for p in worker_tree), [p.name() for p in worker_tree]
+    killed_at = time.monotonic()
+    kill_tree(worker_tree)
+
+    join(threads, killed_at + STREAM_END_BOUND_S + 10)
+    failed = [r for r in results if "error" in r]
+    completed = [r for r in results if "error" not in r]
+    assert failed, f"no stream failed although {counts[worker_id]} ran on the killed node: {results}"
+    assert len(failed) == counts[worker_id], (counts, results)  # exactly the streams on the dead replica
+    for r in failed:  # the ingress's error event, which the openai client raises as an APIError
+        assert isinstance(r["error"], openai.APIError) and r["error"].code == "replica_died", r
+        assert r["ended"] - killed_at < STREAM_END_BOUND_S, r
+    for r in completed:  # the head replica's streams never noticed
+        assert r["finish"] == "length" and r["chunks"] > 1, r
+
+    # New requests: the head's replica serves them (the replacement for node_b's replica cannot be placed:
+    # one replica per node, and node_b is gone), with the same greedy text as before the kill.
+    recovered_at = None
+
+    def served() -> bool:
+        nonlocal recovered_at
+        if greedy(cluster, timeout=20) == expected:
+            recovered_at = time.monotonic()
+            return True
+        return False
+
+    wait_for(served, RECOVERY_BOUND_S, 1.0, what="a completion served after the worker node died")
+    assert [a["Address"]["NodeID"] for a in cluster.alive_actors(ENGINE_DEPLOYMENT)] == [head_id]
+    # The GCS declares the node dead on its own schedule (missed health checks), possibly after the above.
+    wait_for(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == worker_id), 60,
+             what="the GCS to mark the worker node dead")
+    dead_at = time.monotonic()
+    for _ in range(3):
+        assert greedy(cluster) == expected
+    print(f"streams per node {counts}; {len(failed)} failed, the last {max(r['ended'] for r in failed) - killed_at:.1f}"
+          f" s after the kill; served again after {recovered_at - killed_at:.1f} s; node dead after "
+          f"{dead_at - killed_at:.1f} s")
+
+
+def test_a_new_worker_node_gets_the_missing_replica(cluster):
+    """While node_b is gone, Serve's replacement replica waits (no node with room for it); a new worker node
+    offering node_b gets it, and its replica serves the same greedy text as the head's."""
+    head_id = cluster.node_id("node_a")
+
+    def states() -> dict[str, int]:
+        status = serve.status().applications[cluster.app_name].deployments[ENGINE_DEPLOYMENT]
+        return {str(getattr(k, "value", k)): n for k, n in status.replica_states.items() if n}
+
+    pending = wait_for(lambda: (s := states()).get("RUNNING") == 1 and sum(s.values()) == 2 and s, 30,
+                       what="Serve's replacement replica, waiting for a node")
+    assert len(cluster.alive_actors(ENGINE_DEPLOYMENT)) == 1, pending
+    started_at = time.monotonic()
+    start_worker(cluster, "worker2")
+    new_id = wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2 and cluster.node_id("node_b"), 30,
+                      what="the new worker node to join")
+    wait_for(lambda: states() == {"RUNNING": 2}, RECOVERY_BOUND_S, what="two running engine replicas")
+    replicas = cluster.replica_handles()
+    assert set(replicas) == {head_id, new_id}
+
+    results, threads = start_streams(cluster, [PROMPT] * 4)
+    counts = wait_for(lambda: in_flight_on_all(replicas, results), 60, 0.05, what="streams on both replicas")
+    join(threads, time.monotonic() + 120)
+    assert all("error" not in r and r["finish"] == "length" for r in results), results
+    assert len({r["text"] for r in results}) == 1, [r["text"][:80] for r in results]  # same text on both nodes
+    print(f"replacement replica pending ({pending}); new node serving after {time.monotonic() - started_at:.1f}"
+          f" s; streams per node {counts}")
