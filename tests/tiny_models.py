@@ -51,7 +51,8 @@ EXTRA_FAMILIES = {
     "gemma3_text": lambda: Gemma3TextConfig(**_BASE, **_GEMMA, layer_types=_ALTERNATING, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
-    "phi3": lambda: Phi3Config(**_BASE, sliding_window=24, tie_word_embeddings=False),
+    # Phi-3 with a window on every layer, and (as Phi-4-mini) only part of each head rotated.
+    "phi3": lambda: Phi3Config(**_BASE, sliding_window=24, tie_word_embeddings=False, partial_rotary_factor=0.5),
     # Phi-4-mini's shape of RoPE: LongRoPE over 3/4 of each head (original length 64 here).
     "phi3_longrope": lambda: Phi3Config(**_BASE, tie_word_embeddings=False, original_max_position_embeddings=64,
                                         rope_parameters={**_LONGROPE, "partial_rotary_factor": 0.75}),
