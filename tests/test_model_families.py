@@ -182,3 +182,15 @@ def test_unsupported_family_settings_are_rejected(tiny_model_factory):
         model_spec(odd)
     with pytest.raises(ValueError, match="layer types \\['chunked_attention'\\] are not supported"):
         dataclasses.replace(model_spec(hf.config), layer_types=("chunked_attention", "full_attention"))
+
+
+def test_qwen2_window_only_on_its_sliding_layers(tmp_path):
+    """config.layer_types decides which layers slide for every family (Qwen2's use_sliding_window with
+    max_window_layers: here layer 0 global, layer 1 sliding over 12 tokens), as in HF."""
+    import tiny_models
+
+    path, hf = tiny_models.build("qwen2", tmp_path, use_sliding_window=True, sliding_window=12,
+                                 max_window_layers=1, layer_types=["full_attention", "sliding_attention"])
+    prompts = make_prompts(seed=16, lengths=(8, 40))
+    for prompt, ours in zip(prompts, run(LLM(str(path), block_size=4, max_num_batched_tokens=16), prompts)):
+        assert_matches_hf(hf, prompt, ours)
