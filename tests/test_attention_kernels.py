@@ -4,7 +4,8 @@ On a CPU machine the kernels run on CPU tensors through Triton's interpreter (te
 TRITON_INTERPRET=1); on a GPU machine the same cases run compiled on CUDA (marked gpu). The reference runs in
 float64 on the CPU. Cases cover decode and prefill over a cached prefix in one batch, ragged lengths, block
 sizes (including non-powers of two), GQA ratios (MHA, 2, 4, 7, MQA), sliding windows, Gemma 2's score
-soft-cap, flash-decoding splits and padding slots (-1), with outputs poisoned before each run so an unwritten element fails.
+soft-cap (with Gemma's head_dim 256), flash-decoding splits and padding slots (-1), with outputs poisoned
+before each run so an unwritten element fails.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ CASES = {
     "sliding_window_decode_split": Case([1, 1, 1], [60, 3, 25], 4, 2, 2, window=24, splits=4),
     "softcap_mixed_window": Case([1, 19, 1], [40, 9, 3], 8, 2, 2, window=12, softcap=2.0),
     "softcap_decode_split": Case([1, 1], [70, 33], 4, 1, 4, softcap=1.5, splits=4),
+    "gemma_head_dim_256_prefill": Case([21, 1, 40], [5, 30, 0], 16, 2, 2, head_dim=256, window=12, softcap=3.0),
 }
 
 

@@ -242,7 +242,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_tiles = num_seqs
         splits = num_splits or _auto_splits(q.device, num_seqs * hkv)
     else:
-        block_m = max(64, _pow2(group))
+        block_m = prefill_block_m(group, head_dim)
         block_q = block_m // group
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles find no rows
         splits = num_splits or 1
@@ -270,14 +270,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def prefill_block_m(group: int, head_dim: int) -> int:
+    """Query rows (tokens x the group's heads) per prefill program: 64, or 32 past head_dim 128 (Gemma's 256),
+    where a [64, 256] fp32 accumulator plus the q tile spill registers to the stack on sm_90."""
+    return max(32 if head_dim > 128 else 64, _pow2(group))
+
+
 def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
     """(BLOCK_N, num_warps). Chosen from sm_90 compiles (scripts/compile_kernels.py) to stay clear of
     register spills and stack frames: 64-key tiles spill at head_dim 128 (the per-key block gather keeps
     64-bit addresses live); prefill runs 32-key tiles with 8 warps; decode runs 4 warps, since at head_dim
     128 with 8 warps and no key split (Llama-3.1-8B at 33+ rows on an H100) ptxas caps the kernel at 128
-    registers with a 24-byte stack frame, while 4 warps need 146 and none. Not yet tuned by timing on a GPU."""
+    registers with a 24-byte stack frame, while 4 warps need 146 and none. Past head_dim 128 (Gemma's 256)
+    prefill runs 4 warps over 32-row tiles (prefill_block_m): 64 rows spilled 120-144 bytes to the stack
+    with 16- or 32-key tiles. Not yet tuned by timing on a GPU."""
     if not decode:
-        return 32, 8
+        return 32, (4 if head_dim > 128 else 8)
     return 32, 4
 
 
