@@ -99,8 +99,10 @@ def test_cpu_decode_kernel_builds_here():
     assert cpu_native.load() is not None
 
 
-def test_cpu_decode_kernel_bf16_within_tolerance():
-    """bf16 cache and queries, fp32 accumulation: within bf16 rounding of the fp64 dense reference."""
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_cpu_decode_kernel_bf16_within_tolerance(softcap):
+    """bf16 cache and queries, fp32 accumulation (soft-capped scores too): within bf16 rounding of the fp64
+    dense reference."""
     torch.manual_seed(1)
     bs, heads, kv_heads, dim, nblocks = 16, 9, 3, 64, 64
     lens = [1, 17, 300, 512, 45]
@@ -110,10 +112,11 @@ def test_cpu_decode_kernel_bf16_within_tolerance():
     q = torch.randn(len(lens), heads, dim)
     kernel = cpu_native.load()
     out = kernel.paged_decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables,
-                              torch.tensor(lens, dtype=torch.int32), dim ** -0.5, 0).float()
+                              torch.tensor(lens, dtype=torch.int32), dim ** -0.5, 0, softcap or 0.0).float()
     for b, n in enumerate(lens):
         rows = tables[b].long()
         k = k_cache[rows].bfloat16().float().flatten(0, 1)[:n]
         v = v_cache[rows].bfloat16().float().flatten(0, 1)[:n]
-        ref = dense_reference(q[b:b + 1].bfloat16().float(), k, v, torch.tensor([n - 1]), dim ** -0.5)
+        ref = dense_reference(q[b:b + 1].bfloat16().float(), k, v, torch.tensor([n - 1]), dim ** -0.5,
+                              softcap=softcap)
         torch.testing.assert_close(out[b:b + 1], ref, atol=2e-2, rtol=2e-2)
