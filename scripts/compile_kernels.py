@@ -26,7 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from engine.attention import triton_paged as tp  # noqa: E402
 
-# (label, dtype, head_dim, group, block_size, decode, splits, sliding)
+# (label, dtype, head_dim, group, block_size, decode, splits, sliding[, softcap])
 ATTENTION_VARIANTS = [
     ("qwen2.5-0.5b decode", "bf16", 64, 7, 16, True, 1, False),
     ("qwen2.5-0.5b decode split", "bf16", 64, 7, 16, True, 8, False),
@@ -40,6 +40,12 @@ ATTENTION_VARIANTS = [
     ("fp32 prefill (tests)", "fp32", 32, 2, 4, False, 1, False),
     ("fp32 decode split (tests)", "fp32", 16, 2, 4, True, 4, True),
     ("block 256 decode (flash-attn size)", "fp16", 128, 8, 256, True, 2, False),
+    # Gemma: head_dim 256; Gemma 2 soft-caps the scores (2B: 8 query heads over 4 KV heads), Gemma 3 1B is MQA
+    ("gemma-2-2b decode softcap sliding", "bf16", 256, 2, 16, True, 1, True, True),
+    ("gemma-2-2b decode split softcap", "bf16", 256, 2, 16, True, 8, False, True),
+    ("gemma-2-2b prefill softcap sliding", "bf16", 256, 2, 16, False, 1, True, True),
+    ("gemma-3-1b decode sliding", "bf16", 256, 4, 16, True, 1, True),
+    ("gemma-3-1b prefill", "bf16", 256, 4, 16, False, 1, False),
 ]
 
 
@@ -50,7 +56,7 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict) -> ASTSource:
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = pointers[name]
-        elif name == "scale":
+        elif name in ("scale", "softcap"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -58,12 +64,12 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict) -> ASTSource:
 
 
 def attention_variant(dtype: str, head_dim: int, group: int, block_size: int, decode: bool, splits: int,
-                      sliding: bool) -> tuple[ASTSource, int]:
-    block_m = tp._dim(group) if decode else max(64, tp._pow2(group))
+                      sliding: bool, softcap: bool = False) -> tuple[ASTSource, int]:
+    block_m = tp._dim(group) if decode else tp.prefill_block_m(group, head_dim)
     block_n, _ = tp.launch_config(head_dim, decode)
     cx = dict(NUM_HEADS=group * 2, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tp._dim(head_dim),
               BLOCK_SIZE=block_size, BLOCK_Q=1 if decode else block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
-              NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding,
+              NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding, SOFTCAP=softcap,
               PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False)
     ptr = f"*{dtype}"
     pointers = {"q_ptr": ptr, "kc_ptr": ptr, "vc_ptr": ptr, "out_ptr": ptr, "part_acc_ptr": "*fp32",

@@ -3,8 +3,9 @@
 On a CPU machine the kernels run on CPU tensors through Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1); on a GPU machine the same cases run compiled on CUDA (marked gpu). The reference runs in
 float64 on the CPU. Cases cover decode and prefill over a cached prefix in one batch, ragged lengths, block
-sizes (including non-powers of two), GQA ratios (MHA, 2, 4, 7, MQA), sliding windows, flash-decoding splits
-and padding slots (-1), with outputs poisoned before each run so an unwritten element fails.
+sizes (including non-powers of two), GQA ratios (MHA, 2, 4, 7, MQA), sliding windows, Gemma 2's score
+soft-cap (with Gemma's head_dim 256), flash-decoding splits and padding slots (-1), with outputs poisoned
+before each run so an unwritten element fails.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchPagedAttention, flash, resolve_backend, triton_paged
+from engine.attention import (AttentionMetadata, LayerAttention, TorchPagedAttention, flash, resolve_backend,
+                              triton_paged)
 
 interpreted = pytest.mark.skipif(not triton_paged.INTERPRETED,
                                  reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1, set without CUDA)")
@@ -38,6 +40,7 @@ class Case:
     head_dim: int = 32
     window: int | None = None
     splits: int | None = None  # None: the kernel's own choice
+    softcap: float | None = None
 
 
 CASES = {
@@ -51,6 +54,9 @@ CASES = {
     "mixed_block1": Case([3, 1, 5], [2, 6, 0], 1, 2, 2, head_dim=16),
     "sliding_window_prefill": Case([30, 1, 12], [10, 44, 0], 8, 2, 2, window=7),
     "sliding_window_decode_split": Case([1, 1, 1], [60, 3, 25], 4, 2, 2, window=24, splits=4),
+    "softcap_mixed_window": Case([1, 19, 1], [40, 9, 3], 8, 2, 2, window=12, softcap=2.0),
+    "softcap_decode_split": Case([1, 1], [70, 33], 4, 1, 4, softcap=1.5, splits=4),
+    "gemma_head_dim_256_prefill": Case([21, 1, 40], [5, 30, 0], 16, 2, 2, head_dim=256, window=12, softcap=3.0),
 }
 
 
@@ -91,7 +97,8 @@ def reference(case: Case, x: dict, meta: AttentionMetadata):
     x = {name: t.double().clone() for name, t in x.items()}
     ref = TorchPagedAttention(case.window)
     ref.prepare(meta)
-    out = ref.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, case.head_dim ** -0.5)
+    out = ref.forward(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], meta, case.head_dim ** -0.5,
+                      LayerAttention(case.window, case.softcap))
     return out, x["k_cache"], x["v_cache"]
 
 
@@ -112,7 +119,7 @@ def test_kernels_match_reference(name, dtype, device):
     triton_paged.store_kv_triton(dev["k"], dev["v"], dev["k_cache"], dev["v_cache"], dmeta.slot_mapping)
     triton_paged.paged_attention_triton(dev["q"], dev["k_cache"], dev["v_cache"], dmeta,
                                         case.head_dim ** -0.5, case.window, block_n=16, num_splits=case.splits,
-                                        out=out)
+                                        out=out, softcap=case.softcap)
     assert not out.isnan().any(), "unwritten or NaN output elements"
     assert rel_err(out, ref_out) < TOL[dtype]
     # The store wrote exactly the step's slots, bit for bit (the reference stores the same rounded values).

@@ -1,6 +1,7 @@
 """The pure-PyTorch paged attention (the CPU backend, and the reference for GPU kernels) against dense
 per-sequence attention computed from scratch: ragged decode rows (grouped by length inside the backend),
-prefill chunks over a cached prefix, GQA, sliding window."""
+prefill chunks over a cached prefix, GQA, sliding window, and per-call layer settings (a window other than
+the backend's own, Gemma 2's score soft-cap)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import random
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, cpu_native, get_backend
+from engine.attention import AttentionMetadata, LayerAttention, cpu_native, get_backend
 from engine.attention.torch_paged import GROUP_MIN_ROWS, _group_by_length
 
 
-def dense_reference(q, k, v, q_pos, scale, window=None):
+def dense_reference(q, k, v, q_pos, scale, window=None, softcap=None):
     """q [n, H, D] at absolute positions q_pos; k/v [L, Hkv, D] for positions 0..L-1."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     kpos = torch.arange(k.shape[0])
     allowed = kpos[None, :] <= q_pos[:, None]
     if window is not None:
@@ -26,11 +29,20 @@ def dense_reference(q, k, v, q_pos, scale, window=None):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).float()
 
 
+# (backend's own window, LayerAttention passed per call or None): the per-call settings override the backend's.
+LAYERS = {"full": (None, None), "window": (37, None), "call_window_over_full": (None, LayerAttention(37)),
+          "call_full_over_window": (37, LayerAttention(None)), "softcap": (None, LayerAttention(None, 2.0)),
+          "softcap_window": (37, LayerAttention(11, 2.0))}
+
+
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("layers", list(LAYERS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (4, 1)])
 @pytest.mark.parametrize("num_decodes", [20, 3])
-def test_paged_attention_equals_dense_per_sequence(heads, kv_heads, window, backend_name, num_decodes):
+def test_paged_attention_equals_dense_per_sequence(heads, kv_heads, layers, backend_name, num_decodes):
+    own_window, layer = LAYERS[layers]
+    window = own_window if layer is None else layer.sliding_window
+    softcap = None if layer is None else layer.softcap
     rng = random.Random(0)
     torch.manual_seed(0)
     bs, dim, num_blocks = 4, 16, 1000
@@ -56,7 +68,8 @@ def test_paged_attention_equals_dense_per_sequence(heads, kv_heads, window, back
         ks.append(k_all[seq_len - n:])
         vs.append(v_all[seq_len - n:])
         slots += [table[p // bs] * bs + p % bs for p in range(seq_len - n, seq_len)]
-        dense.append(dense_reference(q, k_all, v_all, torch.arange(seq_len - n, seq_len), dim ** -0.5, window))
+        dense.append(dense_reference(q, k_all, v_all, torch.arange(seq_len - n, seq_len), dim ** -0.5, window,
+                                     softcap))
     width = max(map(len, tables))
     qsl = [0]
     for _, n in chunks:
@@ -66,11 +79,11 @@ def test_paged_attention_equals_dense_per_sequence(heads, kv_heads, window, back
         seq_lens=torch.tensor([s for s, _ in chunks], dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         block_size=bs, query_lens_host=[n for _, n in chunks], seq_lens_host=[s for s, _ in chunks])
-    backend = get_backend(backend_name, sliding_window=window)
+    backend = get_backend(backend_name, sliding_window=own_window)
     backend.prepare(meta)
     if backend_name == "torch" and num_decodes == 20:
         assert len(meta.backend_data.decodes) > 1, "the decode rows should span several length groups"
-    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dim ** -0.5)
+    out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, dim ** -0.5, layer)
     torch.testing.assert_close(out, torch.cat(dense), atol=1e-5, rtol=1e-5)
 
 
@@ -88,8 +101,10 @@ def test_cpu_decode_kernel_builds_here():
     assert cpu_native.load() is not None
 
 
-def test_cpu_decode_kernel_bf16_within_tolerance():
-    """bf16 cache and queries, fp32 accumulation: within bf16 rounding of the fp64 dense reference."""
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_cpu_decode_kernel_bf16_within_tolerance(softcap):
+    """bf16 cache and queries, fp32 accumulation (soft-capped scores too): within bf16 rounding of the fp64
+    dense reference."""
     torch.manual_seed(1)
     bs, heads, kv_heads, dim, nblocks = 16, 9, 3, 64, 64
     lens = [1, 17, 300, 512, 45]
@@ -99,10 +114,11 @@ def test_cpu_decode_kernel_bf16_within_tolerance():
     q = torch.randn(len(lens), heads, dim)
     kernel = cpu_native.load()
     out = kernel.paged_decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables,
-                              torch.tensor(lens, dtype=torch.int32), dim ** -0.5, 0).float()
+                              torch.tensor(lens, dtype=torch.int32), dim ** -0.5, 0, softcap or 0.0).float()
     for b, n in enumerate(lens):
         rows = tables[b].long()
         k = k_cache[rows].bfloat16().float().flatten(0, 1)[:n]
         v = v_cache[rows].bfloat16().float().flatten(0, 1)[:n]
-        ref = dense_reference(q[b:b + 1].bfloat16().float(), k, v, torch.tensor([n - 1]), dim ** -0.5)
+        ref = dense_reference(q[b:b + 1].bfloat16().float(), k, v, torch.tensor([n - 1]), dim ** -0.5,
+                              softcap=softcap)
         torch.testing.assert_close(out[b:b + 1], ref, atol=2e-2, rtol=2e-2)

@@ -1,6 +1,8 @@
 """Tiny random checkpoints of every supported family, built by the tests themselves (no hub).
 
 Weights use a larger init std than HF's default so the greedy top-2 logit gap is rarely within float noise.
+The families in EXTRA_FAMILIES (Gemma 2, Gemma 3, Phi-3) also get random norm weights and biases, so a
+mapping that swaps two norms or drops a bias cannot hide behind HF's all-equal initial values.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          Phi3Config, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
 
 VOCAB = 512
 EOS_ID = 0
@@ -36,6 +38,26 @@ FAMILIES = {
     "mistral": lambda: MistralConfig(**_BASE, sliding_window=24, tie_word_embeddings=False),
 }
 
+# Small soft-caps and windows so each feature changes the output of these tiny models (a real Gemma 2 caps
+# at 50 / 30 and slides over 4096 positions); head_dim is explicit (Gemma's default is 256).
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12, tie_word_embeddings=True)
+_ALTERNATING = ["sliding_attention", "full_attention"]
+_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.3, 1.9, 2.6, 3.1, 4.0],
+                 long_factor=[1.5, 2.5, 4.0, 6.5, 9.0, 12.0], original_max_position_embeddings=64)
+EXTRA_FAMILIES = {
+    "gemma2": lambda: Gemma2Config(**_BASE, **_GEMMA, attn_logit_softcapping=4.0, final_logit_softcapping=1.0,
+                                   attention_bias=True, layer_types=_ALTERNATING),
+    # Gemma 3: q/k norms, local layers with their own RoPE (theta 10k) and global ones linearly scaled.
+    "gemma3_text": lambda: Gemma3TextConfig(**_BASE, **_GEMMA, layer_types=_ALTERNATING, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}}),
+    # Phi-3 with a window on every layer, and (as Phi-4-mini) only part of each head rotated.
+    "phi3": lambda: Phi3Config(**_BASE, sliding_window=24, tie_word_embeddings=False, partial_rotary_factor=0.5),
+    # Phi-4-mini's shape of RoPE: LongRoPE over 3/4 of each head (original length 64 here).
+    "phi3_longrope": lambda: Phi3Config(**_BASE, tie_word_embeddings=False, original_max_position_embeddings=64,
+                                        rope_parameters={**_LONGROPE, "partial_rotary_factor": 0.75}),
+}
+
 
 @functools.lru_cache(maxsize=1)
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -52,13 +74,24 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def build(family: str, root: Path, seed: int = 0, **overrides) -> tuple[Path, torch.nn.Module]:
     """Save a random `family` checkpoint + tokenizer under root/family; return (dir, HF model in fp32)."""
-    config = FAMILIES[family]()
+    config = {**FAMILIES, **EXTRA_FAMILIES}[family]()
     for k, v in overrides.items():
         setattr(config, k, v)
     if getattr(config, "layer_types", None):  # one entry per layer (num_hidden_layers may be overridden)
-        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
+        pattern = config.layer_types
+        config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if family in EXTRA_FAMILIES:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or name.endswith(".bias"):
+                    param.normal_(0.0, 0.3)
+            if config.model_type.startswith("gemma"):
+                # Gemma multiplies embeddings by sqrt(hidden_size): dividing the random table by it keeps the
+                # residual stream at the other families' scale, so the layers decide the output instead of
+                # the tied embedding's self-similarity (which made every prompt repeat one token).
+                model.model.embed_tokens.weight.div_(config.hidden_size ** 0.5)
     out = root / family
     model.save_pretrained(out)
     tokenizer().save_pretrained(out)

@@ -7,6 +7,8 @@
 - "triton": Triton kernels (engine/attention/triton_paged.py). The CUDA default; needs the triton package.
 - "flash_attn": flash-attn's paged kernels, only when flash_attn is importable and block_size % 256 == 0.
 "auto" picks flash_attn, then triton, then torch on CUDA, and cpu (else torch) on CPU.
+Every backend takes per-call LayerAttention (sliding window, score soft-cap), so models whose layers differ
+(Gemma 2/3) run on any of them; flash_attn needs flash-attn >= 2.6 for the soft-cap.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import cpu_native, flash, triton_paged
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, LayerAttention
 from engine.attention.torch_paged import CpuPagedAttention, TorchPagedAttention, store_kv
 
 _BACKENDS = {"torch": TorchPagedAttention, "cpu": CpuPagedAttention, "triton": triton_paged.TritonPagedAttention,
@@ -52,5 +54,5 @@ def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
     return name
 
 
-__all__ = ["AttentionMetadata", "BACKEND_NAMES", "CpuPagedAttention", "TorchPagedAttention", "get_backend",
-           "resolve_backend", "store_kv"]
+__all__ = ["AttentionMetadata", "BACKEND_NAMES", "CpuPagedAttention", "LayerAttention", "TorchPagedAttention",
+           "get_backend", "resolve_backend", "store_kv"]

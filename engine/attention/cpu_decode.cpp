@@ -36,7 +36,7 @@ inline void axpy(float a, const T* v, float* out, int d) {
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
-                 int64_t window) {
+                 int64_t window, double softcap) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
@@ -85,6 +85,10 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         for (int64_t j = 0; j < hs; ++j)
           scores[j * n + (t - first)] = dot(qf.data() + j * dim, krow + (j / group) * dim, dim);
       });
+      if (softcap > 0) {  // Gemma 2: cap * tanh(score / cap) on the scaled scores, before the softmax
+        const float cap = float(softcap);
+        for (float& s : scores) s = cap * std::tanh(s / cap);
+      }
       for (int64_t j = 0; j < hs; ++j) {
         float* s = scores.data() + j * n;
         float m = -std::numeric_limits<float>::infinity();
@@ -111,10 +115,12 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 }
 
 // q [B, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous); block_tables [B, W] int32;
-// seq_lens [B] int32 (the new token included, its K/V already stored); window 0 = full context.
+// seq_lens [B] int32 (the new token included, its K/V already stored); window 0 = full context;
+// softcap 0 = off.
 // Returns [B, H, D].
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                        double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
@@ -124,9 +130,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(q, k_cache, v_cache, tables, lens, out, scale, window);
+    decode_impl<float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_impl<at::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale, window);
+    decode_impl<at::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
   }
@@ -135,4 +141,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", pybind11::arg("q"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
+}

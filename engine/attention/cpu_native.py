@@ -1,7 +1,9 @@
 """The CPU decode-attention kernel (cpu_decode.cpp), compiled at first use and cached.
 
 `load()` builds it with torch.utils.cpp_extension (g++ and ninja; -O3 -march=native, so the build is
-named after this CPU's feature flags; cached in TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions)
+named after this CPU's feature flags and the source's digest, so checkouts with different kernel sources
+sharing one cache do not rebuild over each other; cached in TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions)
 and returns the module, or None, with one warning naming why, when it cannot be built; callers then keep
 the gather + SDPA path.
 The first build takes ~30-60 s on 2 cores; later processes load the cached .so in well under a second.
@@ -56,7 +58,8 @@ def _build():
             import ninja
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-        return cpp_extension.load(name=f"tandem_cpu_decode_{_isa_tag()}", sources=[str(_SOURCE)],
+        source_tag = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]
+        return cpp_extension.load(name=f"tandem_cpu_decode_{_isa_tag()}_{source_tag}", sources=[str(_SOURCE)],
                                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
         logger.warning("CPU decode kernel unavailable (%s: %s); using gather + SDPA",

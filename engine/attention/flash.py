@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import triton_paged
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, LayerAttention
 from engine.attention.torch_paged import store_kv
 
 AVAILABLE = importlib.util.find_spec("flash_attn") is not None
@@ -46,15 +46,20 @@ class FlashAttnPagedAttention:
 
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
-        # flash-attn's window is (left, right) inclusive: HF's sliding window W sees keys i - W + 1 .. i.
-        self.window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
+        self.sliding_window = sliding_window
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing to precompute."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                layer: LayerAttention | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
+        `layer` None: the backend's own sliding window, no soft-cap. (flash-attn takes `softcap` from 2.6.)"""
+        layer = layer or LayerAttention(self.sliding_window)
+        # flash-attn's window is (left, right) inclusive: HF's sliding window W sees keys i - W + 1 .. i.
+        window = (layer.sliding_window - 1, 0) if layer.sliding_window is not None else (-1, -1)
+        extra = {} if layer.softcap is None else {"softcap": layer.softcap}
         if triton_paged.usable_on(q.device):
             triton_paged.store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
@@ -63,9 +68,9 @@ class FlashAttnPagedAttention:
         if q.shape[0] == num_seqs:  # decode: one query per sequence, capturable
             out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                      block_table=meta.block_tables, softmax_scale=scale, causal=True,
-                                     window_size=self.window)
+                                     window_size=window, **extra)
             return out.squeeze(1)
         cu_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return self._varlen(q, k_cache, v_cache, meta.query_start_loc, cu_k, max(meta.query_lens_host),
-                            max(meta.seq_lens_host), softmax_scale=scale, causal=True, window_size=self.window,
-                            block_table=meta.block_tables)
+                            max(meta.seq_lens_host), softmax_scale=scale, causal=True, window_size=window,
+                            block_table=meta.block_tables, **extra)

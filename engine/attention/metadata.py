@@ -28,3 +28,20 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """One decoder layer's attention settings, passed with every backend call (models such as Gemma alternate
+    sliding-window and global layers and cap the scores): keys within `sliding_window` positions of the
+    query (HF's convention: key > query - window; None = the whole context) and tanh soft-capping of the
+    scaled scores, cap * tanh(score / cap), before the mask and softmax (None = off)."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None; got {self.sliding_window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"attention softcap must be > 0 or None; got {self.softcap}")

@@ -1,17 +1,19 @@
 """Pure-PyTorch paged attention: gather K/V pages by block table, then SDPA.
 
-Runs anywhere; it is the CPU backend and the reference the GPU kernels are tested against.
+Runs anywhere; it is the CPU backend and the reference the GPU kernels are tested against. Each call may
+name its layer's sliding window and score soft-cap (LayerAttention); soft-capped layers (Gemma 2) go through
+explicit matmul + tanh + softmax, since SDPA has no soft-cap.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention import cpu_native
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, LayerAttention
 
 
 @dataclass(slots=True)
@@ -33,9 +35,24 @@ class _DecodeGroup:
 
 
 @dataclass(slots=True)
+class _Layout:
+    """The step's chunks, from the host lists: what every window's attention units are built from."""
+
+    meta: AttentionMetadata
+    qsl: list[int]  # query start of each row
+    dec_rows: list[tuple[int, int]]  # (num_blocks, row) of the one-token rows
+    chunks: list[tuple[int, int, int]]  # (row, num_tokens, seq_len) of the multi-token rows
+
+
+@dataclass(slots=True)
 class _Plan:
-    decodes: list[_DecodeGroup]
+    """Units for the backend's own window, built in prepare(); other windows' (a model with sliding and global
+    layers) built when a layer first asks for them in this step, then reused by the later layers."""
+
+    decodes: list
     prefills: list[_PrefillChunk]
+    layout: _Layout
+    other_windows: dict[int | None, tuple[list, list[_PrefillChunk]]]
 
 
 # Decode rows are grouped by length so the K/V gather (the bulk of CPU decode time, memory-bound) copies
@@ -60,57 +77,80 @@ class TorchPagedAttention:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Build the per-step plan once; every layer reuses it."""
-        device = meta.block_tables.device
-        bs = meta.block_size
         qsl = [0]
         for n in meta.query_lens_host:
             qsl.append(qsl[-1] + n)
-        dec_rows, prefills = [], []
+        dec_rows, chunks = [], []
         for i, (n, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
             if n == 1:
-                dec_rows.append((-(-seq_len // bs), i))
-                continue
-            blocks = meta.block_tables[i, : -(-seq_len // bs)]
-            prefills.append(_PrefillChunk(qsl[i], n, seq_len, blocks, self._chunk_mask(n, seq_len, device)))
-        meta.backend_data = _Plan(self._decode_plan(dec_rows, meta, qsl), prefills)
+                dec_rows.append((-(-seq_len // meta.block_size), i))
+            else:
+                chunks.append((i, n, seq_len))
+        layout = _Layout(meta, qsl, dec_rows, chunks)
+        meta.backend_data = _Plan(*self._units(layout, self.sliding_window), layout, {})
 
-    def _decode_plan(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int]) -> list:
+    def _units(self, layout: _Layout, window: int | None) -> tuple[list, list[_PrefillChunk]]:
+        """The decode units and prefill chunks that attend with `window`."""
+        meta, bs = layout.meta, layout.meta.block_size
+        device = meta.block_tables.device
+        prefills = [_PrefillChunk(layout.qsl[i], n, seq_len, meta.block_tables[i, : -(-seq_len // bs)],
+                                  self._chunk_mask(n, seq_len, device, window))
+                    for i, n, seq_len in layout.chunks]
+        return self._decode_plan(layout.dec_rows, meta, layout.qsl, window), prefills
+
+    def _units_for(self, plan: _Plan, window: int | None) -> tuple[list, list[_PrefillChunk]]:
+        if window == self.sliding_window:
+            return plan.decodes, plan.prefills
+        units = plan.other_windows.get(window)
+        if units is None:
+            units = plan.other_windows[window] = self._units(plan.layout, window)
+        return units
+
+    def _decode_plan(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int],
+                     window: int | None) -> list:
         """The step's one-token rows, (num_blocks, row) pairs, as the units `_decode` attends."""
-        return [self._decode_group(g, meta, qsl) for g in _group_by_length(rows)]
+        return [self._decode_group(g, meta, qsl, window) for g in _group_by_length(rows)]
 
-    def _decode_group(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int]) -> _DecodeGroup:
+    @staticmethod
+    def _decode_group(rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int],
+                      window: int | None) -> _DecodeGroup:
         device, bs = meta.block_tables.device, meta.block_size
         idx = [i for _, i in rows]
         blocks = meta.block_tables[torch.tensor(idx, device=device), : rows[0][0]].long()
         lens = torch.tensor([meta.seq_lens_host[i] for i in idx], device=device)
         key_pos = torch.arange(rows[0][0] * bs, device=device)
         valid = key_pos[None, :] < lens[:, None]
-        if self.sliding_window is not None:
-            valid &= key_pos[None, :] >= lens[:, None] - self.sliding_window
+        if window is not None:
+            valid &= key_pos[None, :] >= lens[:, None] - window
         tokens = torch.tensor([qsl[i] for i in idx], dtype=torch.long, device=device)
         return _DecodeGroup(tokens, blocks, valid[:, None, None, :])
 
-    def _chunk_mask(self, n: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
-        if seq_len == n and self.sliding_window is None:
+    @staticmethod
+    def _chunk_mask(n: int, seq_len: int, device: torch.device, window: int | None) -> torch.Tensor | None:
+        if seq_len == n and window is None:
             return None
         q_pos = torch.arange(seq_len - n, seq_len, device=device)[:, None]
         k_pos = torch.arange(seq_len, device=device)[None, :]
         mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
+        if window is not None:
+            mask &= k_pos > q_pos - window
         return mask
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                layer: LayerAttention | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
+        `layer` None: the backend's own sliding window, no soft-cap."""
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan: _Plan = meta.backend_data
+        window = self.sliding_window if layer is None else layer.sliding_window
+        softcap = None if layer is None else layer.softcap
+        decodes, prefills = self._units_for(meta.backend_data, window)
         out = torch.empty_like(q)
-        for g in plan.decodes:
-            out[g.tokens] = self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, scale)
-        for c in plan.prefills:
+        for g in decodes:
+            out[g.tokens] = self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, scale, window, softcap)
+        for c in prefills:
             out[c.token_start:c.token_start + c.num_tokens] = self._prefill(
-                q[c.token_start:c.token_start + c.num_tokens], k_cache, v_cache, c, scale)
+                q[c.token_start:c.token_start + c.num_tokens], k_cache, v_cache, c, scale, softcap)
         return out
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
@@ -123,24 +163,22 @@ class TorchPagedAttention:
         out = torch.index_select(cache, 0, flat, out=buf[: flat.numel()])
         return out.view(blocks.shape[0], -1, *cache.shape[2:])
 
-    def _decode(self, q, k_cache, v_cache, g: _DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, g: _DecodeGroup, scale: float, window: int | None,
+                softcap: float | None) -> torch.Tensor:
         b = q.shape[0]
         k = self._gather(k_cache, g.blocks, "k")  # [B, max_blocks * block_size, Hkv, D]
         v = self._gather(v_cache, g.blocks, "v")
-        o = F.scaled_dot_product_attention(q.view(b, -1, 1, q.shape[-1]), k.transpose(1, 2),
-                                           v.transpose(1, 2), attn_mask=g.mask, scale=scale,
-                                           enable_gqa=True)
+        o = attend(q.view(b, -1, 1, q.shape[-1]), k.transpose(1, 2), v.transpose(1, 2), g.mask, scale, softcap)
         return o.view(b, -1, q.shape[-1])  # [B, H, D]
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, c: _PrefillChunk, scale: float) -> torch.Tensor:
+    def _prefill(q, k_cache, v_cache, c: _PrefillChunk, scale: float, softcap: float | None) -> torch.Tensor:
         k = k_cache[c.blocks].flatten(0, 1)[: c.seq_len]  # [seq_len, Hkv, D]
         v = v_cache[c.blocks].flatten(0, 1)[: c.seq_len]
         # 4-D with a batch of one: torch's CPU flash kernel takes only 4-D inputs (3-D falls back to the
         # math path, ~1.8x slower on a 200-token chunk).
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=c.mask,
-                                           is_causal=c.mask is None, scale=scale, enable_gqa=True)
+        o = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], c.mask, scale,
+                   softcap)
         return o[0].transpose(0, 1)  # [n, H, D]
 
 
@@ -159,8 +197,10 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError("attention_backend 'cpu' needs the CPU decode kernel, which did not build here "
                              "(see the warning above); use 'torch'")
 
-    def _decode_plan(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int]) -> list:
-        """All one-token rows in one kernel call (it walks each row's own length: no grouping, no padding)."""
+    def _decode_plan(self, rows: list[tuple[int, int]], meta: AttentionMetadata, qsl: list[int],
+                     window: int | None) -> list:
+        """All one-token rows in one kernel call (it walks each row's own length: no grouping, no padding;
+        the window is a kernel argument, so this unit serves every window)."""
         if not rows:
             return []
         device = meta.block_tables.device
@@ -169,9 +209,19 @@ class CpuPagedAttention(TorchPagedAttention):
                               meta.block_tables.index_select(0, idx)[:, :max(nb for nb, _ in rows)].contiguous(),
                               meta.seq_lens.index_select(0, idx).int())]
 
-    def _decode(self, q, k_cache, v_cache, g: _NativeDecode, scale: float) -> torch.Tensor:
-        return self.kernel.paged_decode(q.contiguous(), k_cache, v_cache, g.blocks, g.lens, scale,
-                                        self.sliding_window or 0)
+    def _units_for(self, plan: _Plan, window: int | None) -> tuple[list, list[_PrefillChunk]]:
+        if window == self.sliding_window:
+            return plan.decodes, plan.prefills
+        units = plan.other_windows.get(window)
+        if units is None:  # the native decode unit is window-free: only the prefill masks are rebuilt
+            prefills = self._units(replace(plan.layout, dec_rows=[]), window)[1]
+            units = plan.other_windows[window] = (plan.decodes, prefills)
+        return units
+
+    def _decode(self, q, k_cache, v_cache, g: _NativeDecode, scale: float, window: int | None,
+                softcap: float | None) -> torch.Tensor:
+        return self.kernel.paged_decode(q.contiguous(), k_cache, v_cache, g.blocks, g.lens, scale, window or 0,
+                                        softcap or 0.0)
 
 
 @dataclass(slots=True)
@@ -189,6 +239,28 @@ def _group_by_length(rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]
             groups.append([])
         groups[-1].append((nb, row))
     return groups
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None) -> torch.Tensor:
+    """q [B, H, Lq, D] over k/v [B, Hkv, Lk, D] (query head i reads kv head i // (H / Hkv)); `mask` is a bool
+    mask broadcastable to [B, 1, Lq, Lk] (True = attend), None = causal with Lq == Lk. Returns [B, H, Lq, D].
+    Without a soft-cap this is SDPA; with one, HF Gemma 2's eager order: scores * scale, cap * tanh(s / cap),
+    then the mask and an fp32 softmax."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    scores = torch.matmul(q.reshape(b, hkv, h // hkv * lq, d), k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, hkv, h // hkv, lq, lk)  # [B, Hkv, G, Lq, Lk]
+    if mask is None:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    elif mask.dim() == 4:
+        mask = mask.unsqueeze(2)  # [B, 1, 1, Lq, Lk]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs.view(b, hkv, -1, lk), v).view(b, h, lq, d)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, LayerAttention
 
 try:  # the CPU torch build ships without Triton; the GPU runtime treats it as optional too
     import triton
@@ -87,12 +87,12 @@ if AVAILABLE:
     @triton.jit
     def _paged_attention_kernel(
             q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-            qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, scale, window,
+            qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, scale, window, softcap,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr,
+            NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
             PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         """Program (tile, kv head, split): BLOCK_Q query tokens of one sequence times the GROUP query heads
         sharing kv head `kvh` (BLOCK_M rows), attending keys [0, own position] (or the sliding window) of
@@ -143,6 +143,8 @@ if AVAILABLE:
             k = tl.load(kc_ptr + (blk * stride_kb + in_blk * stride_ks + kvh * stride_kh)[None, :]
                         + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
             s = _dot(q, k, PRECISION, UPCAST) * scale  # [M, N] fp32
+            if SOFTCAP:  # cap * tanh(s / cap), tanh through exp (tl has no tanh); saturates to +-cap
+                s = softcap - 2.0 * softcap / (tl.exp(2.0 * s / softcap) + 1.0)
             ok = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
             if SLIDING:
                 ok = ok & (offs_n[None, :] > pos[:, None] - window)
@@ -220,11 +222,12 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                            block_n: int | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D] over caches [num_blocks, block_size, Hkv, D]; returns [T, H, D].
 
     A step whose chunks are all single tokens (T == number of sequences) runs in decode mode: one tile per
     sequence and, when that leaves the GPU underused, the key range split across programs (flash-decoding).
+    `softcap` (Gemma 2) caps the scaled scores at +-softcap through tanh before the softmax.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = meta.seq_lens.shape[0]
@@ -239,7 +242,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_tiles = num_seqs
         splits = num_splits or _auto_splits(q.device, num_seqs * hkv)
     else:
-        block_m = max(64, _pow2(group))
+        block_m = prefill_block_m(group, head_dim)
         block_q = block_m // group
         num_tiles = num_tokens // block_q + num_seqs  # upper bound; surplus tiles find no rows
         splits = num_splits or 1
@@ -252,12 +255,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     default_n, num_warps = launch_config(head_dim, decode)
     _paged_attention_kernel[(num_tiles, hkv, splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_seqs, scale, sliding_window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        num_seqs, scale, sliding_window or 0, softcap or 0.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_dim(head_dim),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n or default_n,
-        NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding_window is not None, PRECISION=precision,
+        NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
+        PRECISION=precision,
         UPCAST=INTERPRETED and q.dtype != torch.float32, num_warps=num_warps)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -266,14 +270,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def prefill_block_m(group: int, head_dim: int) -> int:
+    """Query rows (tokens x the group's heads) per prefill program: 64, or 32 past head_dim 128 (Gemma's 256),
+    where a [64, 256] fp32 accumulator plus the q tile spill registers to the stack on sm_90."""
+    return max(32 if head_dim > 128 else 64, _pow2(group))
+
+
 def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
     """(BLOCK_N, num_warps). Chosen from sm_90 compiles (scripts/compile_kernels.py) to stay clear of
     register spills and stack frames: 64-key tiles spill at head_dim 128 (the per-key block gather keeps
     64-bit addresses live); prefill runs 32-key tiles with 8 warps; decode runs 4 warps, since at head_dim
     128 with 8 warps and no key split (Llama-3.1-8B at 33+ rows on an H100) ptxas caps the kernel at 128
-    registers with a 24-byte stack frame, while 4 warps need 146 and none. Not yet tuned by timing on a GPU."""
+    registers with a 24-byte stack frame, while 4 warps need 146 and none. Past head_dim 128 (Gemma's 256)
+    prefill runs 4 warps over 32-row tiles (prefill_block_m): 64 rows spilled 120-144 bytes to the stack
+    with 16- or 32-key tiles. Not yet tuned by timing on a GPU."""
     if not decode:
-        return 32, 8
+        return 32, (4 if head_dim > 128 else 8)
     return 32, 4
 
 
@@ -305,8 +317,11 @@ class TritonPagedAttention:
         """Nothing to precompute on the host: the kernels read the metadata tensors directly."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                layer: LayerAttention | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
+        `layer` None: the backend's own sliding window, no soft-cap (both are kernel arguments per call)."""
         store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale, self.sliding_window, self.block_n,
-                                      self.num_splits)
+        layer = layer or LayerAttention(self.sliding_window)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, layer.sliding_window, self.block_n,
+                                      self.num_splits, softcap=layer.softcap)

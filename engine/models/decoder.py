@@ -1,19 +1,25 @@
-"""One decoder-only transformer covering the Llama, Mistral, Qwen2 and Qwen3 families.
+"""One decoder-only transformer covering the Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3
+families.
 
-The families differ only in switches read from config.json: q/k/v bias (Qwen2, Llama's attention_bias),
-per-head q/k RMSNorm (Qwen3), sliding window (Mistral), tied embeddings, RoPE theta and scaling.
+The families differ only in switches read from config.json (engine/models/loader.py): q/k/v bias (Qwen2,
+Llama's attention_bias), per-head q/k RMSNorm (Qwen3, Gemma 3), sliding window (Mistral, Phi-3) or
+sliding and global layers alternating (Gemma), tied embeddings, RoPE theta and scaling, partial rotary
+dimensions (Phi-4-mini). Gemma adds (1 + weight) RMSNorms, norms after attention and around the MLP,
+embeddings scaled by sqrt(hidden_size), its own query scale, soft-capped attention scores and final logits
+(Gemma 2) and a separate RoPE table for its local layers (Gemma 3).
 Tokens are flattened across sequences ([num_tokens, hidden]); attention goes through a paged backend.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, LayerAttention
 from engine.models.cpu_linear import pack_linears, pack_weight, packed_linear
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
@@ -41,23 +47,72 @@ class ModelSpec:
     sliding_window: int | None
     max_position_embeddings: int
     hidden_act: str
+    # Switches the Llama family leaves at these defaults.
+    layer_types: tuple[str, ...] = ()  # per layer, HF's names; () = every layer sliding iff sliding_window
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), all in fp32
+    sandwich_norms: bool = False  # Gemma: norm the attention output, and pre/post-norm the MLP
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), rounded to the model dtype
+    attn_scale: float | None = None  # None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: cap * tanh(score / cap) on the attention scores
+    final_softcap: float | None = None  # Gemma 2: the same on the final logits
+    rotary_dim: int | None = None  # None = head_dim; Phi-3's partial_rotary_factor rotates the first dims only
+    local_rope: bool = False  # Gemma 3: sliding layers read their own RoPE table (DecoderLM.rotary_local)
+
+    def __post_init__(self):
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(f"layer types {bad} are not supported; valid: {', '.join(LAYER_TYPES)}")
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.layer_types:
+            return self.layer_types[layer] == "sliding_attention" and self.sliding_window is not None
+        return self.sliding_window is not None
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """What global layer `layer` tells the attention backend on every call."""
+        return LayerAttention(self.sliding_window if self.is_sliding(layer) else None, self.attn_softcap)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class RMSNorm(nn.Module):
-    """Same arithmetic as HF's LlamaRMSNorm (fp32 statistics, weight applied in the input dtype)."""
+    """Same arithmetic as HF's LlamaRMSNorm (fp32 statistics, weight applied in the input dtype), or with
+    `unit_offset` as HF's GemmaRMSNorm (the stored weight is w and the scale 1 + w, applied in fp32)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.unit_offset:
+            scale = 1.0 + self.weight.float()
+            if dtype == torch.float32:
+                return F.rms_norm(x, self.weight.shape, scale, self.eps)
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * scale).to(dtype)
         if dtype == torch.float32:  # one fused kernel, bit-identical to the arithmetic below in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) in x's dtype, HF Gemma 2's order; x itself when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+@functools.cache
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype`: HF multiplies Gemma's embeddings by sqrt(hidden_size) cast to the model
+    dtype (55.4256 becomes 55.5 in bf16), not by the exact constant."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
 
 
 class RotaryEmbedding(nn.Module):
@@ -80,23 +135,28 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated (rotate-half convention), bit-identical to HF's x * cos + rotate_half(x) * sin
     but on the halves: broadcasting [T, 1, D] tables over the heads made each of HF's ops ~10x slower on
-    CPU at 2048 tokens (11 ms vs 1.4 ms a layer for SmolLM2's 12 q+k heads)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    CPU at 2048 tokens (11 ms vs 1.4 ms a layer for SmolLM2's 12 q+k heads). Tables narrower than D / 2
+    (partial rotary, Phi-4-mini) rotate the first 2 * width dims and pass the rest through, as HF does."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    if 2 * half == x.shape[-1]:
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend):
+    def __init__(self, spec: ModelSpec, backend, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.scale = spec.head_dim ** -0.5
+        offset = spec.norm_unit_offset
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, offset) if spec.qk_norm else None
+        self.scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim ** -0.5
+        self.layer = spec.layer_attention(layer)  # this layer's window and soft-cap, passed on every call
         self.backend = backend
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
@@ -110,7 +170,7 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(self.q_norm(qk[:, :h]), *rope), apply_rope(self.k_norm(qk[:, h:]), *rope)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, d)
-        o = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.layer)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -129,16 +189,29 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend):
+    """Pre-norm (Llama): x + attn(norm(x)), then x + mlp(post_attention_layernorm(x)). Sandwich (Gemma): the
+    attention output is normed by post_attention_layernorm, the MLP gets pre_ and post_feedforward_layernorm
+    (HF's names, so checkpoints map one to one)."""
+
+    def __init__(self, spec: ModelSpec, backend, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, backend)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(spec, backend, layer)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(spec)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.local_rope = spec.local_rope and spec.is_sliding(layer)  # reads DecoderLM's local table
 
     def forward(self, x, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderLM(nn.Module):
@@ -147,10 +220,11 @@ class DecoderLM(nn.Module):
     `layers=(start, end)` builds one pipeline stage: only decoder layers [start, end) (indexed locally from
     0, so `kv_caches` holds this stage's layers only), the embedding on the first stage, the final norm and
     LM head on the last (which also keeps the embedding when the checkpoint ties it to the head).
+    `rotary_local` is Gemma 3's table for its sliding layers (None elsewhere).
     """
 
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding | None, backend,
-                 layers: tuple[int, int] | None = None):
+                 layers: tuple[int, int] | None = None, rotary_local: RotaryEmbedding | None = None):
         super().__init__()
         self.spec = spec
         self.layer_range = layers or (0, spec.num_layers)
@@ -161,9 +235,10 @@ class DecoderLM(nn.Module):
         tied_head = self.is_last and spec.tie_word_embeddings
         self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size)
                              if self.is_first or tied_head else None)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend) for _ in range(start, end))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps) if self.is_last else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, i) for i in range(start, end))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset) if self.is_last else None
         self.rotary = rotary
+        self.rotary_local = rotary_local
         self.lm_head = (nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
                         if self.is_last and not spec.tie_word_embeddings else None)
         self.head_packed: torch.Tensor | None = None  # the LM head in oneDNN's layout (pack_for_cpu)
@@ -184,16 +259,25 @@ class DecoderLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The first stage embeds `input_ids`; later stages continue from the previous one's `hidden`."""
-        x = self.embed_tokens(input_ids) if self.is_first else hidden  # [T, hidden]
+        x = self.embed(input_ids) if self.is_first else hidden  # [T, hidden]
         rope = self.rotary.tables(positions, x.dtype)
+        rope_local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv, meta)
+            x = layer(x, rope_local if layer.local_rope else rope, kv, meta)
         return self.norm(x) if self.is_last else x
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.spec.embed_scale is None:
+            return x
+        return x * rounded(self.spec.embed_scale, x.dtype)
+
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[rows, vocab] float32; written into `out` (a fixed buffer) when given. Last stage only."""
+        """[rows, vocab] float32 (soft-capped in the model dtype first for Gemma 2, as HF does); written into
+        `out` (a fixed buffer) when given. Last stage only."""
         if self.head_packed is not None:
             logits = packed_linear(hidden, self.head_packed)
         else:
             logits = F.linear(hidden, self._head_weight())
+        logits = softcap(logits, self.spec.final_softcap)
         return logits.float() if out is None else out.copy_(logits)

@@ -1,7 +1,7 @@
 """Build a DecoderLM from an HF checkpoint directory: config.json + safetensors (single or sharded).
 
 No hub access: the directory must hold everything. HF parameter names are mapped onto the fused
-qkv_proj / gate_up_proj layout here.
+qkv_proj / gate_up_proj layout here (Phi-3 checkpoints already hold them fused, in the same order).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.models import cpu_linear
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+_GEMMA = ("gemma2", "gemma3_text")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -34,38 +35,90 @@ def model_spec(config) -> ModelSpec:
     family = config.model_type
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; valid: {', '.join(SUPPORTED_FAMILIES)}")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{family} with use_bidirectional_attention is an encoder, not a causal LM; "
+                         "Tandem serves causal decoders only")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention_bias = bool(getattr(config, "attention_bias", False))
     window = getattr(config, "sliding_window", None)
-    if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         window = None
-    if family == "qwen3" and not getattr(config, "use_sliding_window", False):
-        window = None
+    gemma = family in _GEMMA
     return ModelSpec(
         family=family, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         rms_norm_eps=config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
         o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=family == "qwen3", tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qk_norm=family in ("qwen3", "gemma3_text"),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=window, max_position_embeddings=config.max_position_embeddings,
-        hidden_act=getattr(config, "hidden_act", "silu"),
+        hidden_act=(getattr(config, "hidden_activation", None) if gemma else None)
+        or getattr(config, "hidden_act", None) or "silu",
+        layer_types=_layer_types(config, window), norm_unit_offset=gemma, sandwich_norms=gemma,
+        embed_scale=config.hidden_size ** 0.5 if gemma else None,
+        attn_scale=config.query_pre_attn_scalar ** -0.5 if gemma else None,
+        # HF's Gemma 3 attention never applies attn_logit_softcapping (its configs leave it null); Gemma 2's does.
+        attn_softcap=getattr(config, "attn_logit_softcapping", None) if family == "gemma2" else None,
+        final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        rotary_dim=_rotary_dim(config, head_dim), local_rope=family == "gemma3_text",
     )
 
 
-def rope_tables(config, spec: ModelSpec, max_positions: int) -> RotaryEmbedding:
-    """RoPE with the checkpoint's theta and scaling (transformers' own init functions for scaled types)."""
+def _layer_types(config, window: int | None) -> tuple[str, ...]:
+    """Per-layer attention kinds from config.layer_types (transformers 5.x: Gemma's alternation, Qwen2's
+    max_window_layers); configs without them slide every layer when they have a window."""
+    types = getattr(config, "layer_types", None)
+    if types is None or window is None:
+        kind = "sliding_attention" if window is not None else "full_attention"
+        return (kind,) * config.num_hidden_layers
+    return tuple(types)
+
+
+def _rope_params(config, layer_type: str | None = None) -> dict:
+    """The rope_parameters dict, or for a per-layer-type one (Gemma 3: {"full_attention": {...},
+    "sliding_attention": {...}}) the entry for `layer_type`."""
     params = getattr(config, "rope_parameters", None) or {}
+    if "rope_type" not in params and "rope_theta" not in params and params:
+        return params[layer_type or "full_attention"]
+    return params
+
+
+def _rotary_dim(config, head_dim: int) -> int:
+    """Phi-3/4's partial_rotary_factor (in rope_parameters in transformers 5.x, top-level in config.json)."""
+    factor = _rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    dim = int(head_dim * (factor or 1.0))
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotary dims of head_dim {head_dim}; "
+                         "need an even number in (0, head_dim]")
+    return dim
+
+
+def rope_tables(config, spec: ModelSpec, max_positions: int,
+                layer_type: str | None = None) -> RotaryEmbedding:
+    """RoPE with the checkpoint's theta and scaling (transformers' own init functions for scaled types);
+    `layer_type` picks the entry of a per-layer-type rope_parameters (Gemma 3's local layers).
+
+    LongRoPE (Phi-3/4) switches factors by sequence length in HF (short up to
+    original_max_position_embeddings, long beyond, recomputing the cache when a sequence crosses). A paged
+    cache cannot re-rotate stored keys, so here the choice is fixed per engine, as vLLM does: the long factor
+    when `max_positions` (max_model_len) exceeds original_max_position_embeddings, else the short one.
+    Sequences that stay within the original length then differ from HF's when max_model_len is larger."""
+    params = _rope_params(config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; valid: {', '.join(_STATIC_ROPE_TYPES)}")
+    rotary_dim = spec.rotary_dim or spec.head_dim
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float) / spec.head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        if rope_type == "longrope":
+            kwargs["seq_len"] = max_positions
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return RotaryEmbedding(inv_freq, scaling, max_positions)
 
 
@@ -74,11 +127,13 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
                 cpu_onednn: bool = True) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
     On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off."""
-    rotary = rope_tables(config, spec, max_positions)  # fp32 tables, kept out of the dtype cast below
+    rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
+    local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary = rotary.to(device)
+    model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above
+    model.rotary_local = local.to(device) if local is not None else None
     load_weights(model, model_dir)
     model = model.eval().requires_grad_(False)
     if device.type == "cpu" and cpu_onednn and cpu_linear.available(dtype):
@@ -111,16 +166,20 @@ def load_weights(model: DecoderLM, model_dir: str) -> None:
                     continue
                 pname, shard = target
                 _copy_into(pname, params[pname], f.get_tensor(name), shard, model.spec)
-                filled.add((pname, shard))
+                filled.update((pname, s) for s in (_shards_of(pname) if shard == WHOLE else (shard,)))
     expected = {(n, s) for n, p in params.items() for s in _shards_of(n)}
     missing = sorted(expected - filled)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for {[m[0] for m in missing[:8]]}")
 
 
+WHOLE = -1  # shard index of a checkpoint tensor that fills a fused parameter entirely (Phi-3's qkv_proj)
+
+
 def _map_name(name: str, spec: ModelSpec, first_layer: int = 0) -> tuple[str, int] | None:
-    """HF tensor name -> (our parameter name, shard index within a fused parameter); layer indices are
-    made local to a stage starting at `first_layer` (names outside the stage are simply not parameters)."""
+    """HF tensor name -> (our parameter name, shard index within a fused parameter, or WHOLE); layer
+    indices are made local to a stage starting at `first_layer` (names outside the stage are simply not
+    parameters)."""
     if name == "model.embed_tokens.weight":
         return "embed_tokens.weight", 0
     if name == "model.norm.weight":
@@ -136,7 +195,8 @@ def _map_name(name: str, spec: ModelSpec, first_layer: int = 0) -> tuple[str, in
                                ("up_proj", "gate_up_proj", 1)):
         if f".{proj}." in f".{rest}":
             return f"layers.{layer}.{rest.replace(proj, fused)}", shard
-    return f"layers.{layer}.{rest}", 0
+    pname = f"layers.{layer}.{rest}"
+    return pname, WHOLE if len(_shards_of(pname)) > 1 else 0
 
 
 def _shards_of(pname: str) -> range:
@@ -148,7 +208,9 @@ def _shards_of(pname: str) -> range:
 
 
 def _copy_into(pname: str, param: torch.Tensor, tensor: torch.Tensor, shard: int, spec: ModelSpec) -> None:
-    if "qkv_proj" in pname:
+    if shard == WHOLE:
+        dst = param
+    elif "qkv_proj" in pname:
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         dst = param.narrow(0, (0, q, q + kv)[shard], (q, kv, kv)[shard])
     elif "gate_up_proj" in pname:
