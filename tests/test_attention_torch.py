@@ -122,3 +122,24 @@ def test_cpu_decode_kernel_bf16_within_tolerance(softcap):
         ref = dense_reference(q[b:b + 1].bfloat16().float(), k, v, torch.tensor([n - 1]), dim ** -0.5,
                               softcap=softcap)
         torch.testing.assert_close(out[b:b + 1], ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 48])  # 64 / 128: the kernel's AVX-512 block path; 48: per-row loops
+@pytest.mark.parametrize("bs", [16, 32])  # 32: runs longer than the 16-row score tiles
+@pytest.mark.parametrize("num_seqs", [5, 24])  # a work item per (sequence, KV head), or per sequence
+@pytest.mark.parametrize("window,softcap", [(0, None), (37, None), (0, 3.0)])
+def test_cpu_decode_kernel_fp32_equals_dense(dim, bs, num_seqs, window, softcap):
+    torch.manual_seed(2)
+    heads, kv_heads, nblocks = 6, 2, 400
+    lens = [random.Random(i).choice([1, 15, 16, 17, 33, 130, 301]) for i in range(num_seqs)]
+    k_cache, v_cache = torch.randn(nblocks, bs, kv_heads, dim), torch.randn(nblocks, bs, kv_heads, dim)
+    width = -(-max(lens) // bs)
+    tables = torch.stack([torch.randperm(nblocks)[:width] for _ in lens]).int()
+    q = torch.randn(len(lens), heads, dim)
+    out = cpu_native.load().paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                         dim ** -0.5, window, softcap or 0.0)
+    for b, n in enumerate(lens):
+        rows = tables[b].long()
+        k, v = k_cache[rows].flatten(0, 1)[:n], v_cache[rows].flatten(0, 1)[:n]
+        ref = dense_reference(q[b:b + 1], k, v, torch.tensor([n - 1]), dim ** -0.5, window or None, softcap)
+        torch.testing.assert_close(out[b:b + 1], ref, atol=2e-5, rtol=2e-5)

@@ -33,7 +33,63 @@ inline void axpy(float a, const T* v, float* out, int d) {
   for (int i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
 }
 
-template <typename T>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TANDEM_AVX512 1
+
+// Lane r of the result = the sum of v[r]'s 16 lanes: a transposing reduction (unpack, 64-bit unpack, two
+// 128-bit shuffles), about 3 instructions per vector instead of a full horizontal sum for each.
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// 16 consecutive elements as fp32 (bf16 widened exactly: its bits are the top half of the fp32's).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// q . k_r for the m <= 16 rows k_r = k + r * stride (DIM elements each), as the first m lanes.
+template <int DIM, typename T>
+inline __m512 dots16(const float* q, const T* k, int64_t stride, int64_t m) {
+  __m512 qv[DIM / 16], acc[16];
+  for (int c = 0; c < DIM / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int r = 0; r < 16; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    if (r < m)
+      for (int c = 0; c < DIM / 16; ++c) acc[r] = _mm512_fmadd_ps(qv[c], load16(k + r * stride + 16 * c), acc[r]);
+  }
+  return sum16(acc);
+}
+
+// out += sum_r s[r] * v_r over the m rows v_r = v + r * stride, out held in registers throughout.
+template <int DIM, typename T>
+inline void axpy_rows(const float* s, const T* v, int64_t stride, int64_t m, float* out) {
+  __m512 acc[DIM / 16];
+  for (int c = 0; c < DIM / 16; ++c) acc[c] = _mm512_loadu_ps(out + 16 * c);
+  for (int64_t r = 0; r < m; ++r) {
+    const __m512 a = _mm512_set1_ps(s[r]);
+    for (int c = 0; c < DIM / 16; ++c) acc[c] = _mm512_fmadd_ps(a, load16(v + r * stride + 16 * c), acc[c]);
+  }
+  for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+#endif
+
+// DIM: the head size when it is a compile-time 64 or 128 (then the AVX-512 block path where the CPU has it:
+// scores of 16 rows at a time with one transposing reduction, value rows accumulated in registers), else 0
+// (the portable per-row loops, which the compiler vectorizes within each row).
+template <int DIM, typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
                  int64_t window, double softcap) {
@@ -63,23 +119,42 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int32_t* table = tables + b * table_width;
-      // Calls f(position, cache row) for positions [lo, hi), walking the block table block by block and
-      // prefetching the next block of `base_ptr` (blocks are scattered: the stream restarts at each one).
-      auto for_each_row = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
+      // Calls f(first position, its cache row, count) for each run of consecutive positions in [lo, hi) that
+      // share a block, walking the block table and prefetching the next block of `base_ptr` (blocks are
+      // scattered: the hardware's stream restarts at each one).
+      auto for_each_run = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
         for (int64_t blk = lo / block_size; blk * block_size < hi; ++blk) {
           if ((blk + 1) * block_size < hi) {
             const char* next = reinterpret_cast<const char*>(base_ptr + int64_t(table[blk + 1]) * block_elems);
             for (int64_t off = 0; off < int64_t(block_elems * sizeof(T)); off += 64) __builtin_prefetch(next + off);
           }
-          const int64_t base = int64_t(table[blk]) * block_size - blk * block_size;
-          const int64_t stop = std::min(hi, (blk + 1) * block_size);
-          for (int64_t t = std::max(lo, blk * block_size); t < stop; ++t) f(t, base + t);
+          const int64_t start = std::max(lo, blk * block_size), stop = std::min(hi, (blk + 1) * block_size);
+          f(start, int64_t(table[blk]) * block_size + start - blk * block_size, stop - start);
         }
       };
+      auto for_each_row = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
+        for_each_run(base_ptr, lo, hi, [&](int64_t t0, int64_t r0, int64_t cnt) {
+          for (int64_t i = 0; i < cnt; ++i) f(t0 + i, r0 + i);
+        });
+      };
+      constexpr bool kBlocked = DIM > 0;
       for (int64_t j = 0; j < hs; ++j)
         for (int64_t i = 0; i < dim; ++i)
           qf[j * dim + i] = static_cast<float>(qp[(b * heads + h0 * group + j) * dim + i]) * float(scale);
       scores.assign(hs * n, 0.f);
+#ifdef TANDEM_AVX512
+      if constexpr (kBlocked) {
+        for_each_run(kp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
+          for (int64_t c0 = 0; c0 < cnt; c0 += 16) {
+            const int64_t m = std::min<int64_t>(16, cnt - c0);
+            const T* rows = kp + (r0 + c0) * row_stride + h0 * DIM;
+            for (int64_t j = 0; j < hs; ++j)
+              _mm512_mask_storeu_ps(scores.data() + j * n + (t0 + c0 - first), __mmask16((1u << m) - 1),
+                                    dots16<DIM>(qf.data() + j * DIM, rows + (j / group) * DIM, row_stride, m));
+          }
+        });
+      } else
+#endif
       for_each_row(kp, first, len, [&](int64_t t, int64_t row) {
         const T* krow = kp + row * row_stride + h0 * dim;
         for (int64_t j = 0; j < hs; ++j)
@@ -102,6 +177,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         inv_sum[j] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef TANDEM_AVX512
+      if constexpr (kBlocked) {
+        for_each_run(vp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
+          const T* rows = vp + r0 * row_stride + h0 * DIM;
+          for (int64_t j = 0; j < hs; ++j)
+            axpy_rows<DIM>(scores.data() + j * n + (t0 - first), rows + (j / group) * DIM, row_stride, cnt,
+                           acc.data() + j * DIM);
+        });
+      } else
+#endif
       for_each_row(vp, first, len, [&](int64_t t, int64_t row) {
         const T* vrow = vp + row * row_stride + h0 * dim;
         for (int64_t j = 0; j < hs; ++j)
@@ -130,9 +215,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
+    if (q.size(2) == 64) decode_impl<64, float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
+    else if (q.size(2) == 128) decode_impl<128, float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
+    else decode_impl<0, float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_impl<at::BFloat16>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
+    using B = at::BFloat16;
+    if (q.size(2) == 64) decode_impl<64, B>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
+    else if (q.size(2) == 128) decode_impl<128, B>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
+    else decode_impl<0, B>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
   }
