@@ -8,6 +8,10 @@ engine replica's worker process among them) while streams are in flight on both 
 end within a bound: those on the dead node with an error the openai client raises, the others complete. New
 requests must then succeed on the head's replica within ~90 s, with the same greedy text as before.
 
+Last, a second app on the same cluster (route /pp): one pipeline-parallel replica whose two stage actors run
+on different nodes (SPREAD; see PP_APP for why that is deterministic here), checked against the first app's
+greedy text, then the worker is killed under its streams and a replacement stage group on the head serves.
+
 Isolation: the cluster has its own temp dir (the worker shares it: a worker node on the same machine takes
 the head's temp dir when it is given none), its own GCS/HTTP/client/dashboard/agent ports, and teardown
 kills exactly the process trees of the two `ray start` processes it started (plus any process whose command
