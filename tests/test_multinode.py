@@ -8,6 +8,10 @@ engine replica's worker process among them) while streams are in flight on both 
 end within a bound: those on the dead node with an error the openai client raises, the others complete. New
 requests must then succeed on the head's replica within ~90 s, with the same greedy text as before.
 
+Last, a second app on the same cluster (route /pp): one pipeline-parallel replica whose two stage actors run
+on different nodes (SPREAD; see PP_APP for why that is deterministic here), checked against the first app's
+greedy text, then the worker is killed under its streams and a replacement stage group on the head serves.
+
 Isolation: the cluster has its own temp dir (the worker shares it: a worker node on the same machine takes
 the head's temp dir when it is given none), its own GCS/HTTP/client/dashboard/agent ports, and teardown
 kills exactly the process trees of the two `ray start` processes it started (plus any process whose command
@@ -86,24 +90,32 @@ class Cluster:
 
     @property
     def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        return self.api_at("")
+
+    def api_at(self, route: str) -> str:
+        """The OpenAI base URL of the app served under route prefix `route` ("": the module's own app)."""
+        return f"http://127.0.0.1:{self.http_port}{route}/v1"
 
     def node_id(self, resource: str) -> str:
         [node] = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
         return node
 
-    def alive_actors(self, deployment: str) -> list[dict]:
-        """GCS actor-table entries of the live replicas of `deployment` (Address.NodeID is their node)."""
-        import ray._private.state as state
-
-        prefix = f"SERVE_REPLICA::{self.app_name}#{deployment}#"
-        return [a for a in state.actors().values()
-                if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(prefix)]
+    def alive_actors(self, deployment: str, app: str | None = None) -> list[dict]:
+        """GCS actor-table entries of the live replicas of `deployment` of `app` (default: the module's app);
+        Address.NodeID is their node."""
+        return alive_named(f"SERVE_REPLICA::{app or self.app_name}#{deployment}#")
 
     def replica_handles(self) -> dict[str, object]:
         """{node id: handle} of the live engine replicas."""
         return {a["Address"]["NodeID"]: ray.get_actor(a["Name"], namespace="serve")
                 for a in self.alive_actors(ENGINE_DEPLOYMENT)}
+
+
+def alive_named(prefix: str) -> list[dict]:
+    """GCS actor-table entries of the live actors whose name starts with `prefix`."""
+    import ray._private.state as state
+
+    return [a for a in state.actors().values() if a["State"] == "ALIVE" and (a.get("Name") or "").startswith(prefix)]
 
 
 def kill_tree(procs: list[psutil.Process], timeout_s: float = 20) -> None:
@@ -188,24 +200,26 @@ def cluster():
         _teardown(cluster)
 
 
-def client(cluster: Cluster, timeout: float = 30) -> openai.OpenAI:
-    """The official client, no retries of its own; `timeout` bounds connecting and each read of a stream."""
-    return openai.OpenAI(base_url=cluster.api_url, api_key="unused", max_retries=0, timeout=timeout)
+def client(cluster: Cluster, timeout: float = 30, route: str = "") -> openai.OpenAI:
+    """The official client for the app under `route`, no retries of its own; `timeout` bounds connecting and
+    each read of a stream."""
+    return openai.OpenAI(base_url=cluster.api_at(route), api_key="unused", max_retries=0, timeout=timeout)
 
 
-def greedy(cluster: Cluster, timeout: float = 30) -> str:
-    r = client(cluster, timeout).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+def greedy(cluster: Cluster, timeout: float = 30, route: str = "", prompt: str = PROMPT) -> str:
+    r = client(cluster, timeout, route).completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                                           temperature=0)
     return r.choices[0].text
 
 
-def start_streams(cluster: Cluster, prompts: list[str]) -> tuple[list[dict], list[threading.Thread]]:
+def start_streams(cluster: Cluster, prompts: list[str], route: str = "") -> tuple[list[dict], list[threading.Thread]]:
     """One thread per prompt streaming a long greedy completion; each fills its dict with chunks, text,
     finish (reason), error (what the client raised) and ended (monotonic time)."""
     results: list[dict] = [{"chunks": 0, "text": "", "finish": None} for _ in prompts]
 
     def stream(prompt: str, res: dict) -> None:
         try:
-            for chunk in client(cluster, timeout=STREAM_END_BOUND_S).completions.create(
+            for chunk in client(cluster, STREAM_END_BOUND_S, route).completions.create(
                     model=MODEL, prompt=prompt, max_tokens=STREAM_TOKENS, temperature=0, stream=True,
                     extra_body={"ignore_eos": True}):
                 res["chunks"] += 1
@@ -340,3 +354,111 @@ def test_a_new_worker_node_gets_the_missing_replica(cluster):
     assert len({r["text"] for r in results}) == 1, [r["text"][:80] for r in results]  # same text on both nodes
     print(f"replacement replica pending ({pending}); new node serving after {time.monotonic() - started_at:.1f}"
           f" s; streams per node {counts}")
+
+
+# Pipeline parallelism across nodes (issue 19): a second app on the same cluster, one engine replica whose 2
+# stage actors (cluster/pipeline.py) take bundles 1 and 2 of the replica's placement group (bundle 0 is the
+# replica itself). Why SPREAD puts the two stages on different nodes every time, not just best-effort: Ray's
+# bundle scheduler (BundleSpreadSchedulingPolicy, src/ray/raylet/scheduling/policy/bundle_scheduling_policy.cc)
+# first sorts the bundles, GPU then custom resources then memory then CPU, biggest first, and then gives each
+# bundle in turn the best node not yet used, reusing a used node only when none is left. With the stage bundles
+# bigger than the replica's (0.5 > 0.25 CPU here; on cuda each stage bundle has a GPU), the two stages are
+# placed first, on two distinct nodes whenever two nodes have room; the replica then joins either. Equal
+# bundles would make it a coin toss (std::sort is not stable): the test checks the inequality it relies on.
+PP_ROUTE = "/pp"
+PP_APP = {"num_replicas": 1, "pipeline_parallel_size": 2, "pp_placement_strategy": "SPREAD",
+          "replica_num_cpus": 0.25, "pp_stage_num_cpus": 0.5, "ingress_resources": {"node_a": 0.01},
+          "router": "pow2", "health_check_period_s": 1.0, "health_check_timeout_s": 10.0,
+          "graceful_shutdown_timeout_s": 5.0}
+PP_PROMPTS = [PROMPT, "Once upon a time in a small village"]
+
+
+def live_worker(cluster: Cluster) -> Node | None:
+    """The worker node started by this module that still has its raylet (tests above kill and add workers)."""
+    live = [n for name, n in cluster.nodes.items()
+            if name != "head" and any(p.name() == "raylet" for p in n.tree() if p.is_running())]
+    assert len(live) <= 1, live
+    return live[0] if live else None
+
+
+def stage_nodes() -> list[str]:
+    """Node ids of the live pipeline stage actors (cluster/pipeline.py names them tandem-pp-<group>-stage<i>)."""
+    return sorted(a["Address"]["NodeID"] for a in alive_named("tandem-pp-"))
+
+
+@pytest.fixture(scope="module")
+def pp_app(cluster) -> str:
+    """The PP app's name, deployed beside the module's app once both nodes are up (a fresh worker if the
+    tests above left none); the module's cluster teardown removes it."""
+    if live_worker(cluster) is None:
+        start_worker(cluster, f"worker{len(cluster.nodes)}")
+    wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2 and cluster.node_id("node_b"), 60,
+             what="two live nodes")
+    name = cluster.app_name + "pp"
+    serve.run(build_app(PP_APP), name=name, route_prefix=PP_ROUTE)
+    return name
+
+
+def test_spread_puts_the_pipeline_stages_of_one_replica_on_different_nodes(cluster, pp_app):
+    engine = build_app(PP_APP)._bound_deployment.init_args[0]._bound_deployment
+    bundles = engine._replica_config.placement_group_bundles
+    assert engine._replica_config.placement_group_strategy == "SPREAD"
+    assert len(bundles) == 3 and bundles[1] == bundles[2] and bundles[1]["CPU"] > bundles[0]["CPU"], bundles
+    assert stage_nodes() == sorted([cluster.node_id("node_a"), cluster.node_id("node_b")])
+    [replica] = cluster.alive_actors(ENGINE_DEPLOYMENT, pp_app)
+    print(f"PP replica on {'head' if replica['Address']['NodeID'] == cluster.node_id('node_a') else 'worker'}")
+
+
+def test_a_cross_node_pipeline_serves_the_single_engine_greedy_text(cluster, pp_app):
+    """The same greedy text as the module's single-engine (non-PP) app of the same model: hidden states cross
+    from one node's stage to the other's through the compiled graph, for a completion and a stream."""
+    for prompt in PP_PROMPTS:
+        want = greedy(cluster, prompt=prompt)
+        assert want and greedy(cluster, route=PP_ROUTE, prompt=prompt) == want
+    stream = client(cluster, route=PP_ROUTE).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24,
+                                                               temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == greedy(cluster)
+
+
+def test_losing_a_stage_node_ends_the_pipeline_streams_and_a_new_group_on_the_head_serves(cluster, pp_app):
+    """Killing the worker node (one stage, maybe the replica too) mid-stream: every stream of the PP replica
+    ends with an error within the bound (each step needs both stages, so none can finish). Which error is set
+    by where SPREAD put the replica (bundle 0, either node): on the worker, the replica dies with it
+    (replica_died); on the head, the replica lives on but its compiled graph breaks, the step fails, and the
+    replica's health check then fails. Either way Serve replaces the replica, and SPREAD being best-effort, the
+    replacement's placement group (replica and both stages) fits on the head alone, so new requests are
+    served again, with the same greedy text, by a stage group entirely on the head."""
+    head_id = cluster.node_id("node_a")
+    expected = greedy(cluster, route=PP_ROUTE)
+    [replica] = cluster.alive_actors(ENGINE_DEPLOYMENT, pp_app)
+    replica_on_worker = replica["Address"]["NodeID"] != head_id
+    handle = ray.get_actor(replica["Name"], namespace="serve")
+    results, threads = start_streams(cluster, [f"Stream {i}: {PROMPT}" for i in range(2)], route=PP_ROUTE)
+    wait_for(lambda: in_flight_on_all({"pp": handle}, results), 60, 0.05, what="PP streams in flight")
+    assert all("ended" not in r for r in results), "a stream ended before the node was killed: make them longer"
+    worker = live_worker(cluster)
+    killed_at = time.monotonic()
+    kill_tree(worker.tree())
+
+    join(threads, killed_at + STREAM_END_BOUND_S + 10)
+    for r in results:
+        assert isinstance(r.get("error"), openai.APIError), f"a stream outlived half its pipeline: {r}"
+        assert r["ended"] - killed_at < STREAM_END_BOUND_S, r
+        assert r["error"].code == ("replica_died" if replica_on_worker else "internal_error"), (replica, r)
+    ended_s = max(r["ended"] for r in results) - killed_at
+    recovered_at = None
+
+    def served() -> bool:
+        nonlocal recovered_at
+        if greedy(cluster, timeout=20, route=PP_ROUTE) == expected:
+            recovered_at = time.monotonic()
+            return True
+        return False
+
+    wait_for(served, RECOVERY_BOUND_S, 1.0, what="the PP app to serve again after the stage node died")
+    [new] = cluster.alive_actors(ENGINE_DEPLOYMENT, pp_app)
+    assert new["ActorID"] != replica["ActorID"] and new["Address"]["NodeID"] == head_id
+    assert stage_nodes() == [head_id, head_id]
+    print(f"PP replica was on the {'worker' if replica_on_worker else 'head'}; streams failed "
+          f"({results[0]['error'].code}) within {ended_s:.1f} s of the kill; served again after "
+          f"{recovered_at - killed_at:.1f} s on a stage group on the head")
