@@ -167,6 +167,26 @@ def test_gemma_norm_and_embedding_scale_are_bitwise_hf(tiny_model_factory, dtype
     assert rounded(3072 ** 0.5, torch.bfloat16) == 55.5
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_loaded_model_scales_embeddings_like_hf_in_bf16(tmp_path, family):
+    """The engine's own model (loader + DecoderLM.embed, not the arithmetic restated) embeds as HF's scaled
+    embedding in bf16. hidden_size 96: sqrt(96) = 9.798 is 9.8125 in bf16, so an unrounded constant differs
+    (the tiny default of 64 has the exact sqrt 8 and could not tell them apart)."""
+    import tiny_models
+    from engine.attention import get_backend
+    from engine.models.loader import build_model, load_hf_config
+
+    path, hf = tiny_models.build(family, tmp_path, hidden_size=96)
+    config = load_hf_config(str(path))
+    model = build_model(str(path), config, model_spec(config), 64, get_backend("torch"), torch.bfloat16,
+                        torch.device("cpu"), cpu_onednn=False)
+    ids = torch.arange(0, tiny_models.VOCAB, 3)
+    with torch.no_grad():
+        ref = hf.model.embed_tokens.to(torch.bfloat16)(ids)
+        assert torch.equal(model.embed(ids), ref)
+        assert not torch.equal(model.embed_tokens(ids) * 96 ** 0.5, ref)  # the check can tell the two apart
+
+
 def test_unsupported_family_settings_are_rejected(tiny_model_factory):
     from transformers import Gemma3TextConfig, Phi3Config
 
