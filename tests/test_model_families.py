@@ -187,6 +187,25 @@ def test_loaded_model_scales_embeddings_like_hf_in_bf16(tmp_path, family):
         assert not torch.equal(model.embed_tokens(ids) * 96 ** 0.5, ref)  # the check can tell the two apart
 
 
+def test_engines_tell_resolve_backend_whether_scores_are_soft_capped(tiny_model_factory, monkeypatch):
+    """The single-process runner and each pipeline stage pass the model's soft-cap to resolve_backend, which
+    keeps a soft-capped model off a flash-attn that cannot cap (tests/test_attention_kernels.py)."""
+    import engine.model_runner
+    import engine.pipeline.stage
+
+    seen = []
+    for module in (engine.model_runner, engine.pipeline.stage):
+        real = module.resolve_backend
+        monkeypatch.setattr(module, "resolve_backend",
+                            lambda *a, real=real, **kw: seen.append(kw.get("softcap")) or real(*a, **kw))
+    for family in ("gemma2", "phi3"):
+        LLM(str(tiny_model_factory(family)[0]), block_size=4)
+    assert seen == [True, False]
+    path = tiny_model_factory("gemma2", num_hidden_layers=4)[0]
+    PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2), LocalStageGroup)
+    assert seen == [True, False, True, True]
+
+
 def test_unsupported_family_settings_are_rejected(tiny_model_factory):
     from transformers import Gemma3TextConfig, Phi3Config
 
