@@ -54,7 +54,8 @@ class ModelRunner(StepRunner):
         threaded = config.pipeline_depth > 1 and cpu_thread_helps(config.cpu_executor_thread)
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len),
                          make_executor(device, threaded))
-        self.backend_name = resolve_backend(config.attention_backend, device, config.block_size)
+        self.backend_name = resolve_backend(config.attention_backend, device, config.block_size,
+                                            softcap=spec.attn_softcap is not None)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
         self.model = build_model(config.model, hf_config, spec, max_model_len, self.backend, dtype, device,
                                  cpu_onednn=config.cpu_onednn)

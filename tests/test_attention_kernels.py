@@ -10,9 +10,11 @@ before each run so an unwritten element fails.
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,6 +206,42 @@ def test_backend_resolution_and_errors():
         resolve_backend("cpu", cuda, 16)
     with pytest.raises(ValueError, match="flash_attn"):
         resolve_backend("flash_attn", cuda, 16)  # not installed here, or block_size not a multiple of 256
+
+
+def test_flash_attn_without_softcap_is_not_picked_for_soft_capped_models(monkeypatch, caplog):
+    """flash-attn < 2.6 has no `softcap`: "auto" passes over it for a soft-capped model (Gemma 2), naming it is a
+    ValueError saying why, and models without a soft-cap still get it. A stand-in flash_attn module (the real
+    one is not installed here) with each release's signature."""
+    cuda = torch.device("cuda")
+
+    def old_api(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), block_table=None):
+        raise AssertionError("not called")
+
+    def new_api(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, block_table=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(flash, "AVAILABLE", True)
+    try:
+        for api, capable in ((old_api, False), (new_api, True)):
+            fake = types.ModuleType("flash_attn")
+            fake.flash_attn_varlen_func = fake.flash_attn_with_kvcache = api
+            monkeypatch.setitem(sys.modules, "flash_attn", fake)
+            flash.supports_softcap.cache_clear()
+            assert flash.supports_softcap() is capable
+            assert resolve_backend("auto", cuda, 256) == "flash_attn"
+            assert resolve_backend("flash_attn", cuda, 256) == "flash_attn"
+            if capable:
+                assert resolve_backend("auto", cuda, 256, softcap=True) == "flash_attn"
+                assert resolve_backend("flash_attn", cuda, 256, softcap=True) == "flash_attn"
+                continue
+            with caplog.at_level(logging.INFO, logger="engine.attention"):
+                picked = resolve_backend("auto", cuda, 256, softcap=True)
+            assert picked == ("triton" if triton_paged.AVAILABLE else "torch")
+            assert "cannot soft-cap" in caplog.text
+            with pytest.raises(ValueError, match="'flash_attn' cannot soft-cap .* older than 2.6"):
+                resolve_backend("flash_attn", cuda, 256, softcap=True)
+    finally:
+        flash.supports_softcap.cache_clear()
 
 
 def test_modules_import_without_triton():

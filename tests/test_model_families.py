@@ -167,6 +167,45 @@ def test_gemma_norm_and_embedding_scale_are_bitwise_hf(tiny_model_factory, dtype
     assert rounded(3072 ** 0.5, torch.bfloat16) == 55.5
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_loaded_model_scales_embeddings_like_hf_in_bf16(tmp_path, family):
+    """The engine's own model (loader + DecoderLM.embed, not the arithmetic restated) embeds as HF's scaled
+    embedding in bf16. hidden_size 96: sqrt(96) = 9.798 is 9.8125 in bf16, so an unrounded constant differs
+    (the tiny default of 64 has the exact sqrt 8 and could not tell them apart)."""
+    import tiny_models
+    from engine.attention import get_backend
+    from engine.models.loader import build_model, load_hf_config
+
+    path, hf = tiny_models.build(family, tmp_path, hidden_size=96)
+    config = load_hf_config(str(path))
+    model = build_model(str(path), config, model_spec(config), 64, get_backend("torch"), torch.bfloat16,
+                        torch.device("cpu"), cpu_onednn=False)
+    ids = torch.arange(0, tiny_models.VOCAB, 3)
+    with torch.no_grad():
+        ref = hf.model.embed_tokens.to(torch.bfloat16)(ids)
+        assert torch.equal(model.embed(ids), ref)
+        assert not torch.equal(model.embed_tokens(ids) * 96 ** 0.5, ref)  # the check can tell the two apart
+
+
+def test_engines_tell_resolve_backend_whether_scores_are_soft_capped(tiny_model_factory, monkeypatch):
+    """The single-process runner and each pipeline stage pass the model's soft-cap to resolve_backend, which
+    keeps a soft-capped model off a flash-attn that cannot cap (tests/test_attention_kernels.py)."""
+    import engine.model_runner
+    import engine.pipeline.stage
+
+    seen = []
+    for module in (engine.model_runner, engine.pipeline.stage):
+        real = module.resolve_backend
+        monkeypatch.setattr(module, "resolve_backend",
+                            lambda *a, real=real, **kw: seen.append(kw.get("softcap")) or real(*a, **kw))
+    for family in ("gemma2", "phi3"):
+        LLM(str(tiny_model_factory(family)[0]), block_size=4)
+    assert seen == [True, False]
+    path = tiny_model_factory("gemma2", num_hidden_layers=4)[0]
+    PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2), LocalStageGroup)
+    assert seen == [True, False, True, True]
+
+
 def test_unsupported_family_settings_are_rejected(tiny_model_factory):
     from transformers import Gemma3TextConfig, Phi3Config
 

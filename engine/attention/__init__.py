@@ -8,10 +8,13 @@
 - "flash_attn": flash-attn's paged kernels, only when flash_attn is importable and block_size % 256 == 0.
 "auto" picks flash_attn, then triton, then torch on CUDA, and cpu (else torch) on CPU.
 Every backend takes per-call LayerAttention (sliding window, score soft-cap), so models whose layers differ
-(Gemma 2/3) run on any of them; flash_attn needs flash-attn >= 2.6 for the soft-cap.
+(Gemma 2/3) run on any of them; flash_attn needs flash-attn >= 2.6 for the soft-cap (resolve_backend passes
+over an older one for a soft-capped model).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -22,6 +25,7 @@ from engine.attention.torch_paged import CpuPagedAttention, TorchPagedAttention,
 _BACKENDS = {"torch": TorchPagedAttention, "cpu": CpuPagedAttention, "triton": triton_paged.TritonPagedAttention,
              "flash_attn": flash.FlashAttnPagedAttention}
 BACKEND_NAMES = ("auto", *_BACKENDS)
+logger = logging.getLogger(__name__)
 
 
 def get_backend(name: str, **kwargs):
@@ -33,13 +37,18 @@ def get_backend(name: str, **kwargs):
     return cls(**kwargs)
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
-    """The backend `name` ("auto" or a registry name) means on `device`; ValueError if it cannot run there."""
+def resolve_backend(name: str, device: torch.device, block_size: int, softcap: bool = False) -> str:
+    """The backend `name` ("auto" or a registry name) means on `device`; ValueError if it cannot run there.
+    `softcap`: the model soft-caps attention scores (Gemma 2), which flash-attn before 2.6 cannot do; "auto"
+    then passes over it, and naming it is an error rather than a failure inside flash-attn at the first step."""
     if name == "auto":
         if device.type != "cuda":
             return "cpu" if device.type == "cpu" and cpu_native.load() is not None else "torch"
         if flash.AVAILABLE and block_size % flash.BLOCK_MULTIPLE == 0:
-            return "flash_attn"
+            if not softcap or flash.supports_softcap():
+                return "flash_attn"
+            logger.info("attention backend: not flash_attn, whose installed version (< 2.6) cannot soft-cap "
+                        "this model's attention scores")
         return "triton" if triton_paged.AVAILABLE else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_NAMES)}; got {name!r}")
@@ -51,6 +60,10 @@ def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
         raise ValueError(f"attention_backend 'cpu' runs on cpu, not on {device.type}")
     if name == "flash_attn":
         flash.check_usable(device, block_size)
+        if softcap and not flash.supports_softcap():
+            raise ValueError("attention_backend 'flash_attn' cannot soft-cap this model's attention scores "
+                             "(attn_logit_softcapping): the installed flash-attn is older than 2.6; upgrade it, "
+                             "or use 'triton' or 'torch'")
     return name
 
 

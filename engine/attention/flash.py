@@ -10,7 +10,9 @@ before the append, which the rest of the engine does not keep).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,20 @@ def check_usable(device: torch.device, block_size: int) -> None:
     if block_size % BLOCK_MULTIPLE:
         raise ValueError(f"block_size must be a multiple of {BLOCK_MULTIPLE} for attention_backend "
                          f"'flash_attn'; got {block_size}")
+
+
+@functools.cache
+def supports_softcap() -> bool:
+    """Whether the installed flash-attn takes `softcap` (2.6 and later); older ones reject the keyword, so a
+    soft-capped model (Gemma 2) must not be routed here (resolve_backend)."""
+    if not AVAILABLE:
+        return False
+    try:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    except ImportError:
+        return False
+    return all("softcap" in inspect.signature(fn).parameters
+               for fn in (flash_attn_varlen_func, flash_attn_with_kvcache))
 
 
 class FlashAttnPagedAttention:

@@ -99,7 +99,8 @@ class StageWorker:
         dtype = getattr(torch, spec.dtype)
         hf_config = load_hf_config(spec.model)
         self.model_spec = model_spec(hf_config)
-        backend_name = resolve_backend(spec.attention_backend, self.device, spec.block_size)
+        backend_name = resolve_backend(spec.attention_backend, self.device, spec.block_size,
+                                       softcap=self.model_spec.attn_softcap is not None)
         self.backend = get_backend(backend_name, sliding_window=self.model_spec.sliding_window)
         self.model = build_model(spec.model, hf_config, self.model_spec, spec.max_model_len, self.backend,
                                  dtype, self.device, layers=spec.layers)
