@@ -112,7 +112,7 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 def rounded(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype`: HF multiplies Gemma's embeddings by sqrt(hidden_size) cast to the model
     dtype (55.4256 becomes 55.5 in bf16), not by the exact constant."""
-    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()  # host memory: a CPU scalar, once per dtype
 
 
 class RotaryEmbedding(nn.Module):
