@@ -112,10 +112,15 @@ class EngineMetrics:
         self.buffer.add(m.QUEUE_TIME, max(0.0, time.time() - ingress_time), _SERVE)
 
     def output(self, out: RequestOutput, prev_output_time: float | None) -> float | None:
-        """Note one engine output; returns the time of the last output that carried tokens."""
+        """Note one engine output; returns the time of the last output that carried tokens.
+
+        ITL counts one gap per token after the first. When the first output already carries k > 1 tokens
+        (the consumer was slower than the engine, so several commits merged), its k - 1 later tokens are
+        spread from the first token's time; before, they were dropped and the count came up short."""
         k = len(out.delta_token_ids)
-        if k and prev_output_time is not None:
-            self.buffer.add(m.ITL, (out.output_time - prev_output_time) / k, _ENGINE, count=k)
+        prev, gaps = (prev_output_time, k) if prev_output_time is not None else (out.first_token_time, k - 1)
+        if gaps > 0 and prev is not None:
+            self.buffer.add(m.ITL, (out.output_time - prev) / gaps, _ENGINE, count=gaps)
         if out.finished:
             self._finished(out)
         return out.output_time if k else prev_output_time

@@ -122,6 +122,20 @@ def test_engine_request_timings(engine_metrics):
     assert 0.25 <= serve_queue < 1.0
 
 
+def test_engine_itl_counts_every_token_after_the_first_when_the_first_output_merges_commits(engine_metrics):
+    """A slow consumer can receive its first 3 tokens in one output: 2 gaps from the first token's time."""
+    em, _, metrics = engine_metrics
+    first = RequestOutput("r", None, [1], [7, 8, 9], "", delta_token_ids=[7, 8, 9], arrival_time=10.0,
+                          first_scheduled_time=10.1, first_token_time=10.5, output_time=10.7)
+    second = RequestOutput("r", None, [1], [7, 8, 9, 6], "", finished=True, finish_reason="length",
+                           delta_token_ids=[6], arrival_time=10.0, first_scheduled_time=10.1,
+                           first_token_time=10.5, finish_time=11.0, output_time=11.0)
+    em.output(second, em.output(first, None))
+    em.buffer.flush()
+    # 4 tokens, 3 gaps: (10.7 - 10.5) / 2 twice, then 11.0 - 10.7.
+    assert metrics[m.ITL.name].values({m.PART: "engine"}) == pytest.approx([0.1, 0.1, 0.3])
+
+
 def chunk(n_tokens: int, engine_at: float, finished: bool = False) -> GenerateChunk:
     return GenerateChunk("r", "x", [7], None, finished, "stop" if finished else None, 3, n_tokens, 0,
                          arrival_time=100.0, first_scheduled_time=100.05, first_token_time=100.2,
