@@ -256,11 +256,12 @@ def test_bad_moe_checkpoints_are_rejected(tiny_model_factory, tmp_path):
         LLM(str(bad))
 
 
-def test_bf16_greedy_matches_hf_bf16(tiny_model_factory):
+@pytest.mark.parametrize("family", ["phi3", "qwen2_moe", "mixtral"])
+def test_bf16_greedy_matches_hf_bf16(tiny_model_factory, family):
     """bf16 end to end (issue 18): the engine in bf16 against HF's model in bf16 on the same weights. Where
     the two differ the step must be a bf16 near-tie of HF's own logits (bf16 rounding of the per-layer
     products differs between the two, as it does between HF's eager and SDPA paths)."""
-    path, hf = tiny_model_factory("qwen3")
+    path, hf = tiny_model_factory(family)  # random norms and biases: a bf16-only slip changes the output
     prompts = make_prompts(seed=8, lengths=(5, 19, 40))
     ours = LLM(str(path), dtype="bfloat16", block_size=4).generate(
         prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -275,4 +276,5 @@ def test_bf16_greedy_matches_hf_bf16(tiny_model_factory):
                 assert (top2[0] - top2[1]).item() < 0.1, f"token {i}: engine {a} vs HF bf16 {b}"
                 break
             exact += 1
-    assert exact >= 16  # most of the 24 tokens agree before any near-tie
+    print("bf16 tokens equal before any near-tie:", exact)
+    assert exact >= 20  # nearly all of the 24 tokens agree before any near-tie (all 24 when written)

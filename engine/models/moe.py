@@ -103,7 +103,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     order = torch.argsort(flat, stable=True)  # [T * k] pair indices, grouped by expert
     tokens = order // k  # the token each sorted pair reads
     pair_weights = weights.reshape(-1).index_select(0, order)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # sync-ok: CPU path; CUDA runs moe_triton
     out = torch.zeros_like(x)
     start = 0
     for expert, n in enumerate(counts):
