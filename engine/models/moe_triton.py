@@ -9,9 +9,9 @@
     down        per block: those rows @ down[e].T, times the pair's routing weight -> [T * k, H]
     sum         the k rows of each token added -> [T, H]
 
-The alignment is torch ops with no host synchronisation (no bincount, no reading a count back), and the launch grids
-depend only on static shapes (T, k, E): blocks past `num_padded` return at once. A decode step with MoE
-therefore stays capturable in a CUDA graph. Each expert's weights are read once per block of its tokens
+The alignment is torch ops with no host synchronisation (no bincount, no count read back), and the launch
+grids depend only on static shapes (T, k, E): blocks past `num_padded` return at once. A decode step with
+MoE therefore stays capturable in a CUDA graph. Each expert's weights are read once per block of its tokens
 rather than once per token, which is what makes MoE decode bandwidth-bound on the active experts only.
 
 Runs on CUDA, and on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1 before import), which is
