@@ -283,3 +283,46 @@ def test_bf16_greedy_matches_hf_bf16(tiny_model_factory, family):
             exact += 1
     print("bf16 tokens equal before any near-tie:", exact)
     assert exact >= 20  # nearly all of the 24 tokens agree before any near-tie (all 24 when written)
+
+
+def test_cuda_without_triton_is_refused(monkeypatch):
+    """MoE on CUDA runs only the fused kernels (the grouped path syncs, which decode graphs cannot hold)."""
+    from engine.models import moe, moe_triton
+
+    spec = MoESpec(6, 2, 32, True, (True,))
+    monkeypatch.setattr(moe_triton, "AVAILABLE", False)
+    with pytest.raises(ValueError, match="mixture-of-experts models on CUDA need the triton package"):
+        moe.check_device(spec, torch.device("cuda"))
+    moe.check_device(spec, torch.device("cpu"))  # the CPU path needs no triton
+    moe.check_device(None, torch.device("cuda"))  # dense models are not affected
+
+
+# ---- on a GPU (skipped without CUDA; scripts/gpu_check.sh runs them) ----------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (16, 8, 2), (700, 8, 2), (64, 60, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_fused_moe_on_cuda_matches_grouped_path(tokens, experts, top_k, dtype):
+    from engine.models import moe_triton
+
+    case = _random_case(tokens, experts, top_k, 256, 128, True, seed=tokens)
+    x, gate_up, down, weights, ids = (t.to("cuda") for t in case[:5])
+    x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    ref = grouped_experts(x.float(), gate_up.float(), down.float(), weights, ids)
+    out = moe_triton.fused_experts(x, gate_up, down, weights, ids)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_fp32_greedy_on_cuda_matches_hf(tiny_model_factory, family, graphs):
+    """The fused kernels inside captured decode graphs (and eagerly) give HF's greedy tokens."""
+    path, hf = tiny_model_factory(family)
+    llm = LLM(str(path), device="cuda", dtype="float32", cuda_graphs=graphs, block_size=4,
+              max_num_batched_tokens=16, max_num_seqs=16, num_kv_blocks=256)
+    prompts = make_prompts(seed=1)
+    for prompt, ours in zip(prompts, run(llm, prompts)):
+        assert_matches_hf(hf, prompt, ours)
+    assert (llm.stats()["graph_steps"] > 0) == graphs
