@@ -1,6 +1,7 @@
-"""Compile the Triton attention kernels for a GPU target without a GPU (Triton ships its own ptxas).
+"""Compile the Triton attention and fused-MoE kernels for a GPU target without a GPU (Triton ships its own
+ptxas).
 
-    python scripts/compile_kernels.py [--arch 90]
+    python scripts/compile_kernels.py [--arch 90] [--only attention|moe]
 
 Catches what the Triton interpreter cannot (type errors in the generated IR, unsupported ops, tl.dot shape
 rules) and prints each variant's registers, spills and shared memory. The CPU test suite runs it; on the GPU
@@ -25,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from engine.attention import triton_paged as tp  # noqa: E402
+from engine.models import moe_triton as mt  # noqa: E402
 
 # (label, dtype, head_dim, group, block_size, decode, splits, sliding[, softcap])
 ATTENTION_VARIANTS = [
@@ -98,6 +100,29 @@ def other_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
             ("merge_splits 16 llama-3.1-8b", (merge_variant(32, 128, 16), 4))]
 
 
+# (label, dtype, routing-weight dtype, N, K, top_k, gated, BLOCK_M): the gate_up (gated, SiLU * up) and down
+# GEMMs of real shapes; Mixtral scales by fp32 routing weights, Qwen by weights in the model dtype.
+MOE_VARIANTS = [
+    ("mixtral-8x7b gate_up decode", "bf16", "fp32", 14336, 4096, 2, True, 16),
+    ("mixtral-8x7b down prefill", "bf16", "fp32", 4096, 14336, 1, False, 64),
+    ("qwen1.5-moe gate_up prefill", "bf16", "bf16", 1408, 2048, 4, True, 64),
+    ("qwen3-30b-a3b down decode", "bf16", "bf16", 2048, 768, 1, False, 16),
+    ("fp32 gate_up (tests)", "fp32", "fp32", 32, 64, 2, True, 16),
+    ("fp32 down (tests)", "fp32", "fp32", 64, 32, 1, False, 16),
+]
+
+
+def moe_variant(dtype: str, weights: str, n: int, k: int, top_k: int, gated: bool,
+                block_m: int) -> tuple[ASTSource, int]:
+    block_n, block_k, num_warps = mt.tile_config(n, k, block_m, dtype == "fp32")
+    ptr = f"*{dtype}"
+    pointers = {"a_ptr": ptr, "w_ptr": ptr, "c_ptr": ptr, "weights_ptr": f"*{weights}",
+                "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32"}
+    cx = dict(TOP_K=top_k, GATED=gated, WEIGHTED=not gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+              PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False)
+    return _signature(mt._moe_gemm_kernel, pointers, cx), num_warps
+
+
 def resource_usage(cubin: bytes) -> str:
     """REG / STACK / LOCAL (spills) of the kernel, read by the cuobjdump Triton bundles (if present)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -114,9 +139,14 @@ def resource_usage(cubin: bytes) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
+    ap.add_argument("--only", choices=("attention", "moe"), help="compile one group of kernels (default: all)")
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    work = [(label, attention_variant(*v)) for label, *v in ATTENTION_VARIANTS] + other_kernels()
+    work = []
+    if args.only != "moe":
+        work += [(label, attention_variant(*v)) for label, *v in ATTENTION_VARIANTS] + other_kernels()
+    if args.only != "attention":
+        work += [(label, moe_variant(*v)) for label, *v in MOE_VARIANTS]
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     print(f"{'kernel variant':38} {'shared B':>8} {'REG':>4} {'STACK':>5} {'LOCAL':>5}")
     for label, (src, num_warps) in work:

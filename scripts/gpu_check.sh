@@ -41,8 +41,9 @@ run_tests() {
   "$py" -m pytest -q -p no:cacheprovider -rs tests/test_attention_kernels.py tests/test_gpu_runtime.py \
     tests/test_runtime_paths.py 2>&1 | tee "$logs/gpu_tests.log"
   local first=${PIPESTATUS[0]}
-  # The CUDA tests of the KV offload side stream and the per-step CUDA-event timings.
-  "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_kv_offload.py tests/test_step_records.py 2>&1 \
+  # The CUDA tests of the KV offload side stream, the per-step CUDA-event timings and the fused-MoE kernels.
+  "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_kv_offload.py tests/test_step_records.py \
+    tests/test_moe.py 2>&1 \
     | tee -a "$logs/gpu_tests.log"
   local second=${PIPESTATUS[0]}
   return $(( first != 0 ? first : second ))

@@ -1,8 +1,10 @@
 """Tiny random checkpoints of every supported family, built by the tests themselves (no hub).
 
 Weights use a larger init std than HF's default so the greedy top-2 logit gap is rarely within float noise.
-The families in EXTRA_FAMILIES (Gemma 2, Gemma 3, Phi-3) also get random norm weights and biases, so a
-mapping that swaps two norms or drops a bias cannot hide behind HF's all-equal initial values.
+The families in EXTRA_FAMILIES (Gemma 2, Gemma 3, Phi-3) and MOE_FAMILIES also get random norm weights and
+biases, so a mapping that swaps two norms or drops a bias cannot hide behind HF's all-equal initial values.
+The MoE ones route each token to 2 of 6 experts (random routers, so the choice varies by token and layer)
+and mix routed and dense layers (Qwen2-MoE through mlp_only_layers, Qwen3-MoE through decoder_sparse_step).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          Phi3Config, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+                          MixtralConfig, Phi3Config, PreTrainedTokenizerFast, Qwen2Config, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig)
 
 VOCAB = 512
 EOS_ID = 0
@@ -58,6 +61,19 @@ EXTRA_FAMILIES = {
                                         rope_parameters={**_LONGROPE, "partial_rotary_factor": 0.75}),
 }
 
+# Small experts (moe_intermediate_size 32); Qwen2-MoE's real checkpoints leave norm_topk_prob false, Qwen3's
+# set it true; Mixtral always renormalises and routes in every layer (here over a 24-token window).
+_MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_FAMILIES = {
+    "qwen2_moe": lambda: Qwen2MoeConfig(**_BASE, **_MOE, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_BASE, **_MOE, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2,
+                                        tie_word_embeddings=True),
+    "mixtral": lambda: MixtralConfig(**{**_BASE, "intermediate_size": 48}, num_local_experts=6, num_experts_per_tok=2,
+                                     sliding_window=24, tie_word_embeddings=False),
+}
+_RANDOMISED = {**EXTRA_FAMILIES, **MOE_FAMILIES}
+
 
 @functools.lru_cache(maxsize=1)
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -74,7 +90,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def build(family: str, root: Path, seed: int = 0, **overrides) -> tuple[Path, torch.nn.Module]:
     """Save a random `family` checkpoint + tokenizer under root/family; return (dir, HF model in fp32)."""
-    config = {**FAMILIES, **EXTRA_FAMILIES}[family]()
+    config = {**FAMILIES, **_RANDOMISED}[family]()
     for k, v in overrides.items():
         setattr(config, k, v)
     if getattr(config, "layer_types", None):  # one entry per layer (num_hidden_layers may be overridden)
@@ -82,11 +98,11 @@ def build(family: str, root: Path, seed: int = 0, **overrides) -> tuple[Path, to
         config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if family in EXTRA_FAMILIES:
+    if family in _RANDOMISED:
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "norm" in name or name.endswith(".bias"):
-                    param.normal_(0.0, 0.3)
+                if "norm" in name or name.endswith(".bias") or name.endswith(("mlp.gate.weight", "expert_gate.weight")):
+                    param.normal_(0.0, 0.3)  # routers too: HF may start them at zero (every expert tied)
             if config.model_type.startswith("gemma"):
                 # Gemma multiplies embeddings by sqrt(hidden_size): dividing the random table by it keeps the
                 # residual stream at the other families' scale, so the layers decide the output instead of

@@ -43,6 +43,13 @@ class LoRAAdapter:
         return self.request.hash_root
 
 
+def check_lora_supported(spec: ModelSpec) -> None:
+    """Adapters wrap the dense MLP's gate_up / down projections; MoE layers have stacked experts instead."""
+    if spec.moe is not None:
+        raise ValueError(f"LoRA is not supported for mixture-of-experts models ({spec.family}): adapters target "
+                         "dense MLP projections, and routed experts have none; start the engine without LoRA")
+
+
 def module_shape(spec: ModelSpec, module: str) -> tuple[int, int]:
     """(in_features, out_features) of one PEFT target module of the base model."""
     q, kv, h, i = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \

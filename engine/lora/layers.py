@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.lora.adapter import TARGETS, module_shape
+from engine.lora.adapter import TARGETS, check_lora_supported, module_shape
 from engine.models.decoder import DecoderLM, ModelSpec
 
 # the decoder's linear -> the PEFT modules fused into it, in shard order
@@ -95,6 +95,7 @@ class LoRAModel:
     """The wrapped linears of one DecoderLM and their shared context."""
 
     def __init__(self, model: DecoderLM, max_loras: int, max_rank: int):
+        check_lora_supported(model.spec)
         spec, weight = model.spec, next(model.parameters())
         dtype, device = weight.dtype, weight.device
         self.ctx = LoRAContext(max_loras, device, dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from engine.lora.adapter import LoRAAdapter, load_adapter
+from engine.lora.adapter import LoRAAdapter, check_lora_supported, load_adapter
 from engine.lora.request import LoRARequest, find_adapter, list_adapters
 from engine.models.decoder import ModelSpec
 
@@ -18,6 +18,7 @@ class AdapterRegistry:
 
     def __init__(self, spec: ModelSpec, max_rank: int, modules: dict[str, str] | None = None,
                  lora_dir: str | None = None):
+        check_lora_supported(spec)
         self.spec, self.max_rank = spec, max_rank
         self.modules, self.lora_dir = dict(modules or {}), lora_dir
         self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()

@@ -1,5 +1,5 @@
 """One decoder-only transformer covering the Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3
-families.
+families, and the mixture-of-experts Qwen2-MoE, Qwen3-MoE and Mixtral (routed layers: engine/models/moe.py).
 
 The families differ only in switches read from config.json (engine/models/loader.py): q/k/v bias (Qwen2,
 Llama's attention_bias), per-head q/k RMSNorm (Qwen3, Gemma 3), sliding window (Mistral, Phi-3) or
@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata, LayerAttention
 from engine.models.cpu_linear import pack_linears, pack_weight, packed_linear
+from engine.models.moe import MoESpec, SparseMoeBlock
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -57,6 +58,7 @@ class ModelSpec:
     final_softcap: float | None = None  # Gemma 2: the same on the final logits
     rotary_dim: int | None = None  # None = head_dim; Phi-3's partial_rotary_factor rotates the first dims only
     local_rope: bool = False  # Gemma 3: sliding layers read their own RoPE table (DecoderLM.rotary_local)
+    moe: MoESpec | None = None  # MoE families: which layers route over experts, and how (engine/models/moe.py)
 
     def __post_init__(self):
         if self.layer_types and len(self.layer_types) != self.num_layers:
@@ -64,6 +66,9 @@ class ModelSpec:
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
         if bad:
             raise ValueError(f"layer types {bad} are not supported; valid: {', '.join(LAYER_TYPES)}")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError(f"MoE layer pattern has {len(self.moe.sparse_layers)} entries for "
+                             f"{self.num_layers} layers")
 
     def is_sliding(self, layer: int) -> bool:
         if self.layer_types:
@@ -175,17 +180,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
         if spec.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {spec.hidden_act!r} is not supported; valid: {sorted(_ACTIVATIONS)}")
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        inter = intermediate_size or spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(inter, spec.hidden_size, bias=spec.mlp_bias)
         self.act = _ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate).mul_(up))
+
+
+def feed_forward(spec: ModelSpec, layer: int) -> nn.Module:
+    """Global layer `layer`'s MLP: dense, or on an MoE family's routed layers the experts (with Qwen2-MoE's
+    shared expert, a dense MLP of its own width)."""
+    moe = spec.moe
+    if moe is None or not moe.sparse_layers[layer]:
+        return MLP(spec)
+    shared = MLP(spec, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+    return SparseMoeBlock(spec.hidden_size, moe, shared)
 
 
 class DecoderLayer(nn.Module):
@@ -199,7 +215,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(spec, backend, layer)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(spec)
+        self.mlp = feed_forward(spec, layer)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()

@@ -1,7 +1,8 @@
 """Build a DecoderLM from an HF checkpoint directory: config.json + safetensors (single or sharded).
 
 No hub access: the directory must hold everything. HF parameter names are mapped onto the fused
-qkv_proj / gate_up_proj layout here (Phi-3 checkpoints already hold them fused, in the same order).
+qkv_proj / gate_up_proj layout here (Phi-3 checkpoints already hold them fused, in the same order), and MoE
+experts onto their stacked [E, ...] parameters (engine/models/moe.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models import cpu_linear
+from engine.models import cpu_linear, moe
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3") + moe.MOE_FAMILIES
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding_window only counts with use_sliding_window
 _GEMMA = ("gemma2", "gemma3_text")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -42,20 +44,22 @@ def model_spec(config) -> ModelSpec:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     attention_bias = bool(getattr(config, "attention_bias", False))
     window = getattr(config, "sliding_window", None)
-    if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if family in _QWEN and not getattr(config, "use_sliding_window", False):
         window = None
     gemma = family in _GEMMA
+    hidden_act = (getattr(config, "hidden_activation", None) if gemma else None) \
+        or getattr(config, "hidden_act", None) or "silu"
     return ModelSpec(
         family=family, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps, qkv_bias=attention_bias or family == "qwen2",
+        rms_norm_eps=config.rms_norm_eps,
+        qkv_bias=attention_bias or family == "qwen2" or bool(getattr(config, "qkv_bias", False)),
         o_bias=attention_bias and family != "qwen2", mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=family in ("qwen3", "gemma3_text"),
+        qk_norm=family in ("qwen3", "gemma3_text", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=window, max_position_embeddings=config.max_position_embeddings,
-        hidden_act=(getattr(config, "hidden_activation", None) if gemma else None)
-        or getattr(config, "hidden_act", None) or "silu",
+        hidden_act=hidden_act,
         layer_types=_layer_types(config, window), norm_unit_offset=gemma, sandwich_norms=gemma,
         embed_scale=config.hidden_size ** 0.5 if gemma else None,
         attn_scale=config.query_pre_attn_scalar ** -0.5 if gemma else None,
@@ -63,6 +67,7 @@ def model_spec(config) -> ModelSpec:
         attn_softcap=getattr(config, "attn_logit_softcapping", None) if family == "gemma2" else None,
         final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
         rotary_dim=_rotary_dim(config, head_dim), local_rope=family == "gemma3_text",
+        moe=moe.moe_spec(config, family, hidden_act),
     )
 
 
@@ -127,6 +132,7 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
                 cpu_onednn: bool = True) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
     On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off."""
+    moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
@@ -166,8 +172,8 @@ def load_weights(model: DecoderLM, model_dir: str) -> None:
                     continue
                 pname, shard = target
                 _copy_into(pname, params[pname], f.get_tensor(name), shard, model.spec)
-                filled.update((pname, s) for s in (_shards_of(pname) if shard == WHOLE else (shard,)))
-    expected = {(n, s) for n, p in params.items() for s in _shards_of(n)}
+                filled.update((pname, s) for s in (_shards_of(pname, model.spec) if shard == WHOLE else (shard,)))
+    expected = {(n, s) for n, p in params.items() for s in _shards_of(n, model.spec)}
     missing = sorted(expected - filled)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for {[m[0] for m in missing[:8]]}")
@@ -190,16 +196,21 @@ def _map_name(name: str, spec: ModelSpec, first_layer: int = 0) -> tuple[str, in
     if not m or "rotary_emb" in name:
         return None
     layer, rest = int(m.group(1)) - first_layer, m.group(2)
+    expert = moe.checkpoint_target(rest, spec.moe) if spec.moe is not None else None
+    if expert is not None:
+        return f"layers.{layer}.{expert[0]}", expert[1]
     for proj, fused, shard in (("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1),
                                ("v_proj", "qkv_proj", 2), ("gate_proj", "gate_up_proj", 0),
                                ("up_proj", "gate_up_proj", 1)):
         if f".{proj}." in f".{rest}":
             return f"layers.{layer}.{rest.replace(proj, fused)}", shard
     pname = f"layers.{layer}.{rest}"
-    return pname, WHOLE if len(_shards_of(pname)) > 1 else 0
+    return pname, WHOLE if len(_shards_of(pname, spec)) > 1 else 0
 
 
-def _shards_of(pname: str) -> range:
+def _shards_of(pname: str, spec: ModelSpec) -> range:
+    if moe.is_stacked(pname):
+        return moe.stacked_slots(pname, spec.moe)
     if "qkv_proj" in pname:
         return range(3)
     if "gate_up_proj" in pname:
@@ -210,11 +221,14 @@ def _shards_of(pname: str) -> range:
 def _copy_into(pname: str, param: torch.Tensor, tensor: torch.Tensor, shard: int, spec: ModelSpec) -> None:
     if shard == WHOLE:
         dst = param
+    elif moe.is_stacked(pname):
+        dst = moe.stacked_slot(param, pname, shard)
     elif "qkv_proj" in pname:
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         dst = param.narrow(0, (0, q, q + kv)[shard], (q, kv, kv)[shard])
     elif "gate_up_proj" in pname:
-        dst = param.narrow(0, shard * spec.intermediate_size, spec.intermediate_size)
+        size = param.shape[0] // 2  # this MLP's own width (a shared expert's differs from intermediate_size)
+        dst = param.narrow(0, shard * size, size)
     else:
         dst = param
     if dst.shape != tensor.shape:

@@ -157,6 +157,9 @@ class ModelCost:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, dtype_bytes: int, kernels_per_layer: int | None = None) -> "ModelCost":
+        if spec.moe is not None:
+            raise ValueError(f"device='sim' models dense decoders only: {spec.family} is a mixture-of-experts "
+                             "model (per-token expert routing is not in the cost model); run it on cpu or cuda")
         h, i = spec.hidden_size, spec.intermediate_size
         attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + spec.num_heads * spec.head_dim * h
         layer_params = attn + 3 * h * i
