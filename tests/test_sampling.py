@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import Sampler, SamplingBatch, argmax
 from engine.sequence import Sequence
 from tiny_models import EOS_ID, tokenizer
 
@@ -460,3 +460,14 @@ def test_stop_string_ignored_before_min_tokens(fam):
     later = llm.generate([prompt], greedy(max_tokens=32, ignore_eos=True, stop=stop,
                                           min_tokens=done_at + 1))[0]
     assert later.finish_reason == "length" and later.token_ids == g  # the stop occurs only once in `full`
+
+
+def test_greedy_argmax_takes_the_first_maximum_like_torch_argmax():
+    """The sampler's row argmax (max(dim).indices, faster on CPU) against torch.argmax on tie-heavy rows,
+    -inf rows (everything banned) and NaN rows."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 40, (64, 49152), generator=gen).float()
+    x[3] = float("-inf")
+    x[5, 17] = float("nan")
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert argmax(x)[3] == 0 and argmax(x)[5] == 17
