@@ -1,7 +1,8 @@
-"""The CPU decode-attention kernel (cpu_decode.cpp), compiled at first use and cached.
+"""The CPU kernels, compiled at first use and cached: paged decode attention (cpu_decode.cpp) and the
+decoder's fused elementwise ops (engine/models/cpu_fused.cpp: residual add + RMSNorm, SiLU * up, RoPE).
 
 `load()` builds it with torch.utils.cpp_extension (g++ and ninja; -O3 -march=native, so the build is
-named after this CPU's feature flags and the source's digest, so checkouts with different kernel sources
+named after this CPU's feature flags and the sources' digest and paths, so checkouts with other kernel sources
 sharing one cache do not rebuild over each other; cached in TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions)
 and returns the module, or None, with one warning naming why, when it cannot be built; callers then keep
@@ -22,7 +23,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCES = (Path(__file__).with_name("cpu_decode.cpp"),
+            Path(__file__).parents[1] / "models" / "cpu_fused.cpp")
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one thread);
 # -fno-math-errno lets `omp simd` call glibc's vector expf; the reassociation flags let GCC vectorize the
 # dot products' sums (a tree of vector adds instead of one scalar chain) without -ffast-math's
@@ -31,8 +33,9 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative
            "-fno-trapping-math"]
 @functools.cache
 def load():
-    """The compiled module (with `paged_decode`), or None if disabled or it does not build here. Concurrent
-    first calls may both reach the build; cpp_extension's lock file makes the second wait and reuse it."""
+    """The compiled module (`paged_decode`, `rms_norm`, `silu_mul`, `rope_`), or None if disabled or it does
+    not build here. Concurrent first calls may both reach the build; cpp_extension's lock file makes the
+    second wait and reuse it."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     return _build()
@@ -58,8 +61,12 @@ def _build():
             import ninja
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-        source_tag = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:8]
-        return cpp_extension.load(name=f"tandem_cpu_decode_{_isa_tag()}_{source_tag}", sources=[str(_SOURCE)],
+        # The sources' contents and where they live: checkouts (git worktrees) with equal sources at other paths
+        # would otherwise share one build directory whose ninja file names the other checkout's paths, and
+        # rebuild over each other.
+        source_tag = hashlib.sha1(b"".join(src.read_bytes() + str(src).encode() for src in _SOURCES)).hexdigest()[:8]
+        return cpp_extension.load(name=f"tandem_cpu_decode_{_isa_tag()}_{source_tag}",
+                                  sources=[str(src) for src in _SOURCES],
                                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the torch path still works
         logger.warning("CPU decode kernel unavailable (%s: %s); using gather + SDPA",

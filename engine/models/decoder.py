@@ -163,13 +163,17 @@ class Attention(nn.Module):
         self.scale = spec.attn_scale if spec.attn_scale is not None else spec.head_dim ** -0.5
         self.layer = spec.layer_attention(layer)  # this layer's window and soft-cap, passed on every call
         self.backend = backend
+        self.rope_kernel = None  # CPU: cpu_fused's in-place RoPE (DecoderLM.use_cpu_kernels)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)  # [T, H + Hkv, D]: q heads, then k heads
-        if self.q_norm is None:  # q and k rotated together: one set of elementwise ops for both
+        if self.rope_kernel is not None:  # q and k rotated in place inside qkv, one pass
+            self.rope_kernel.rope_(qkv, rope[0][:, 0], rope[1][:, 0], h + self.num_kv_heads, d)
+            q, k = qk[:, :h], qk[:, h:]
+        elif self.q_norm is None:  # q and k rotated together: one set of elementwise ops for both
             qk = apply_rope(qk, *rope)
             q, k = qk[:, :h], qk[:, h:]
         else:
@@ -188,8 +192,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(inter, spec.hidden_size, bias=spec.mlp_bias)
         self.act = _ACTIVATIONS[spec.hidden_act]
+        self.kernel = None  # CPU: cpu_fused's silu_mul (DecoderLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.down_proj(self.kernel.silu_mul(self.gate_up_proj(x).contiguous()))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate).mul_(up))
 
@@ -229,6 +236,21 @@ class DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv, meta))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, rope, kv, meta, kernel):
+        """The pre-norm layer with each residual add fused into the norm after it (cpu_fused's bf16 rms_norm):
+        takes and returns (h, residual), the stream being h + residual; residual None = h is the stream."""
+        h, residual = add_rms_norm(kernel, self.input_layernorm, h, residual)
+        h = self.self_attn(h, rope, kv, meta)
+        h, residual = add_rms_norm(kernel, self.post_attention_layernorm, h, residual)
+        return self.mlp(h), residual
+
+
+def add_rms_norm(kernel, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None):
+    """(norm(h + residual), h + residual), or (norm(h), h) when residual is None."""
+    if residual is None:
+        return kernel.rms_norm(h.contiguous(), None, norm.weight, norm.eps)[0], h
+    return kernel.rms_norm(h.contiguous(), residual, norm.weight, norm.eps)
+
 
 class DecoderLM(nn.Module):
     """Causal LM over a paged KV cache. `forward` returns hidden states; `logits` projects chosen rows.
@@ -258,6 +280,7 @@ class DecoderLM(nn.Module):
         self.lm_head = (nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
                         if self.is_last and not spec.tie_word_embeddings else None)
         self.head_packed: torch.Tensor | None = None  # the LM head in oneDNN's layout (pack_for_cpu)
+        self.norm_kernel = None  # CPU bf16 pre-norm models: fused residual add + RMSNorm (use_cpu_kernels)
 
     def pack_for_cpu(self) -> None:
         """Loaded CPU model: every linear and the LM head into oneDNN's packed layout
@@ -267,6 +290,26 @@ class DecoderLM(nn.Module):
         if self.is_last:
             self.head_packed = pack_weight(self._head_weight())
             self.lm_head = None  # untied: its plain weight is no longer read
+
+    def use_cpu_kernels(self, kernels, dtype: torch.dtype) -> None:
+        """CPU model: the fused ops of engine/models/cpu_fused.cpp: RoPE in place (not after Qwen3/Gemma 3's
+        q/k norms) and SiLU * up, both exactly the eager arithmetic, and in bf16 for pre-norm models residual add
+        + RMSNorm (its output can differ from eager by a bf16 ulp at a rounding boundary; see the .cpp; fp32
+        keeps PyTorch's norm, so fp32 stays exactly HF's arithmetic). `kernels` None (the extension does not
+        build here) keeps every op eager."""
+        if kernels is None:
+            return
+        bf16 = dtype == torch.bfloat16
+        for layer in self.layers:
+            if layer.self_attn.q_norm is None:
+                layer.self_attn.rope_kernel = kernels
+            # SiLU on whole 16-lane vectors is PyTorch's own arithmetic (a width with a tail is not: PyTorch
+            # finishes rows with a scalar exp).
+            mlp = layer.mlp
+            if isinstance(mlp, MLP) and self.spec.hidden_act == "silu" and mlp.down_proj.in_features % 16 == 0:
+                mlp.kernel = kernels
+        if bf16 and not self.spec.sandwich_norms and not self.spec.norm_unit_offset:
+            self.norm_kernel = kernels
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -278,9 +321,19 @@ class DecoderLM(nn.Module):
         x = self.embed(input_ids) if self.is_first else hidden  # [T, hidden]
         rope = self.rotary.tables(positions, x.dtype)
         rope_local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope
+        if self.norm_kernel is not None:
+            return self._forward_fused(x, rope, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope_local if layer.local_rope else rope, kv, meta)
         return self.norm(x) if self.is_last else x
+
+    def _forward_fused(self, x, rope, kv_caches, meta) -> torch.Tensor:
+        h, residual = x, None
+        for layer, kv in zip(self.layers, kv_caches):
+            h, residual = layer.forward_fused(h, residual, rope, kv, meta, self.norm_kernel)
+        if self.is_last:
+            return add_rms_norm(self.norm_kernel, self.norm, h, residual)[0]
+        return h + residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.attention import cpu_native
 from engine.models import cpu_linear, moe
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
@@ -131,7 +132,8 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
                 dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
                 cpu_onednn: bool = True) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
-    On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off."""
+    On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off, and it
+    runs the fused elementwise kernels (engine/models/cpu_fused.cpp) unless TANDEM_CPU_KERNELS=0."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
@@ -144,6 +146,8 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     model = model.eval().requires_grad_(False)
     if device.type == "cpu" and cpu_onednn and cpu_linear.available(dtype):
         model.pack_for_cpu()
+    if device.type == "cpu":
+        model.use_cpu_kernels(cpu_native.load(), dtype)
     return model
 
 

@@ -1,0 +1,116 @@
+"""The fused CPU elementwise kernels (engine/models/cpu_fused.cpp) against the eager PyTorch ops they replace:
+RoPE in place (partial rotary included) and SiLU(gate) * up bit for bit in fp32 and bf16; bf16 residual add
++ RMSNorm (HF Llama's arithmetic) with the stream exact and the norm off only at rare rounding boundaries.
+Then whole models with the kernels against the same models without them (the extension hidden from the
+loader): fp32 identical down to the logprobs, bf16 the same greedy tokens. bf16 against HF's own
+bf16 model is tests/test_moe.py::test_bf16_greedy_matches_hf_bf16 (Phi-3 and the MoE families, kernels on)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.attention import cpu_native
+from engine.models import loader
+from engine.models.decoder import RMSNorm, apply_rope
+from tiny_models import build
+
+kernels = cpu_native.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU extension does not build here")
+SHAPES = [(1, 576), (64, 576), (300, 960), (2048, 64), (512, 4096)]
+
+
+def bf16(*shape, scale=1.0, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows,dim", SHAPES)
+def test_rms_norm_and_residual_add_equal_eager_bf16(rows, dim):
+    norm = RMSNorm(dim, 1e-6).to(torch.bfloat16)
+    norm.weight.data = bf16(dim, seed=1)
+    x, residual = bf16(rows, dim, scale=4.0, seed=2), bf16(rows, dim, seed=3)
+    [out] = kernels.rms_norm(x, None, norm.weight, norm.eps)
+    assert_within_one_ulp(out, norm(x))
+    out, stream = kernels.rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(stream, x + residual)
+    assert_within_one_ulp(out, norm(x + residual))
+
+
+def assert_within_one_ulp(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 outputs equal except at rounding boundaries, at most 1e-4 of them (the fp32 sum of squares is summed
+    in another order than PyTorch's, see cpu_fused.cpp): the normalised value 1 bf16 ulp off, which after the
+    weight's multiply and rounding is at most 2 ulps of the output."""
+    ref = ref.detach()
+    ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), torch.frexp(ref.float()).exponent - 8)
+    assert ((out.float() - ref.float()).abs() <= 2 * ulp).all()
+    assert (out != ref).float().mean().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,dim", SHAPES)
+def test_silu_mul_equals_eager(rows, dim, dtype):
+    gate_up = bf16(rows, 2 * dim, scale=3.0).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(kernels.silu_mul(gate_up), F.silu(gate).mul_(up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,half", [(9, 3, 64, 32), (4, 1, 32, 16), (4, 2, 16, 4)])
+def test_rope_in_place_equals_apply_rope(dtype, heads, kv_heads, head_dim, half):
+    """q and k heads rotated inside the fused qkv row; the v columns untouched; half < head_dim / 2 is
+    partial rotary (Phi-4-mini): the remaining dims pass through."""
+    tokens = 37
+    qkv = bf16(tokens, (heads + 2 * kv_heads) * head_dim, seed=4).to(dtype)
+    cos, sin = bf16(tokens, half, seed=5).to(dtype), bf16(tokens, half, seed=6).to(dtype)
+    width = (heads + kv_heads) * head_dim
+    expected = apply_rope(qkv[:, :width].view(tokens, -1, head_dim), cos[:, None], sin[:, None])
+    out = qkv.clone()
+    kernels.rope_(out, cos, sin, heads + kv_heads, head_dim)
+    assert torch.equal(out[:, :width].view(tokens, -1, head_dim), expected)
+    assert torch.equal(out[:, width:], qkv[:, width:])
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        kernels.rms_norm(torch.randn(4, 8), None, torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
+        kernels.silu_mul(torch.randn(4, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.rms_norm(bf16(8, 4).t(), None, bf16(8), 1e-6)
+    with pytest.raises(RuntimeError, match="narrower"):
+        kernels.rope_(torch.randn(2, 8), torch.randn(2, 2), torch.randn(2, 2), 4, 4)
+
+
+def generate(path, dtype: str, monkeypatch, fused: bool):
+    with monkeypatch.context() as m:
+        if not fused:
+            m.setattr(loader, "cpu_native", types.SimpleNamespace(load=lambda: None))
+        llm = LLM(str(path), dtype=dtype, block_size=4, max_num_batched_tokens=16)
+        model = llm.engine.runner.model
+        used = (model.layers[0].self_attn.rope_kernel is not None, model.norm_kernel is not None,
+                model.layers[0].mlp.kernel is not None)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+        outs = llm.generate([[5, 9, 33, 2, 71, 14, 9, 8, 100, 3] * 3, [17, 4, 4, 250]], params)
+    return used, [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_with_kernels_equals_model_without(family, dtype, tmp_path, monkeypatch):
+    """Chunked prefill (16-token budget) and decode: the fused ops change nothing, down to the logprobs.
+    Phi-3's tiny checkpoint has random norm weights and partial rotary dims."""
+    path, _ = build(family, tmp_path)
+    used, fused = generate(path, dtype, monkeypatch, fused=True)
+    assert used == (True, dtype == "bfloat16", True)
+    unused, eager = generate(path, dtype, monkeypatch, fused=False)
+    assert unused == (False, False, False)
+    if dtype == "float32":
+        assert fused == eager
+    else:
+        assert [ids for ids, _ in fused] == [ids for ids, _ in eager]
+        for (_, a), (_, b) in zip(fused, eager):
+            assert [lp for lp, _ in a] == pytest.approx([lp for lp, _ in b], abs=0.05)
