@@ -242,6 +242,8 @@ class DecoderLM(nn.Module):
         self.lm_head = (nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
                         if self.is_last and not spec.tie_word_embeddings else None)
         self.head_packed: torch.Tensor | None = None  # the LM head in oneDNN's layout (pack_for_cpu)
+        # Tensor parallelism (engine/models/tp.py): gathers the head's vocabulary shards to rank 0; None = whole head.
+        self.vocab_gather = None
 
     def pack_for_cpu(self) -> None:
         """Loaded CPU model: every linear and the LM head into oneDNN's packed layout
@@ -280,4 +282,6 @@ class DecoderLM(nn.Module):
         else:
             logits = F.linear(hidden, self._head_weight())
         logits = softcap(logits, self.spec.final_softcap)
+        if self.vocab_gather is not None:
+            return self.vocab_gather(logits, out)
         return logits.float() if out is None else out.copy_(logits)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models import cpu_linear
+from engine.models import cpu_linear, tp as tensor_parallel
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
@@ -124,9 +124,10 @@ def rope_tables(config, spec: ModelSpec, max_positions: int,
 
 def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
                 dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
-                cpu_onednn: bool = True) -> DecoderLM:
+                cpu_onednn: bool = True, tp: tensor_parallel.TPShard | None = None) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
-    On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off."""
+    On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off.
+    With `tp`, one tensor-parallel rank's shard (engine/models/tp.py): `spec` must then be its local_spec."""
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
@@ -134,7 +135,9 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above
     model.rotary_local = local.to(device) if local is not None else None
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, tp)
+    if tp is not None:
+        tensor_parallel.parallelize(model, tp)
     model = model.eval().requires_grad_(False)
     if device.type == "cpu" and cpu_onednn and cpu_linear.available(dtype):
         model.pack_for_cpu()
@@ -153,9 +156,10 @@ def _safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-def load_weights(model: DecoderLM, model_dir: str) -> None:
+def load_weights(model: DecoderLM, model_dir: str, tp: tensor_parallel.TPShard | None = None) -> None:
     """Copy every checkpoint tensor the model holds into its (possibly fused) parameter; fail naming what
-    is missing. A pipeline stage reads only its own tensors (safetensors loads lazily, by name)."""
+    is missing. A pipeline stage reads only its own tensors (safetensors loads lazily, by name); a
+    tensor-parallel rank only its slice of each (tensor_parallel.read_shard)."""
     params = dict(model.named_parameters())
     filled: set[tuple[str, int]] = set()
     for path in _safetensors_files(model_dir):
@@ -165,7 +169,8 @@ def load_weights(model: DecoderLM, model_dir: str) -> None:
                 if target is None or target[0] not in params:
                     continue
                 pname, shard = target
-                _copy_into(pname, params[pname], f.get_tensor(name), shard, model.spec)
+                tensor = f.get_tensor(name) if tp is None else tensor_parallel.read_shard(f, name, pname, shard, tp)
+                _copy_into(pname, params[pname], tensor, shard, model.spec)
                 filled.update((pname, s) for s in (_shards_of(pname) if shard == WHOLE else (shard,)))
     expected = {(n, s) for n, p in params.items() for s in _shards_of(n)}
     missing = sorted(expected - filled)

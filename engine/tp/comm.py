@@ -1,0 +1,91 @@
+"""The collectives of one tensor-parallel group: a torch.distributed process group of its own.
+
+Gloo on CPU (so the test suite runs real multi-process TP on a laptop). The group is a ProcessGroupGloo built
+directly on a TCPStore, not `init_process_group`'s global default group: two engines in one process (tests,
+or a replica restarted in place) never share or clobber one. Rank 0 (the engine's process) hosts the store on
+a port the OS picks (`open_store`); the other ranks are told host and port.
+
+Every call is blocking and counted (`seconds`, `calls`): the benchmark's all-reduce cost per step, and the
+engine's stats. A peer that dies closes its sockets, and gloo then raises on the next collective (measured:
+~immediately, "Connection closed by peer"); a peer that hangs is cut off by `timeout_s`.
+
+On CUDA the same calls would go to a ProcessGroupNCCL on the compute stream (not wired yet: EngineConfig
+refuses device='cuda' with tensor_parallel_size > 1). What Ray's own channels would change:
+- ray.util.collective offers the same gloo/NCCL collectives callable inside actors, under a named group
+  instead of our TCPStore rendezvous; the forward would be unchanged (its all-reduces are still issued from
+  inside each layer), only group setup and teardown would move to Ray.
+- Compiled graphs (the pipeline engine's transport, cluster/pipeline.py) could replace the per-step broadcast
+  of the step's inputs: the driver writes one channel per step that every worker reads (shared memory on one
+  node, NCCL for device tensors), with the graph's failure semantics. Their collective nodes
+  (ray.experimental.collective) run between actor method calls, i.e. once per graph step, so they cannot
+  stand in for the all-reduces inside a layer; those stay torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+START_TIMEOUT_S = 300.0  # ranks joining the group at start (a worker actor may be importing torch, loading)
+
+
+def open_store(host: str, size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port (store.port) of `host`."""
+    return dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+
+
+class GroupComm:
+    """Blocking collectives over one gloo process group (root = rank 0)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, host: str, timeout_s: float):
+        """host: the address this rank's gloo device binds and announces (127.0.0.1 on one node)."""
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = store  # kept alive with the group
+        self.pg = dist.ProcessGroupGloo(store, rank, size, opts)  # returns once every rank has joined
+        self.rank, self.size = rank, size
+        self.seconds, self.calls = 0.0, 0
+
+    @classmethod
+    def join(cls, host: str, port: int, rank: int, size: int, bind_host: str, timeout_s: float) -> GroupComm:
+        """A rank other than 0: connect to rank 0's store and join the group."""
+        store = dist.TCPStore(host, port, size, is_master=False,
+                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        return cls(store, rank, size, bind_host, timeout_s)
+
+    def _wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """Sum `t` over the ranks, in place."""
+        self._wait(self.pg.allreduce([t]))
+
+    def all_reduce_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self._wait(self.pg.allreduce([t], opts))
+        return int(t[0])
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.broadcast([t], opts))
+
+    def gather_to_root(self, t: torch.Tensor, out: list[torch.Tensor] | None) -> None:
+        """Every rank's `t` into rank 0's `out` (one tensor per rank, in rank order); `out` is None elsewhere."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self._wait(self.pg.gather([out] if self.rank == 0 else [], [t], opts))
+
+    def stats(self) -> dict:
+        return {"tp_collective_s": self.seconds, "tp_collectives": self.calls}
