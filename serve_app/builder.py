@@ -14,6 +14,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
 from cluster.pipeline import stage_bundles
+from cluster.tensor_parallel import worker_bundles
 from cluster.replica import EngineReplica
 from cluster.router import router_class
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -201,6 +202,12 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
             pp, device, engine_cfg.pp_stage_num_cpus)
         options["placement_group_strategy"] = cfg.pp_placement_strategy
+    tp = engine_cfg.tensor_parallel_size
+    if tp > 1:  # the replica is rank 0; its worker ranks (cluster/tensor_parallel.py) take bundles 1..tp-1,
+        # packed on the replica's node (the group talks over loopback)
+        options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + worker_bundles(
+            tp - 1, device, engine_cfg.tp_worker_num_cpus)
+        options["placement_group_strategy"] = "STRICT_PACK"
     if cfg.autoscaling:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=cfg.min_replicas if cfg.min_replicas is not None else 1,

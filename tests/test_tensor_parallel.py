@@ -135,16 +135,20 @@ def test_unshardable_models_and_unsupported_combinations_are_rejected(tiny_model
 # llama: KV heads split (2 over 2 ranks); llama_mqa_rope_scaled: one KV head replicated, q/k/v and o biases;
 # qwen2: qkv bias, tied head; qwen3: q/k norms; gemma2/gemma3_text: soft-caps, sandwich norms, scaled and
 # tied embeddings; phi3: fused qkv / gate_up checkpoint tensors, partial rotary.
+# qwen3's engine sizes its KV cache by the memory profile, whose dummy steps the ranks run in lock step.
 FAMILIES = ["llama", "llama_mqa_rope_scaled", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
+PROFILED = dict(num_kv_blocks=None, cpu_kv_cache_bytes=64 * 2**20)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_in_process_matches_hf(tiny_model_factory, family):
     path, hf = tiny_model_factory(family)
     prompts = make_prompts(seed=21, lengths=(5, 19, 40))
-    engine = local_engine(path)
+    engine = local_engine(path, **(PROFILED if family == "qwen3" else {}))
     try:
         assert engine.stats()["tensor_parallel_size"] == 2
+        if family == "qwen3":
+            assert engine.runner.memory is not None and engine.stats()["kv_blocks_total"] > 24
         for prompt, out in zip(prompts, run_engine(engine, prompts)):
             assert_matches_hf(hf, prompt, out.token_ids)
         assert engine.stats()["tp_collectives"] > 0
