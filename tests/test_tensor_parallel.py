@@ -156,6 +156,21 @@ def test_tp2_in_process_matches_hf(tiny_model_factory, family):
         engine.shutdown()
 
 
+def test_an_idle_group_outlives_the_step_timeout(tiny_model_factory):
+    """Workers wait for rank 0's next step without a limit (a gloo timeout would close the group for good);
+    only a step's own collectives have the step timeout."""
+    path, hf = tiny_model_factory("llama")
+    prompts = make_prompts(seed=22, lengths=(6,))
+    engine = local_engine(path, stall_timeout_s=0.5)
+    try:
+        assert_matches_hf(hf, prompts[0], run_engine(engine, prompts)[0].token_ids)
+        time.sleep(1.5)
+        assert engine.health_error() is None
+        assert_matches_hf(hf, prompts[0], run_engine(engine, prompts)[0].token_ids)
+    finally:
+        engine.shutdown()
+
+
 def test_skipping_the_row_parallel_all_reduce_breaks_equality(tiny_model_factory, monkeypatch):
     """The mutation the HF comparison must catch: each rank keeps only its partial o/down products."""
     path, hf = tiny_model_factory("llama")

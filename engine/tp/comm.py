@@ -7,7 +7,9 @@ a port the OS picks (`open_store`); the other ranks are told host and port.
 
 Every call is blocking and counted (`seconds`, `calls`): the benchmark's all-reduce cost per step, and the
 engine's stats. A peer that dies closes its sockets, and gloo then raises on the next collective (measured:
-~immediately, "Connection closed by peer"); a peer that hangs is cut off by `timeout_s`.
+~immediately, "Connection closed by peer"); a peer that hangs is cut off by the per-call `timeout_s`. A gloo
+timeout closes the connection for good (measured), so the one wait that may legitimately last forever, an idle
+worker's wait for rank 0's next step, passes `idle=True` and waits without a limit.
 
 On CUDA the same calls would go to a ProcessGroupNCCL on the compute stream (not wired yet: EngineConfig
 refuses device='cuda' with tensor_parallel_size > 1). What Ray's own channels would change:
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 START_TIMEOUT_S = 300.0  # ranks joining the group at start (a worker actor may be importing torch, loading)
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # gloo has no "no limit"; an idle replica may wait this long
 
 
 def open_store(host: str, size: int) -> dist.TCPStore:
@@ -42,10 +45,12 @@ class GroupComm:
     """Blocking collectives over one gloo process group (root = rank 0)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, host: str, timeout_s: float):
-        """host: the address this rank's gloo device binds and announces (127.0.0.1 on one node)."""
+        """host: the address this rank's gloo device binds and announces (127.0.0.1 on one node); timeout_s:
+        the limit of every collective of a step (START_TIMEOUT_S while the ranks start; idle waits: none)."""
         opts = dist.ProcessGroupGloo._Options()
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        opts._timeout = self.timeout = datetime.timedelta(seconds=START_TIMEOUT_S)  # until `started()`
+        self._step_timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store  # kept alive with the group
         self.pg = dist.ProcessGroupGloo(store, rank, size, opts)  # returns once every rank has joined
         self.rank, self.size = rank, size
@@ -58,33 +63,37 @@ class GroupComm:
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         return cls(store, rank, size, bind_host, timeout_s)
 
+    def started(self) -> None:
+        """The ranks are built (they load and profile at their own pace until then): steps get `timeout_s`."""
+        self.timeout = self._step_timeout
+
     def _wait(self, work) -> None:
         t0 = time.perf_counter()
         work.wait()
         self.seconds += time.perf_counter() - t0
         self.calls += 1
 
-    def all_reduce(self, t: torch.Tensor) -> None:
-        """Sum `t` over the ranks, in place."""
-        self._wait(self.pg.allreduce([t]))
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """Reduce `t` over the ranks (a sum by default), in place."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = op, self.timeout
+        self._wait(self.pg.allreduce([t], opts))
 
     def all_reduce_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self._wait(self.pg.allreduce([t], opts))
+        self.all_reduce(t, dist.ReduceOp.MIN)
         return int(t[0])
 
-    def broadcast(self, t: torch.Tensor) -> None:
-        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere)."""
+    def broadcast(self, t: torch.Tensor, idle: bool = False) -> None:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere); `idle`: no time limit."""
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
+        opts.rootRank, opts.timeout = 0, IDLE_TIMEOUT if idle else self.timeout
         self._wait(self.pg.broadcast([t], opts))
 
     def gather_to_root(self, t: torch.Tensor, out: list[torch.Tensor] | None) -> None:
         """Every rank's `t` into rank 0's `out` (one tensor per rank, in rank order); `out` is None elsewhere."""
         opts = dist.GatherOptions()
-        opts.rootRank = 0
+        opts.rootRank, opts.timeout = 0, self.timeout
         self._wait(self.pg.gather([out] if self.rank == 0 else [], [t], opts))
 
     def stats(self) -> dict:

@@ -59,6 +59,7 @@ class TPModelRunner(ModelRunner):
         self._copies: list[tuple[int, int]] = []
         self._header = torch.zeros(_HEADER, dtype=torch.long)
         super().__init__(config, hf_config, spec, device, dtype, max_model_len)
+        comm.started()
         self.backend_name = f"{self.backend_name}, tensor parallel x{comm.size} (gloo)"
 
     @property
@@ -133,7 +134,7 @@ class TPModelRunner(ModelRunner):
     def _follow_one(self) -> bool:
         slot = self.slots[0]
         b = slot.inputs
-        self.comm.broadcast(self._header)
+        self.comm.broadcast(self._header, idle=True)  # an idle engine sends nothing for as long as it is idle
         op, t, s, rows, deltas, width, nbytes, ncopies = self._header.tolist()  # host memory
         if op == STOP:
             return False
