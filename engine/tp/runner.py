@@ -58,6 +58,7 @@ class TPModelRunner(ModelRunner):
         self.error: BaseException | None = None
         self._copies: list[tuple[int, int]] = []
         self._header = torch.zeros(_HEADER, dtype=torch.long)
+        self._header_np = self._header.numpy()  # host views: written in place each step
         super().__init__(config, hf_config, spec, device, dtype, max_model_len)
         comm.started()
         self.backend_name = f"{self.backend_name}, tensor parallel x{comm.size} (gloo)"
@@ -93,8 +94,7 @@ class TPModelRunner(ModelRunner):
         """The step's final inputs to every rank (see the module docstring)."""
         copies, self._copies = self._copies, []
         nbytes = b.step.offsets["table_deltas"][0] + 8 * b.num_deltas  # the used part of the step region
-        self._header.copy_(torch.tensor([STEP, b.num_tokens, b.num_seqs, b.num_rows, b.num_deltas, b.width,
-                                         nbytes, len(copies)]))
+        self._header_np[:] = (STEP, b.num_tokens, b.num_seqs, b.num_rows, b.num_deltas, b.width, nbytes, len(copies))
         self.comm.broadcast(self._header)
         self.comm.broadcast(b.step.dev_bytes[:nbytes])
         if copies:
@@ -114,8 +114,7 @@ class TPModelRunner(ModelRunner):
         super().shutdown()  # the executor: no forward runs after this
         if self.is_driver and self.error is None and self.workers is not None and self.workers.error() is None:
             try:
-                self._header.zero_()
-                self._header[0] = STOP
+                self._header_np[:] = (STOP,) + (0,) * (_HEADER - 1)
                 self.comm.broadcast(self._header)
             except Exception:  # noqa: BLE001 - a worker that is gone already needs no stop
                 logger.debug("tensor-parallel stop broadcast failed", exc_info=True)
@@ -135,7 +134,7 @@ class TPModelRunner(ModelRunner):
         slot = self.slots[0]
         b = slot.inputs
         self.comm.broadcast(self._header, idle=True)  # an idle engine sends nothing for as long as it is idle
-        op, t, s, rows, deltas, width, nbytes, ncopies = self._header.tolist()  # host memory
+        op, t, s, rows, deltas, width, nbytes, ncopies = self._header_np.tolist()  # host memory
         if op == STOP:
             return False
         self.comm.broadcast(b.step.dev_bytes[:nbytes])
