@@ -15,9 +15,7 @@ SPREAD may place ranks on other nodes, and then each rank's gloo device binds it
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
-from concurrent.futures import Future
 
 import ray
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
@@ -67,31 +65,17 @@ class RayTPWorkerGroup:
         self.loops = [a.follow.remote() for a in self.actors]  # queued behind each actor's __init__
         self.description = f"tensor parallel x{size} over Ray ({strategy})"
         try:
-            self.comm = self._join(store, size, host)
+            self.comm = GroupComm.host_watching(store, size, host, template.config.stall_timeout_s,
+                                                self._raise_if_exited)
         except BaseException:
             self.shutdown()
             raise
 
-    def _join(self, store, size: int, host: str) -> GroupComm:
-        """Join as rank 0 on a thread; meanwhile a worker whose start fails (its follow ref resolves) ends
-        the wait with its error."""
-        fut: Future = Future()
-
-        def join():
-            try:
-                fut.set_result(GroupComm(store, 0, size, host, START_TIMEOUT_S))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                fut.set_exception(exc)
-
-        threading.Thread(target=join, name=f"{self.name}-join", daemon=True).start()
-        while True:
-            try:
-                return fut.result(timeout=0.2)
-            except TimeoutError:
-                done, _ = ray.wait(self.loops, timeout=0)
-                if done:
-                    ray.get(done[0])  # raises the worker's start error
-                    raise RuntimeError("a tensor-parallel worker exited before joining the group")
+    def _raise_if_exited(self) -> None:
+        done, _ = ray.wait(self.loops, timeout=0)
+        if done:
+            ray.get(done[0])  # raises the worker's start error
+            raise RuntimeError("a tensor-parallel worker exited before joining the group")
 
     def error(self) -> str | None:
         if not self.loops:

@@ -135,16 +135,17 @@ def test_unshardable_models_and_unsupported_combinations_are_rejected(tiny_model
 # llama: KV heads split (2 over 2 ranks); llama_mqa_rope_scaled: one KV head replicated, q/k/v and o biases;
 # qwen2: qkv bias, tied head; qwen3: q/k norms; gemma2/gemma3_text: soft-caps, sandwich norms, scaled and
 # tied embeddings; phi3: fused qkv / gate_up checkpoint tensors, partial rotary.
-# qwen3's engine sizes its KV cache by the memory profile, whose dummy steps the ranks run in lock step.
+# qwen3's engine sizes its KV cache by the memory profile, whose dummy steps the ranks run in lock step;
+# gemma2's runs the blocking loop (pipeline_depth=1), the others the two-slot pipeline.
 FAMILIES = ["llama", "llama_mqa_rope_scaled", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"]
-PROFILED = dict(num_kv_blocks=None, cpu_kv_cache_bytes=64 * 2**20)
+ENGINE_KW = {"qwen3": dict(num_kv_blocks=None, cpu_kv_cache_bytes=64 * 2**20), "gemma2": dict(pipeline_depth=1)}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_in_process_matches_hf(tiny_model_factory, family):
     path, hf = tiny_model_factory(family)
     prompts = make_prompts(seed=21, lengths=(5, 19, 40))
-    engine = local_engine(path, **(PROFILED if family == "qwen3" else {}))
+    engine = local_engine(path, **ENGINE_KW.get(family, {}))
     try:
         assert engine.stats()["tensor_parallel_size"] == 2
         if family == "qwen3":
@@ -152,6 +153,31 @@ def test_tp2_in_process_matches_hf(tiny_model_factory, family):
         for prompt, out in zip(prompts, run_engine(engine, prompts)):
             assert_matches_hf(hf, prompt, out.token_ids)
         assert engine.stats()["tp_collectives"] > 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_worker_that_fails_to_start_fails_the_engine_at_once(tiny_model_factory, monkeypatch):
+    import engine.tp.local as local
+
+    class Broken:
+        def __init__(self, spec):
+            raise ValueError("worker rank cannot load its shard")
+
+    monkeypatch.setattr(local, "TPWorker", Broken)
+    path, _ = tiny_model_factory("llama")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="cannot load its shard"):
+        local_engine(path)
+    assert time.monotonic() - t0 < 10, "the rendezvous must not wait for its timeout"
+
+
+def test_prompt_logprobs_are_refused_by_name(tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    engine = local_engine(path)
+    try:
+        with pytest.raises(ValueError, match="prompt_logprobs is not supported by this engine .TPModelRunner"):
+            engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, prompt_logprobs=1))
     finally:
         engine.shutdown()
 

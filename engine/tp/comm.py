@@ -26,7 +26,11 @@ refuses device='cuda' with tensor_parallel_size > 1). What Ray's own channels wo
 from __future__ import annotations
 
 import datetime
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,6 +66,26 @@ class GroupComm:
         store = dist.TCPStore(host, port, size, is_master=False,
                               timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         return cls(store, rank, size, bind_host, timeout_s)
+
+    @classmethod
+    def host_watching(cls, store: dist.Store, size: int, host: str, timeout_s: float,
+                      failed: Callable[[], None]) -> GroupComm:
+        """Join as rank 0 on a thread while polling `failed()`, which raises when a worker has died before
+        joining: a worker that fails to start ends the wait with its error, not the rendezvous timeout."""
+        fut: Future = Future()
+
+        def join():
+            try:
+                fut.set_result(cls(store, 0, size, host, timeout_s))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(exc)
+
+        threading.Thread(target=join, name="tp-join", daemon=True).start()
+        while True:
+            try:
+                return fut.result(timeout=0.2)
+            except FutureTimeout:
+                failed()
 
     def started(self) -> None:
         """The ranks are built (they load and profile at their own pace until then): steps get `timeout_s`."""

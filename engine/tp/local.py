@@ -13,7 +13,7 @@ import dataclasses
 import threading
 from concurrent.futures import Future
 
-from engine.tp.comm import START_TIMEOUT_S, GroupComm, open_store
+from engine.tp.comm import GroupComm, open_store
 from engine.tp.worker import TPWorker, TPWorkerSpec
 
 LOCAL = "127.0.0.1"
@@ -30,7 +30,14 @@ class LocalTPWorkerGroup:
             fut: Future = Future()
             threading.Thread(target=_run, args=(spec, fut), name=f"tp-rank{rank}", daemon=True).start()
             self.results.append(fut)
-        self.comm = GroupComm(store, 0, template.size, LOCAL, START_TIMEOUT_S)
+        self.comm = GroupComm.host_watching(store, template.size, LOCAL, template.config.stall_timeout_s,
+                                            self._raise_if_exited)
+
+    def _raise_if_exited(self) -> None:
+        for fut in self.results:
+            if fut.done():
+                fut.result()  # raises the worker's start error
+                raise RuntimeError("a tensor-parallel worker exited before joining the group")
 
     def error(self) -> str | None:
         for fut in self.results:
