@@ -5,7 +5,7 @@ exactly as the single-device ModelRunner does, two-slot pipeline included. The o
 forward job: once the step's inputs are final on rank 0 (uploaded, block-table deltas applied, the pending
 tokens of the previous step gathered into input_ids), rank 0 broadcasts them — a fixed header of sizes, the
 step region's used bytes (engine/step_buffers.py: ids, positions, slot mapping, query starts, sequence lengths,
-table rows and deltas, logits rows), and any copy-on-write block pairs — and every rank runs the same forward
+table rows and deltas, logits rows; engine/tp/channel.py), and any copy-on-write block pairs — and every rank runs the same forward
 on the same buffers. The collectives inside the model (engine/models/tp.py) keep the ranks in step; the
 sampling rows' logits are gathered to rank 0, which samples.
 
@@ -33,13 +33,9 @@ from engine.model_runner import ModelRunner
 from engine.models import build_model
 from engine.models.decoder import ModelSpec
 from engine.models.tp import TPShard, local_spec
-from engine.step_buffers import StepBuffers
+from engine.tp.channel import StepChannel
 
 logger = logging.getLogger(__name__)
-
-STEP, STOP = 1, 2
-# header: op, num_tokens, num_seqs, num_rows, num_deltas, width, payload bytes, copy-on-write pairs
-_HEADER = 8
 
 
 class TensorParallelError(RuntimeError):
@@ -57,8 +53,7 @@ class TPModelRunner(ModelRunner):
         self.shard = TPShard(comm.rank, comm.size, spec, comm)
         self.error: BaseException | None = None
         self._copies: list[tuple[int, int]] = []
-        self._header = torch.zeros(_HEADER, dtype=torch.long)
-        self._header_np = self._header.numpy()  # host views: written in place each step
+        self.channel = StepChannel(comm)
         super().__init__(config, hf_config, spec, device, dtype, max_model_len)
         comm.started()
         self.backend_name = f"{self.backend_name}, tensor parallel x{comm.size} (gloo)"
@@ -90,13 +85,10 @@ class TPModelRunner(ModelRunner):
             self._send_step(slot.inputs)
         return super()._eager_forward(slot)
 
-    def _send_step(self, b: StepBuffers) -> None:
-        """The step's final inputs to every rank (see the module docstring)."""
+    def _send_step(self, b) -> None:
+        """The step's final inputs to every rank (engine/tp/channel.py), then its copy-on-write pairs."""
         copies, self._copies = self._copies, []
-        nbytes = b.step.offsets["table_deltas"][0] + 8 * b.num_deltas  # the used part of the step region
-        self._header_np[:] = (STEP, b.num_tokens, b.num_seqs, b.num_rows, b.num_deltas, b.width, nbytes, len(copies))
-        self.comm.broadcast(self._header)
-        self.comm.broadcast(b.step.dev_bytes[:nbytes])
+        self.channel.send(b, extra=len(copies))
         if copies:
             self.comm.broadcast(torch.tensor(copies, dtype=torch.long))
 
@@ -114,8 +106,7 @@ class TPModelRunner(ModelRunner):
         super().shutdown()  # the executor: no forward runs after this
         if self.is_driver and self.error is None and self.workers is not None and self.workers.error() is None:
             try:
-                self._header_np[:] = (STOP,) + (0,) * (_HEADER - 1)
-                self.comm.broadcast(self._header)
+                self.channel.stop()
             except Exception:  # noqa: BLE001 - a worker that is gone already needs no stop
                 logger.debug("tensor-parallel stop broadcast failed", exc_info=True)
         if self.workers is not None:
@@ -132,21 +123,13 @@ class TPModelRunner(ModelRunner):
     @torch.inference_mode()
     def _follow_one(self) -> bool:
         slot = self.slots[0]
-        b = slot.inputs
-        self.comm.broadcast(self._header, idle=True)  # an idle engine sends nothing for as long as it is idle
-        op, t, s, rows, deltas, width, nbytes, ncopies = self._header_np.tolist()  # host memory
-        if op == STOP:
+        ncopies = self.channel.receive(slot.inputs, self.device_tables)
+        if ncopies is None:
             return False
-        self.comm.broadcast(b.step.dev_bytes[:nbytes])
-        b.num_tokens, b.num_seqs, b.num_rows, b.num_deltas, b.width = t, s, rows, deltas, width
-        b.num_gather = 0  # rank 0 gathered the pending tokens into input_ids before sending
-        b.query_lens_host = b.dev["query_start_loc"][:s + 1].diff().tolist()  # host memory (cpu only)
-        b.seq_lens_host = b.dev["seq_lens"][:s].tolist()  # host memory (cpu only)
         if ncopies:
             pairs = torch.zeros(ncopies, 2, dtype=torch.long)
             self.comm.broadcast(pairs)
             copy_blocks(self.kv_cache, pairs.tolist())  # host memory
-        b.apply_tables(self.device_tables, full_width=False)
         super()._eager_forward(slot)
         return True
 
