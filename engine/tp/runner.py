@@ -3,10 +3,9 @@
 Rank 0 is the engine's own runner (in the engine's process): it schedules, stages, samples and commits
 exactly as the single-device ModelRunner does, two-slot pipeline included. The only difference is inside the
 forward job: once the step's inputs are final on rank 0 (uploaded, block-table deltas applied, the pending
-tokens of the previous step gathered into input_ids), rank 0 broadcasts them — a fixed header of sizes, the
-step region's used bytes (engine/step_buffers.py: ids, positions, slot mapping, query starts, sequence lengths,
-table rows and deltas, logits rows; engine/tp/channel.py), and any copy-on-write block pairs — and every rank runs the same forward
-on the same buffers. The collectives inside the model (engine/models/tp.py) keep the ranks in step; the
+tokens of the previous step gathered into input_ids), rank 0 broadcasts them (engine/tp/channel.py: a fixed
+header of sizes and the step region's used bytes), then any copy-on-write block pairs, and every rank runs the
+same forward on the same buffers. The collectives inside the model (engine/models/tp.py) keep the ranks in step; the
 sampling rows' logits are gathered to rank 0, which samples.
 
 Ranks 1..N-1 (`follow`) are the same class driven by those broadcasts: they hold no scheduler, sampler
