@@ -5,8 +5,8 @@ exactly as the single-device ModelRunner does, two-slot pipeline included. The o
 forward job: once the step's inputs are final on rank 0 (uploaded, block-table deltas applied, the pending
 tokens of the previous step gathered into input_ids), rank 0 broadcasts them (engine/tp/channel.py: a fixed
 header of sizes and the step region's used bytes), then any copy-on-write block pairs, and every rank runs the
-same forward on the same buffers. The collectives inside the model (engine/models/tp.py) keep the ranks in step; the
-sampling rows' logits are gathered to rank 0, which samples.
+same forward on the same buffers. The collectives inside the model (engine/models/tp.py) keep the ranks in
+step; the sampling rows' logits are gathered to rank 0, which samples.
 
 Ranks 1..N-1 (`follow`) are the same class driven by those broadcasts: they hold no scheduler, sampler
 state or host bookkeeping, only one slot's buffers, their copy of the persistent block table (kept current by
