@@ -63,6 +63,7 @@ class EngineConfig:
     pp_stage_num_cpus: float = 1.0  # logical CPUs each stage actor reserves (plus one GPU on cuda)
     # Tensor parallelism (engine/tp, cluster/tensor_parallel.py): every layer sharded Megatron-style over this
     # many ranks, rank 0 in the engine's process and ranks 1.. as worker actors; 1 = the single-device engine.
+    # With pipeline_parallel_size > 1, each stage's layers are sharded over that many ranks (engine/tp/stage.py).
     # Whether the model's heads and sizes divide is checked when the engine reads the model (engine/models/tp.py).
     tensor_parallel_size: int = 1
     tp_worker_num_cpus: float = 1.0  # logical CPUs each worker actor reserves (and its intra-op threads on cpu)
@@ -163,7 +164,6 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         unsupported = [why for why, used in (
-            ("pipeline_parallel_size > 1 (TP x PP)", self.pipeline_parallel_size > 1),
             ("device='sim'", self.device == "sim"), ("device='cuda' (NCCL is not wired yet)", self.device == "cuda"),
             ("num_cpu_blocks/swap_space_gb (KV offload; preempted requests are soft-reset instead)",
              bool(self.num_cpu_blocks or self.swap_space_gb)),

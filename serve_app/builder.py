@@ -198,12 +198,13 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
             request_routing_stats_timeout_s=max(5.0, 4 * cfg.routing_stats_period_s)))
     if cfg.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = cfg.max_replicas_per_node
-    if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp
-        options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
-            pp, device, engine_cfg.pp_stage_num_cpus)
-        options["placement_group_strategy"] = cfg.pp_placement_strategy
     tp = engine_cfg.tensor_parallel_size
-    if tp > 1:  # the replica is rank 0; its worker ranks (cluster/tensor_parallel.py) take bundles 1..tp-1,
+    if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp, then with TP
+        # each stage's other TP ranks (on one node: a stage's TP group talks over loopback)
+        options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
+            pp * tp, device, engine_cfg.pp_stage_num_cpus)
+        options["placement_group_strategy"] = cfg.pp_placement_strategy if tp == 1 else "STRICT_PACK"
+    elif tp > 1:  # the replica is rank 0; its worker ranks (cluster/tensor_parallel.py) take bundles 1..tp-1,
         # packed on the replica's node (the group talks over loopback)
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + worker_bundles(
             tp - 1, device, engine_cfg.tp_worker_num_cpus)

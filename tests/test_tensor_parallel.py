@@ -26,6 +26,7 @@ import torch
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models.decoder import ModelSpec
 from engine.models.tp import RowParallelLinear, TPShard, check_shardable, local_spec, read_shard
+from engine.pipeline import LocalStageGroup, PipelineEngine
 from engine.tp import TensorParallelEngine
 from engine.tp.local import LocalTPWorkerGroup
 from test_correctness_hf import MAX_NEW, assert_matches_hf, make_prompts
@@ -121,7 +122,7 @@ def test_unshardable_models_and_unsupported_combinations_are_rejected(tiny_model
     with pytest.raises(ValueError, match="num_key_value_heads 3 .nor does 4 divide"):
         check_shardable(dataclasses.replace(spec, num_heads=8, num_kv_heads=3, intermediate_size=8), 4)
     path, _ = tiny_model_factory("llama")
-    for kw, why in ((dict(pipeline_parallel_size=2), "TP x PP"), (dict(device="sim"), "sim"),
+    for kw, why in ((dict(device="sim"), "sim"),
                     (dict(num_cpu_blocks=8), "KV offload"), (dict(enable_lora=True), "LoRA")):
         with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is not supported with .*{why}"):
             EngineConfig(model=str(path), tensor_parallel_size=2, **kw)
@@ -212,6 +213,23 @@ def test_skipping_the_row_parallel_all_reduce_breaks_equality(tiny_model_factory
             assert_matches_hf(hf, prompt, out.token_ids)
 
 
+# ---- TP x PP: each pipeline stage's layers sharded over its own TP group ------------------------------------
+@pytest.mark.parametrize("family", ["llama", "llama_mqa_rope_scaled"])
+def test_tp2_x_pp2_in_process_matches_hf(tiny_model_factory, family):
+    path, hf = tiny_model_factory(family, num_hidden_layers=4)
+    config = EngineConfig(model=str(path), **{**OPTS, "num_kv_blocks": 96}, pipeline_parallel_size=2)
+    engine = PipelineEngine(config, LocalStageGroup)
+    try:
+        assert "x tensor parallel 2" in engine.stats()["attention_backend"]
+        prompts = make_prompts(seed=23, lengths=(5, 19, 40))
+        for prompt, out in zip(prompts, run_engine(engine, prompts)):
+            assert_matches_hf(hf, prompt, out.token_ids)
+    finally:
+        engine.shutdown()
+    steps = [f.result(timeout=10) for f in engine.runner.stages.followers]  # each stage's rank 1 ran every step
+    assert len(steps) == 2 and min(steps) > 0
+
+
 # ---- worker ranks as Ray actors -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -289,5 +307,19 @@ def test_killed_worker_fails_requests_and_marks_the_engine_unhealthy(ray_cluster
         engine.check_integrity()  # their blocks were freed
         with pytest.raises(RuntimeError, match="unhealthy"):
             engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    finally:
+        llm.shutdown()
+
+
+def test_ray_tp2_x_pp2_matches_hf(ray_cluster, tiny_model_factory):
+    """Two stage actors in the compiled graph, each the TP rank 0 of its stage, plus one follower actor each."""
+    path, hf = tiny_model_factory("llama", num_hidden_layers=4)
+    llm = LLM(str(path), **OPTS, num_kv_blocks=64, pipeline_parallel_size=2, pp_stage_num_cpus=1.0)
+    try:
+        assert "pipeline x2 x tensor parallel 2 over Ray" in llm.stats()["attention_backend"]
+        prompts = make_prompts(seed=24, lengths=(7, 30))
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert_matches_hf(hf, prompt, out.token_ids)
+        assert len(llm.engine.runner.stages.followers) == 2 and llm.engine.health_error() is None
     finally:
         llm.shutdown()
