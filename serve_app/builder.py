@@ -18,6 +18,7 @@ from cluster.tensor_parallel import worker_bundles
 from cluster.replica import EngineReplica
 from cluster.router import router_class
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.models.tp import check_shardable
 from engine.models import load_hf_config, model_spec
 from serve_app.ingress import OpenAIIngress
 from serve_app.limits import Limits
@@ -160,6 +161,7 @@ def build_app(args: dict | None = None) -> serve.Application:
     hf_config = load_hf_config(engine_cfg.model)
     max_model_len = min(engine_cfg.max_model_len or model_spec(hf_config).max_position_embeddings,
                         model_spec(hf_config).max_position_embeddings)
+    check_shardable(model_spec(hf_config), engine_cfg.tensor_parallel_size)  # a bad split fails here, not in Serve
     engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg))
     scaling: dict[str, Any] = {"num_replicas": cfg.ingress_replicas}
     if cfg.ingress_max_replicas is not None and cfg.ingress_max_replicas > cfg.ingress_replicas:

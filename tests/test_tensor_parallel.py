@@ -132,6 +132,21 @@ def test_unshardable_models_and_unsupported_combinations_are_rejected(tiny_model
         local_engine(path, tensor_parallel_size=3)
 
 
+@pytest.mark.parametrize("pp,tp,bundles", [(1, 2, 2), (1, 4, 4), (2, 2, 5)])
+def test_the_app_reserves_a_bundle_per_rank_on_one_node(pp, tp, bundles):
+    """The replica (bundle 0), then one bundle per TP worker rank, or per stage and per stage TP rank with PP;
+    STRICT_PACK whatever pp_placement_strategy says, since the TP groups talk over loopback."""
+    from serve_app import build_app
+
+    app = build_app({"device": "cpu", "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                     "pp_placement_strategy": "SPREAD"})
+    replica = app._bound_deployment.init_args[0]._bound_deployment._replica_config
+    assert len(replica.placement_group_bundles) == bundles
+    assert replica.placement_group_strategy == "STRICT_PACK"
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads 8"):
+        build_app({"device": "cpu", "tensor_parallel_size": 3})
+
+
 # ---- ranks in process ---------------------------------------------------------------------------------------
 # llama: KV heads split (2 over 2 ranks); llama_mqa_rope_scaled: one KV head replicated, q/k/v and o biases;
 # qwen2: qkv bias, tied head; qwen3: q/k norms; gemma2/gemma3_text: soft-caps, sandwich norms, scaled and
