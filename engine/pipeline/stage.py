@@ -206,7 +206,10 @@ class StageWorker:
     def stop_followers(self) -> None:
         """Rank 0: end the other TP ranks' `follow` (a stage group shutting down in process)."""
         if self.tp is not None:
-            self.tp.channel.stop()
+            try:
+                self.tp.channel.stop()
+            except RuntimeError:  # the group broke earlier (a rank died): nothing left to stop
+                pass
 
     def _send(self, x: torch.Tensor, version: int):
         if not self.spec.structure_aware:  # the receiver learns the layout from metadata sent along
