@@ -20,6 +20,7 @@ replica, which builds a fresh stage group.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from concurrent.futures import Future
 
@@ -70,10 +71,12 @@ class RayStageGroup:
             ray.get(pg.ready(), timeout=STAGE_START_TIMEOUT_S)
             offset = 0
         actor_cls = ray.remote(StageWorker)  # one GPU each on CUDA; inside the actor it is cuda:0
+        follower_cls = ray.remote(_StageFollower)
         self.name = f"tandem-pp-{uuid.uuid4().hex[:8]}"  # unique: two groups on one node never collide
 
         def start(name: str, bundle: int, spec: StageSpec):
-            return actor_cls.options(
+            cls = actor_cls if spec.tp is None or spec.tp.rank == 0 else follower_cls
+            return cls.options(
                 name=f"{self.name}-{name}", num_cpus=stage_num_cpus, num_gpus=1 if self.device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=offset + bundle)).remote(spec)
@@ -164,6 +167,18 @@ class RayStageGroup:
         if self._own_pg is not None:
             remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+class _StageFollower(StageWorker):
+    """A stage's TP rank > 0 as an actor: a rank that fails exits, so its closed sockets tell the stage's
+    rank 0 (blocked in a collective) at once instead of at the step timeout."""
+
+    def follow(self) -> int:
+        try:
+            return super().follow()
+        except BaseException:
+            logger.exception("pipeline stage %d, tensor-parallel rank %d failed", self.spec.index, self.spec.tp.rank)
+            os._exit(1)
 
 
 class _LazyResult(Future):

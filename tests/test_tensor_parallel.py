@@ -338,3 +338,27 @@ def test_ray_tp2_x_pp2_matches_hf(ray_cluster, tiny_model_factory):
         assert len(llm.engine.runner.stages.followers) == 2 and llm.engine.health_error() is None
     finally:
         llm.shutdown()
+
+
+def test_ray_tp2_x_pp2_killed_stage_rank_fails_requests_and_marks_the_engine_unhealthy(ray_cluster,
+                                                                                          tiny_model_factory):
+    ray = ray_cluster
+    path, _ = tiny_model_factory("llama", num_hidden_layers=4)
+    llm = LLM(str(path), **OPTS, num_kv_blocks=64, pipeline_parallel_size=2, pp_stage_num_cpus=1.0)
+    engine = llm.engine
+    try:
+        ids = [engine.add_request(p, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+               for p in make_prompts(seed=6, lengths=(5, 9))]
+        for _ in range(6):
+            engine.step()
+        ray.kill(engine.runner.stages.followers[1])  # the last stage's TP rank 1
+        finished, deadline = {}, time.monotonic() + 30
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert set(finished) == set(ids), "every in-flight request must end, none may hang"
+        assert all(o.finish_reason == "abort" and o.error for o in finished.values())
+        assert engine.health_error() is not None
+    finally:
+        llm.shutdown()
