@@ -7,8 +7,10 @@ greedy, ignore_eos) through the offline engine:
   - tp=N: rank 0 in this process, ranks 1..N-1 as Ray actors (cluster/tensor_parallel.py), gloo collectives;
   - with --local, also tp=N with the worker ranks as threads of this process (engine/tp/local.py).
 Each configuration: a warm-up run (excluded), then --repeats timed runs; the median is reported. For TP, rank
-0's time blocked in collectives (broadcast of the step, all-reduces, the logits gather) is reported per step
-and as a share of the wall time, from the engine's own counters (`tp_collective_s`, `tp_collectives`).
+0's time blocked in collectives is reported per step, in all and by kind (the all-reduces of the embedding and
+the row-parallel layers, the broadcast of the step's inputs, the logits gather), and as a share of the wall
+time, from the engine's own counters (`tp_collective_s`, `tp_all_reduce_s`, ...). Blocked time includes
+waiting for the slower rank, so on oversubscribed cores it measures imbalance as much as transfer.
 
     python bench/bench_tp.py --json bench/results/tp_cpu.json
 
@@ -96,10 +98,15 @@ def measure(llm, prompts, params, repeats: int) -> dict:
         wall = time.perf_counter() - t0
         after = llm.stats()
         steps = after["steps"] - before["steps"]
+        def per_step_ms(key):
+            return 1e3 * (after.get(key, 0.0) - before.get(key, 0.0)) / max(steps, 1)
         comm_s = after.get("tp_collective_s", 0.0) - before.get("tp_collective_s", 0.0)
         calls = after.get("tp_collectives", 0) - before.get("tp_collectives", 0)
         runs.append({"tok_s": sum(len(o.token_ids) for o in outs) / wall, "wall_s": wall, "steps": steps,
-                     "collective_ms_per_step": 1e3 * comm_s / max(steps, 1),
+                     "collective_ms_per_step": per_step_ms("tp_collective_s"),
+                     "all_reduce_ms_per_step": per_step_ms("tp_all_reduce_s"),
+                     "broadcast_ms_per_step": per_step_ms("tp_broadcast_s"),
+                     "gather_ms_per_step": per_step_ms("tp_gather_s"),
                      "collectives_per_step": calls / max(steps, 1), "collective_share": comm_s / wall})
     best = statistics.median(r["tok_s"] for r in runs)
     median_run = min(runs, key=lambda r: abs(r["tok_s"] - best))
@@ -139,7 +146,9 @@ def main() -> None:
         finally:
             llm.shutdown()
         extra = (f", collectives {r['collective_ms_per_step']:.2f} ms/step ({r['collectives_per_step']:.0f} calls,"
-                 f" {100 * r['collective_share']:.0f}% of wall)") if tp > 1 else ""
+                 f" {100 * r['collective_share']:.0f}% of wall; all-reduce {r['all_reduce_ms_per_step']:.2f},"
+                 f" step broadcast {r['broadcast_ms_per_step']:.2f}, logits gather {r['gather_ms_per_step']:.2f})"
+                 ) if tp > 1 else ""
         print(f"{label:22s} {r['tok_s']:7.1f} tok/s (runs {r['runs']}), {r['steps']} steps{extra}", flush=True)
     ray.shutdown()
     print(json.dumps({"machine": results["machine"], "model": shape}))

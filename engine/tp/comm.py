@@ -5,10 +5,13 @@ directly on a TCPStore, not `init_process_group`'s global default group: two eng
 or a replica restarted in place) never share or clobber one. Rank 0 (the engine's process) hosts the store on
 a port the OS picks (`open_store`); the other ranks are told host and port.
 
-Every call is blocking and counted (`seconds`, `calls`): the benchmark's all-reduce cost per step, and the
-engine's stats. A peer that dies closes its sockets, and gloo then raises on the next collective (measured:
-~immediately, "Connection closed by peer"); a peer that hangs is cut off by the per-call `timeout_s`. A gloo
-timeout closes the connection for good (measured), so the one wait that may legitimately last forever, an idle
+Every call is blocking and counted, in total and per kind (`seconds`, `calls`; `by_kind`: all_reduce,
+broadcast, gather): the benchmark's all-reduce cost per step, and the engine's stats. The time includes
+waiting for the slowest rank to arrive, not only the transfer.
+
+A peer that dies closes its sockets, and gloo then raises on the next collective (measured: ~immediately,
+"Connection closed by peer"); a peer that hangs is cut off by the per-call `timeout_s`. A gloo timeout
+closes the connection for good (measured), so the one wait that may legitimately last forever, an idle
 worker's wait for rank 0's next step, passes `idle=True` and waits without a limit.
 
 On CUDA the same calls would go to a ProcessGroupNCCL on the compute stream (not wired yet: EngineConfig
@@ -59,6 +62,7 @@ class GroupComm:
         self.pg = dist.ProcessGroupGloo(store, rank, size, opts)  # returns once every rank has joined
         self.rank, self.size = rank, size
         self.seconds, self.calls = 0.0, 0
+        self.by_kind = {kind: 0.0 for kind in ("all_reduce", "broadcast", "gather")}  # seconds
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, size: int, bind_host: str, timeout_s: float) -> GroupComm:
@@ -91,17 +95,19 @@ class GroupComm:
         """The ranks are built (they load and profile at their own pace until then): steps get `timeout_s`."""
         self.timeout = self._step_timeout
 
-    def _wait(self, work) -> None:
+    def _wait(self, work, kind: str) -> None:
         t0 = time.perf_counter()
         work.wait()
-        self.seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        self.by_kind[kind] += dt
         self.calls += 1
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """Reduce `t` over the ranks (a sum by default), in place."""
         opts = dist.AllreduceOptions()
         opts.reduceOp, opts.timeout = op, self.timeout
-        self._wait(self.pg.allreduce([t], opts))
+        self._wait(self.pg.allreduce([t], opts), "all_reduce")
 
     def all_reduce_min(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long)
@@ -112,13 +118,14 @@ class GroupComm:
         """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere); `idle`: no time limit."""
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.timeout = 0, IDLE_TIMEOUT if idle else self.timeout
-        self._wait(self.pg.broadcast([t], opts))
+        self._wait(self.pg.broadcast([t], opts), "broadcast")
 
     def gather_to_root(self, t: torch.Tensor, out: list[torch.Tensor] | None) -> None:
         """Every rank's `t` into rank 0's `out` (one tensor per rank, in rank order); `out` is None elsewhere."""
         opts = dist.GatherOptions()
         opts.rootRank, opts.timeout = 0, self.timeout
-        self._wait(self.pg.gather([out] if self.rank == 0 else [], [t], opts))
+        self._wait(self.pg.gather([out] if self.rank == 0 else [], [t], opts), "gather")
 
     def stats(self) -> dict:
-        return {"tp_collective_s": self.seconds, "tp_collectives": self.calls}
+        return {"tp_collective_s": self.seconds, "tp_collectives": self.calls,
+                **{f"tp_{kind}_s": t for kind, t in self.by_kind.items()}}
