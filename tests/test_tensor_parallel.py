@@ -7,9 +7,14 @@ Face's fp32 greedy tokens, token for token.
   whose sharding differs: split and replicated KV heads, q/k/v and o biases, tied and untied heads, q/k norms,
   Gemma's soft-caps and sandwich norms, Phi-3's fused checkpoint tensors; and a mutation (the row-parallel
   all-reduce skipped) that must break the equality, so the comparison can fail.
+  Also: the memory profile run in lock step, the blocking loop, an idle group outliving the step timeout, a
+  worker that fails to start, refused combinations, and the Serve app's placement bundles.
 - Over real processes (Ray actors), through the offline LLM: chunked prefill, KV pressure (preemption and
   recompute), prefix-cache hits, n > 1 forks (copy-on-write blocks broadcast to the workers); a killed worker
   ends every request with an error and marks the engine unhealthy, never hangs.
+- TP x PP: two pipeline stages, each sharded over its own TP=2 group, in process and over Ray (a killed stage
+  rank fails the requests).
+The Serve path is tests/test_tensor_parallel_serve.py.
 """
 
 from __future__ import annotations
