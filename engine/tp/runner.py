@@ -55,6 +55,9 @@ class TPModelRunner(ModelRunner):
         self.channel = StepChannel(comm)
         super().__init__(config, hf_config, spec, device, dtype, max_model_len)
         comm.started()
+        if not self.is_driver:  # a worker never holds logits (they are gathered to rank 0): drop the slots'
+            for slot in self.slots:  # [max_seqs, vocab] fp32 buffers (~150 MB each at a 150k vocabulary)
+                slot.logits = torch.empty(slot.logits.shape[0], 0, device=device)
         self.backend_name = f"{self.backend_name}, tensor parallel x{comm.size} (gloo)"
 
     @property
