@@ -20,6 +20,7 @@ replica, which builds a fresh stage group.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from concurrent.futures import Future
 
@@ -30,10 +31,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.pipeline.runner import failed_future
 from engine.pipeline.stage import StageBatch, StageSpec, StageWorker
+from engine.tp.comm import open_store
+from engine.tp.stage import stage_rank_specs
 
 logger = logging.getLogger(__name__)
 
 STAGE_START_TIMEOUT_S = 300.0
+STAGE_TP_TIMEOUT_S = 120.0  # a stage's TP collectives within a step (EngineConfig.stall_timeout_s's default)
+LOCAL = "127.0.0.1"
 
 
 def stage_bundles(num_stages: int, device: str, stage_num_cpus: float) -> list[dict]:
@@ -54,21 +59,43 @@ class RayStageGroup:
             ray.init()
         self.num_stages = len(specs)
         self.device = specs[0].device
+        tp = specs[0].tensor_parallel_size
+        if tp > 1 and strategy != "STRICT_PACK":
+            raise ValueError("tensor_parallel_size > 1 with pipeline stages needs the STRICT_PACK placement "
+                             "(each stage's TP group talks over loopback)")
         self._own_pg = None
         pg, offset = get_current_placement_group(), first_bundle
         if pg is None:
-            pg = self._own_pg = placement_group(stage_bundles(self.num_stages, self.device, stage_num_cpus),
+            pg = self._own_pg = placement_group(stage_bundles(self.num_stages * tp, self.device, stage_num_cpus),
                                                 strategy=strategy)
             ray.get(pg.ready(), timeout=STAGE_START_TIMEOUT_S)
             offset = 0
         actor_cls = ray.remote(StageWorker)  # one GPU each on CUDA; inside the actor it is cuda:0
+        follower_cls = ray.remote(_StageFollower)
         self.name = f"tandem-pp-{uuid.uuid4().hex[:8]}"  # unique: two groups on one node never collide
-        self.actors = [
-            actor_cls.options(
-                name=f"{self.name}-stage{i}", num_cpus=stage_num_cpus, num_gpus=1 if self.device == "cuda" else 0,
+
+        def start(name: str, bundle: int, spec: StageSpec):
+            cls = actor_cls if spec.tp is None or spec.tp.rank == 0 else follower_cls
+            return cls.options(
+                name=f"{self.name}-{name}", num_cpus=stage_num_cpus, num_gpus=1 if self.device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=offset + i)).remote(spec)
-            for i, spec in enumerate(specs)]
+                    placement_group=pg, placement_group_bundle_index=offset + bundle)).remote(spec)
+
+        # TP x PP (engine/tp/stage.py): stage i's TP rank 0 is the graph's stage actor (bundle i); its other
+        # ranks follow it (bundles after all the stages'), in a group whose rendezvous store is opened here.
+        self._stores, self.followers, self._follows = [], [], []
+        ranks = [[spec] for spec in specs]
+        if tp > 1:
+            for i, spec in enumerate(specs):
+                store = open_store(LOCAL, tp)
+                self._stores.append(store)
+                ranks[i] = stage_rank_specs(spec, LOCAL, store.port, LOCAL, STAGE_TP_TIMEOUT_S)
+        self.actors = [start(f"stage{i}", i, r[0]) for i, r in enumerate(ranks)]
+        for i, stage_ranks in enumerate(ranks):
+            for r, rank_spec in enumerate(stage_ranks[1:], start=1):
+                actor = start(f"stage{i}-tp{r}", self.num_stages + i * (tp - 1) + r - 1, rank_spec)
+                self.followers.append(actor)
+                self._follows.append(actor.follow.remote())
         try:
             infos = ray.get([a.info.remote() for a in self.actors], timeout=STAGE_START_TIMEOUT_S)
             self.num_kv_blocks = min(blocks for blocks, _ in infos)
@@ -77,7 +104,8 @@ class RayStageGroup:
             self.shutdown()
             raise
         self.transport = "nccl" if self.device == "cuda" else "shm"
-        self.description = f"pipeline x{self.num_stages} over Ray ({self.transport}, {backend})"
+        self.description = (f"pipeline x{self.num_stages}{f' x tensor parallel {tp}' if tp > 1 else ''} over Ray "
+                            f"({self.transport}, {backend})")
         self.dag = self._compile(specs[0])
         self.error: BaseException | None = None
 
@@ -115,6 +143,8 @@ class RayStageGroup:
         return failed_future(exc)
 
     def healthy(self) -> bool:
+        if self.error is None and self._follows and ray.wait(self._follows, timeout=0)[0]:
+            self.error = RuntimeError("a stage's tensor-parallel rank stopped")  # it died, or its group broke
         return self.error is None
 
     def busy_seconds(self) -> list[float]:
@@ -128,7 +158,8 @@ class RayStageGroup:
                 dag.teardown()
             except Exception:  # noqa: BLE001 - a broken graph may fail to tear down cleanly
                 logger.debug("compiled graph teardown failed", exc_info=True)
-        actors, self.actors = getattr(self, "actors", []), []
+        actors, self.actors = getattr(self, "actors", []) + getattr(self, "followers", []), []
+        self.followers, self._follows = [], []
         if not ray.is_initialized():  # the session is gone, and its actors with it
             return
         for actor in actors:
@@ -136,6 +167,18 @@ class RayStageGroup:
         if self._own_pg is not None:
             remove_placement_group(self._own_pg)
             self._own_pg = None
+
+
+class _StageFollower(StageWorker):
+    """A stage's TP rank > 0 as an actor: a rank that fails exits, so its closed sockets tell the stage's
+    rank 0 (blocked in a collective) at once instead of at the step timeout."""
+
+    def follow(self) -> int:
+        try:
+            return super().follow()
+        except BaseException:
+            logger.exception("pipeline stage %d, tensor-parallel rank %d failed", self.spec.index, self.spec.tp.rank)
+            os._exit(1)
 
 
 class _LazyResult(Future):
@@ -161,7 +204,13 @@ class _LazyResult(Future):
 
 
 def make_pipeline_engine(config):
-    """The engine for `pipeline_parallel_size > 1`: the driver here, the stages as Ray actors."""
+    """The engine for `pipeline_parallel_size > 1`: the driver here, the stages as Ray actors. The same entry
+    point also makes the tensor-parallel engine (cluster/tensor_parallel.py), so installs made before it
+    existed find it without reinstalling."""
+    if config.tensor_parallel_size > 1 and config.pipeline_parallel_size == 1:
+        from cluster.tensor_parallel import make_tensor_parallel_engine
+
+        return make_tensor_parallel_engine(config)
     from engine.pipeline import PipelineEngine
 
     return PipelineEngine(config, lambda specs: RayStageGroup(specs, stage_num_cpus=config.pp_stage_num_cpus))

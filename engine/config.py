@@ -61,6 +61,12 @@ class EngineConfig:
     pp_token_safe: bool = True
     pp_structure_aware: bool = True
     pp_stage_num_cpus: float = 1.0  # logical CPUs each stage actor reserves (plus one GPU on cuda)
+    # Tensor parallelism (engine/tp, cluster/tensor_parallel.py): every layer sharded Megatron-style over this
+    # many ranks, rank 0 in the engine's process and ranks 1.. as worker actors; 1 = the single-device engine.
+    # With pipeline_parallel_size > 1, each stage's layers are sharded over that many ranks (engine/tp/stage.py).
+    # Whether the model's heads and sizes divide is checked when the engine reads the model (engine/models/tp.py).
+    tensor_parallel_size: int = 1
+    tp_worker_num_cpus: float = 1.0  # logical CPUs each worker actor reserves (and its intra-op threads on cpu)
     # device="sim": a simulated accelerator (engine/sim): the host side is real, the device's time is modelled
     # for this GPU profile; the model directory needs only config.json and tokenizer files. sim_eos_rate: the
     # chance that a generated token is EOS (0: never, unless a grammar's stop token is all that is allowed).
@@ -108,6 +114,7 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1 and (self.num_cpu_blocks or self.swap_space_gb):
             raise ValueError("num_cpu_blocks/swap_space_gb (KV offload) is not supported with "
                              "pipeline_parallel_size > 1: preempted requests are soft-reset instead")
+        self._check_tensor_parallel()
         if self.cpu_executor_thread not in (None, True, False):
             raise ValueError(f"cpu_executor_thread must be a boolean or None (auto), got {self.cpu_executor_thread!r}")
         for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_cpu_sampling",
@@ -148,6 +155,23 @@ class EngineConfig:
         if not os.path.isdir(model):
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
                              f"tokenizer files); {model!r} is not a directory")
+
+    def _check_tensor_parallel(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        cpus = self.tp_worker_num_cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
+            raise ValueError(f"tp_worker_num_cpus must be a number >= 0, got {cpus!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        unsupported = [why for why, used in (
+            ("device='sim'", self.device == "sim"), ("device='cuda' (NCCL is not wired yet)", self.device == "cuda"),
+            ("num_cpu_blocks/swap_space_gb (KV offload; preempted requests are soft-reset instead)",
+             bool(self.num_cpu_blocks or self.swap_space_gb)),
+            ("LoRA adapters (enable_lora, lora_modules, lora_dir)",
+             bool(self.enable_lora or self.lora_modules or self.lora_dir))) if used]
+        if unsupported:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported with "
+                             f"{'; '.join(unsupported)}")
 
     def _check_lora(self) -> None:
         """LoRA fields; enable_lora is implied by an adapter source."""

@@ -626,12 +626,12 @@ ENGINE_PLUGINS = "tandem.engines"  # entry-point group of engines other packages
 
 
 def create_engine(config: EngineConfig) -> LLMEngine:
-    """The engine `config` asks for: single-device, or pipeline-parallel.
+    """The engine `config` asks for: single-device, pipeline-parallel or tensor-parallel.
 
     The pipeline-parallel engine drives Ray stage actors, so it lives with them in cluster/pipeline.py and is
     found through the `tandem.engines` entry point named "pipeline" (pyproject.toml): this package never
-    imports Ray or cluster/."""
-    if config.pipeline_parallel_size > 1:
+    imports Ray or cluster/. The tensor-parallel engine's Ray workers come through the same entry point."""
+    if config.pipeline_parallel_size > 1 or config.tensor_parallel_size > 1:
         return engine_plugin("pipeline")(config)
     return LLMEngine(config)
 

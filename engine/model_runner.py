@@ -57,25 +57,33 @@ class ModelRunner(StepRunner):
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size,
                                             softcap=spec.attn_softcap is not None)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
-        self.model = build_model(config.model, hf_config, spec, max_model_len, self.backend, dtype, device,
-                                 cpu_onednn=config.cpu_onednn)
+        self.model = self._build_model(hf_config, spec, max_model_len, dtype)
         # Multi-LoRA: the targeted linears wrapped with every slot's stacked adapters (before the memory
         # profile, which then counts them); None, and nothing changed, without enable_lora.
         self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         # The persistent block tables' device copy (engine/block_tables.py): deltas scattered in stream order.
         self.device_tables = torch.zeros(self.limits.table_rows, self.limits.max_blocks, dtype=torch.int32,
                                          device=device)
-        per_block = self.kv_bytes_per_block(spec, config.block_size, dtype)
+        kv_spec = self.model.spec  # a tensor-parallel rank's own: its share of the KV heads (engine/tp)
+        per_block = self.kv_bytes_per_block(kv_spec, config.block_size, dtype)
         self.memory = self._profile(dtype) if config.num_kv_blocks is None else None
-        self.num_kv_blocks = kv_blocks(self.memory, per_block, self.limits.max_seqs * self.limits.max_blocks,
-                                       config.num_kv_blocks)
-        shape = (spec.num_layers, 2, self.num_kv_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+        self.num_kv_blocks = self._agree_kv_blocks(kv_blocks(
+            self.memory, per_block, self.limits.max_seqs * self.limits.max_blocks, config.num_kv_blocks))
+        shape = (spec.num_layers, 2, self.num_kv_blocks, config.block_size, kv_spec.num_kv_heads, spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = self._layer_caches(self.kv_cache)
         self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs and self.backend.supports_graphs:
             self.capture_graphs()
+
+    def _build_model(self, hf_config, spec: ModelSpec, max_model_len: int, dtype: torch.dtype):
+        return build_model(self.config.model, hf_config, spec, max_model_len, self.backend, dtype, self.device,
+                           cpu_onednn=self.config.cpu_onednn)
+
+    def _agree_kv_blocks(self, num_blocks: int) -> int:
+        """The KV blocks this runner's cache gets (a tensor-parallel group agrees on its ranks' minimum)."""
+        return num_blocks
 
     @staticmethod
     def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
@@ -92,7 +100,7 @@ class ModelRunner(StepRunner):
         forward of max_num_batched_tokens tokens over max_num_seqs sampled rows, then sampling every row the
         expensive way; on CUDA with graphs also a decode forward at the largest graph batch (the graphs'
         private pool holds its activations)."""
-        spec, lim, cuda = self.spec, self.limits, self.device.type == "cuda"
+        spec, lim, cuda = self.model.spec, self.limits, self.device.type == "cuda"
         scratch = torch.zeros((spec.num_layers, 2, 1, self.block_size, spec.num_kv_heads, spec.head_dim),
                               dtype=dtype, device=self.device)  # one block: every dummy position uses it
         self.kv_caches = self._layer_caches(scratch)

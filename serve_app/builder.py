@@ -14,9 +14,11 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
 from cluster.pipeline import stage_bundles
+from cluster.tensor_parallel import worker_bundles
 from cluster.replica import EngineReplica
 from cluster.router import router_class
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
+from engine.models.tp import check_shardable
 from engine.models import load_hf_config, model_spec
 from serve_app.ingress import OpenAIIngress
 from serve_app.limits import Limits
@@ -159,6 +161,7 @@ def build_app(args: dict | None = None) -> serve.Application:
     hf_config = load_hf_config(engine_cfg.model)
     max_model_len = min(engine_cfg.max_model_len or model_spec(hf_config).max_position_embeddings,
                         model_spec(hf_config).max_position_embeddings)
+    check_shardable(model_spec(hf_config), engine_cfg.tensor_parallel_size)  # a bad split fails here, not in Serve
     engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg))
     scaling: dict[str, Any] = {"num_replicas": cfg.ingress_replicas}
     if cfg.ingress_max_replicas is not None and cfg.ingress_max_replicas > cfg.ingress_replicas:
@@ -197,10 +200,17 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
             request_routing_stats_timeout_s=max(5.0, 4 * cfg.routing_stats_period_s)))
     if cfg.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = cfg.max_replicas_per_node
-    if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp
+    tp = engine_cfg.tensor_parallel_size
+    if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp, then with TP
+        # each stage's other TP ranks (on one node: a stage's TP group talks over loopback)
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
-            pp, device, engine_cfg.pp_stage_num_cpus)
-        options["placement_group_strategy"] = cfg.pp_placement_strategy
+            pp * tp, device, engine_cfg.pp_stage_num_cpus)
+        options["placement_group_strategy"] = cfg.pp_placement_strategy if tp == 1 else "STRICT_PACK"
+    elif tp > 1:  # the replica is rank 0; its worker ranks (cluster/tensor_parallel.py) take bundles 1..tp-1,
+        # packed on the replica's node (the group talks over loopback)
+        options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + worker_bundles(
+            tp - 1, device, engine_cfg.tp_worker_num_cpus)
+        options["placement_group_strategy"] = "STRICT_PACK"
     if cfg.autoscaling:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=cfg.min_replicas if cfg.min_replicas is not None else 1,

@@ -162,7 +162,8 @@ def test_step_buffers_reject_oversized_steps():
 HOT_PATH = ["engine/model_runner.py", "engine/executor.py", "engine/step_buffers.py", "engine/cuda_graphs.py",
             "engine/sampler.py", "engine/slot.py", "engine/models/decoder.py", "engine/models/moe.py",
             "engine/models/moe_triton.py",
-            "engine/attention/triton_paged.py", "engine/attention/flash.py"]
+            "engine/attention/triton_paged.py", "engine/attention/flash.py", "engine/tp/runner.py",
+            "engine/tp/comm.py", "engine/tp/channel.py", "engine/models/tp.py"]
 BANNED = re.compile(r"\.item\(\)|\.cpu\(\)|\.tolist\(\)|\.numpy\(\)|torch\.cuda\.synchronize|\.synchronize\(\)")
 # A line may still hold one of these when it reads host memory or is the one documented wait: its comment
 # says which ("# host memory", "# sync-ok: ...", or the commit's event wait).

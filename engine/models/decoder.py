@@ -281,6 +281,8 @@ class DecoderLM(nn.Module):
                         if self.is_last and not spec.tie_word_embeddings else None)
         self.head_packed: torch.Tensor | None = None  # the LM head in oneDNN's layout (pack_for_cpu)
         self.norm_kernel = None  # CPU bf16 pre-norm models: fused residual add + RMSNorm (use_cpu_kernels)
+        # Tensor parallelism (engine/models/tp.py): gathers the head's vocabulary shards to rank 0; None = whole head.
+        self.vocab_gather = None
 
     def pack_for_cpu(self) -> None:
         """Loaded CPU model: every linear and the LM head into oneDNN's packed layout
@@ -305,9 +307,8 @@ class DecoderLM(nn.Module):
                 layer.self_attn.rope_kernel = kernels
             # SiLU on whole 16-lane vectors is PyTorch's own arithmetic (a width with a tail is not: PyTorch
             # finishes rows with a scalar exp).
-            mlp = layer.mlp
-            if isinstance(mlp, MLP) and self.spec.hidden_act == "silu" and mlp.down_proj.in_features % 16 == 0:
-                mlp.kernel = kernels
+            if isinstance(layer.mlp, MLP) and self.spec.hidden_act == "silu" and self.spec.intermediate_size % 16 == 0:
+                layer.mlp.kernel = kernels
         if bf16 and not self.spec.sandwich_norms and not self.spec.norm_unit_offset:
             self.norm_kernel = kernels
 
@@ -349,4 +350,6 @@ class DecoderLM(nn.Module):
         else:
             logits = F.linear(hidden, self._head_weight())
         logits = softcap(logits, self.spec.final_softcap)
+        if self.vocab_gather is not None:
+            return self.vocab_gather(logits, out)
         return logits.float() if out is None else out.copy_(logits)

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import cpu_native
-from engine.models import cpu_linear, moe
+from engine.models import cpu_linear, moe, tp as tensor_parallel
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3") + moe.MOE_FAMILIES
@@ -130,10 +130,11 @@ def rope_tables(config, spec: ModelSpec, max_positions: int,
 
 def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
                 dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
-                cpu_onednn: bool = True) -> DecoderLM:
+                cpu_onednn: bool = True, tp: tensor_parallel.TPShard | None = None) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
     On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off, and it
-    runs the fused elementwise kernels (engine/models/cpu_fused.cpp) unless TANDEM_CPU_KERNELS=0."""
+    runs the fused elementwise kernels (engine/models/cpu_fused.cpp) unless TANDEM_CPU_KERNELS=0.
+    With `tp`, one tensor-parallel rank's shard (engine/models/tp.py): `spec` must then be its local_spec."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
@@ -142,7 +143,9 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above
     model.rotary_local = local.to(device) if local is not None else None
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, tp)
+    if tp is not None:
+        tensor_parallel.parallelize(model, tp)
     model = model.eval().requires_grad_(False)
     if device.type == "cpu" and cpu_onednn and cpu_linear.available(dtype):
         model.pack_for_cpu()
@@ -163,9 +166,10 @@ def _safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-def load_weights(model: DecoderLM, model_dir: str) -> None:
+def load_weights(model: DecoderLM, model_dir: str, tp: tensor_parallel.TPShard | None = None) -> None:
     """Copy every checkpoint tensor the model holds into its (possibly fused) parameter; fail naming what
-    is missing. A pipeline stage reads only its own tensors (safetensors loads lazily, by name)."""
+    is missing. A pipeline stage reads only its own tensors (safetensors loads lazily, by name); a
+    tensor-parallel rank only its slice of each (tensor_parallel.read_shard)."""
     params = dict(model.named_parameters())
     filled: set[tuple[str, int]] = set()
     for path in _safetensors_files(model_dir):
@@ -175,7 +179,8 @@ def load_weights(model: DecoderLM, model_dir: str) -> None:
                 if target is None or target[0] not in params:
                     continue
                 pname, shard = target
-                _copy_into(pname, params[pname], f.get_tensor(name), shard, model.spec)
+                tensor = f.get_tensor(name) if tp is None else tensor_parallel.read_shard(f, name, pname, shard, tp)
+                _copy_into(pname, params[pname], tensor, shard, model.spec)
                 filled.update((pname, s) for s in (_shards_of(pname, model.spec) if shard == WHOLE else (shard,)))
     expected = {(n, s) for n, p in params.items() for s in _shards_of(n, model.spec)}
     missing = sorted(expected - filled)

@@ -18,6 +18,7 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.models.tp import check_shardable
 from engine.outputs import RequestOutput
 from engine.pipeline.runner import PipelineRunner, StageGroup
 from engine.pipeline.stage import StageSpec, split_layers
@@ -43,17 +44,20 @@ class PipelineEngine(LLMEngine):
         return PipelineRunner(cfg, self.spec, stages, limits), stages.num_kv_blocks
 
     def stage_specs(self, limits: BufferLimits) -> list[StageSpec]:
-        cfg, p = self.config, self.config.pipeline_parallel_size
+        """One per stage (its TP rank 0; the stage group derives the other ranks' specs, engine/tp/stage.py)."""
+        cfg, p, tp = self.config, self.config.pipeline_parallel_size, self.config.tensor_parallel_size
+        check_shardable(self.spec, tp)
+        n = p * tp  # processes sharing this host's memory
         dtype = str(self.dtype).removeprefix("torch.")
         return [StageSpec(model=cfg.model, index=i, num_stages=p, layers=layers, block_size=cfg.block_size,
                           limits=limits, max_model_len=self.max_model_len, dtype=dtype,
                           device=self.compute_device.type, attention_backend=cfg.attention_backend,
                           num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                          # the stages share one host's memory: each takes its share
-                          cpu_kv_cache_bytes=None if cfg.cpu_kv_cache_bytes is None else cfg.cpu_kv_cache_bytes // p,
-                          cpu_memory_utilization=cfg.cpu_memory_utilization / p, token_safe=cfg.pp_token_safe,
+                          # the stages (and their TP ranks) share one host's memory: each takes its share
+                          cpu_kv_cache_bytes=None if cfg.cpu_kv_cache_bytes is None else cfg.cpu_kv_cache_bytes // n,
+                          cpu_memory_utilization=cfg.cpu_memory_utilization / n, token_safe=cfg.pp_token_safe,
                           structure_aware=cfg.pp_structure_aware, sample_on_stage=not cfg.pp_cpu_sampling,
-                          seed=cfg.seed)
+                          seed=cfg.seed, tensor_parallel_size=tp)
                 for i, layers in enumerate(split_layers(self.spec.num_layers, p))]
 
     def make_sequence(self, prompt, params: SamplingParams | None, request_id: str,

@@ -26,8 +26,10 @@ import torch
 from engine.attention import get_backend, resolve_backend
 from engine.memory import HostMeter
 from engine.models import build_model, load_hf_config, model_spec
+from engine.models.tp import local_spec
 from engine.sampler import Sampler, SamplingBatch
 from engine.step_buffers import BufferLimits, StagedStep, StepBuffers
+from engine.tp.stage import StageTP
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,10 @@ class StageSpec:
     structure_aware: bool = True
     sample_on_stage: bool = False  # last stage samples (the ablation of SiPipe's CPU sampling)
     seed: int = 0
+    # TP x PP (engine/tp/stage.py): the stage's layers sharded over this many ranks; `tp` says which rank this
+    # worker is and where its group meets (filled in by the stage group, which opens the rendezvous).
+    tensor_parallel_size: int = 1
+    tp: object | None = None  # engine.tp.stage.StageTPSpec
 
     @property
     def is_first(self) -> bool:
@@ -102,11 +108,15 @@ class StageWorker:
         backend_name = resolve_backend(spec.attention_backend, self.device, spec.block_size,
                                        softcap=self.model_spec.attn_softcap is not None)
         self.backend = get_backend(backend_name, sliding_window=self.model_spec.sliding_window)
-        self.model = build_model(spec.model, hf_config, self.model_spec, spec.max_model_len, self.backend,
-                                 dtype, self.device, layers=spec.layers)
+        self.tp = StageTP(spec.tp, self.model_spec) if spec.tp is not None else None
+        build_spec = local_spec(self.model_spec, spec.tp.size) if self.tp else self.model_spec
+        self.model = build_model(spec.model, hf_config, build_spec, spec.max_model_len, self.backend,
+                                 dtype, self.device, layers=spec.layers, tp=self.tp.shard if self.tp else None)
         self.num_kv_blocks = spec.num_kv_blocks or self.kv_capacity(dtype)
+        if self.tp is not None:
+            self.num_kv_blocks = self.tp.agree(self.num_kv_blocks)
         n_layers = spec.layers[1] - spec.layers[0]
-        ms = self.model_spec
+        ms = self.model.spec  # a TP rank's own share of the KV heads
         self.kv_cache = torch.zeros((n_layers, 2, self.num_kv_blocks, spec.block_size, ms.num_kv_heads,
                                      ms.head_dim), dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(n_layers)]
@@ -131,7 +141,7 @@ class StageWorker:
 
     def kv_capacity(self, dtype: torch.dtype) -> int:
         """KV blocks this stage's memory holds for its own layers (the driver uses the smallest over stages)."""
-        ms, spec = self.model_spec, self.spec
+        ms, spec = self.model.spec, self.spec
         elem = torch.tensor([], dtype=dtype).element_size()
         per_block = 2 * (spec.layers[1] - spec.layers[0]) * spec.block_size * ms.num_kv_heads * ms.head_dim * elem
         if self.device.type == "cuda":
@@ -162,16 +172,44 @@ class StageWorker:
         last stage float32 logits [rows, vocab] (sampled token ids [rows] when it samples), on the host."""
         t0 = _now()
         bufs = self.buffers[version]
+        if hidden is not None:
+            hidden = _received(hidden)[:bufs.num_tokens].to(self.device, non_blocking=True)  # [T, hidden]
+        if self.tp is not None:  # the stage's other TP ranks run the same step
+            self.tp.send(bufs, hidden)
+        x = self._layers(bufs, hidden)
+        out = self._last_stage_output(x, bufs, version) if self.spec.is_last else self._send(x, version)
+        self.busy_s += _now() - t0
+        return out
+
+    def _layers(self, bufs: StepBuffers, hidden: torch.Tensor | None) -> torch.Tensor:
         meta = bufs.metadata(self.spec.block_size)
         self.backend.prepare(meta)
         t = bufs.num_tokens
         ids = bufs.dev["input_ids"][:t] if self.spec.is_first else None
-        if hidden is not None:
-            hidden = _received(hidden)[:t].to(self.device, non_blocking=True)  # [T, hidden]
-        x = self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden)
-        out = self._last_stage_output(x, bufs, version) if self.spec.is_last else self._send(x, version)
-        self.busy_s += _now() - t0
-        return out
+        return self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden)
+
+    def follow(self) -> int:
+        """A TP rank > 0 of this stage: run rank 0's steps (engine/tp/stage.py) until it stops the group."""
+        bufs, steps = self.buffers[0], 0
+        hidden_buf = None if self.spec.is_first else torch.zeros(
+            self.spec.limits.max_tokens, self.model_spec.hidden_size, dtype=self.kv_cache.dtype, device=self.device)
+        while True:
+            with torch.inference_mode():
+                running, hidden = self.tp.receive(bufs, self.device_tables, hidden_buf)
+                if not running:
+                    return steps
+                x = self._layers(bufs, hidden)
+                if self.spec.is_last:  # this rank's vocabulary shard of the logits, gathered to rank 0
+                    self.model.logits(x.index_select(0, bufs.dev["logits_indices"][:bufs.num_rows]))
+            steps += 1
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other TP ranks' `follow` (a stage group shutting down in process)."""
+        if self.tp is not None:
+            try:
+                self.tp.channel.stop()
+            except RuntimeError:  # the group broke earlier (a rank died): nothing left to stop
+                pass
 
     def _send(self, x: torch.Tensor, version: int):
         if not self.spec.structure_aware:  # the receiver learns the layout from metadata sent along
