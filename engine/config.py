@@ -164,7 +164,7 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         unsupported = [why for why, used in (
-            ("device='sim'", self.device == "sim"), ("device='cuda' (NCCL is not wired yet)", self.device == "cuda"),
+            ("device='cuda' (NCCL is not wired yet)", self.device == "cuda"),
             ("num_cpu_blocks/swap_space_gb (KV offload; preempted requests are soft-reset instead)",
              bool(self.num_cpu_blocks or self.swap_space_gb)),
             ("LoRA adapters (enable_lora, lora_modules, lora_dir)",

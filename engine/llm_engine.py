@@ -630,8 +630,9 @@ def create_engine(config: EngineConfig) -> LLMEngine:
 
     The pipeline-parallel engine drives Ray stage actors, so it lives with them in cluster/pipeline.py and is
     found through the `tandem.engines` entry point named "pipeline" (pyproject.toml): this package never
-    imports Ray or cluster/. The tensor-parallel engine's Ray workers come through the same entry point."""
-    if config.pipeline_parallel_size > 1 or config.tensor_parallel_size > 1:
+    imports Ray or cluster/. The tensor-parallel engine's Ray workers come through the same entry point; a
+    simulated device models tensor parallelism in its cost model instead (engine/sim), so it stays here."""
+    if config.pipeline_parallel_size > 1 or (config.tensor_parallel_size > 1 and config.device != "sim"):
         return engine_plugin("pipeline")(config)
     return LLMEngine(config)
 

@@ -206,8 +206,9 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
             pp * tp, device, engine_cfg.pp_stage_num_cpus)
         options["placement_group_strategy"] = cfg.pp_placement_strategy if tp == 1 else "STRICT_PACK"
-    elif tp > 1:  # the replica is rank 0; its worker ranks (cluster/tensor_parallel.py) take bundles 1..tp-1,
-        # packed on the replica's node (the group talks over loopback)
+    elif tp > 1 and engine_cfg.device != "sim":  # the replica is rank 0; its worker ranks
+        # (cluster/tensor_parallel.py) take bundles 1..tp-1, packed on the replica's node (the group talks over
+        # loopback); a simulated device only models its ranks
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + worker_bundles(
             tp - 1, device, engine_cfg.tp_worker_num_cpus)
         options["placement_group_strategy"] = "STRICT_PACK"

@@ -131,6 +131,47 @@ def test_photon_profiles_reproduce_photons_measured_step_times(profile):
         assert smp == pytest.approx(smp_ms, rel=0.15), (streams, smp, smp_ms)
 
 
+def test_tensor_parallel_step_is_one_ranks_share_plus_the_link_collectives():
+    """Llama-3.1-8B over 2 H100s, by hand: a layer's q/k/v/o are 4096 * (32 + 8 + 8) * 128 + 32 * 128 * 4096 =
+    41,943,040 parameters and its MLP 3 * 4096 * 14336 = 176,160,768; every part halves (16 query heads, 4 KV
+    heads, 7168 MLP columns, 64,128 vocabulary rows). The h100 profile's link: 360 GB/s per direction, 8 us a
+    small all-reduce."""
+    spec = spec_of(LLAMA8B)
+    one, two = CostModel(spec, 2, PROFILES["h100"]), CostModel(spec, 2, PROFILES["h100"], tp=2)
+    assert one.model.layer_params == 218_103_808 and two.model.layer_params == 109_051_904
+    assert two.model.head_weight_bytes == 64_128 * 4096 * 2
+    assert two.model.kv_bytes_per_token == one.model.kv_bytes_per_token / 2
+    assert one.tp_comm_s(StepShape([1] * 64, [1000] * 64, 64)) == 0.0
+    # 64 decode rows: 2 * 32 + 1 all-reduces of 64 * 4096 * 2 = 524,288 bytes, each 8 us + 2 * (1/2) * 524288 /
+    # 360e9 = 9.4564 us, and the sampling rows' logits shard gathered: 8 us + 64 * 64128 * 4 / 360e9 = 53.60 us.
+    decode = StepShape([1] * 64, [1000] * 64, 64)
+    assert two.tp_comm_s(decode) == pytest.approx(65 * 9.4564e-6 + 53.60e-6, rel=1e-4)
+    # Memory-bound decode: each rank reads half the weights and half the KV, but every rank still moves the
+    # whole hidden-wide activations and launches every kernel, and adds the collectives: over half, under 0.7.
+    ratio = two.forward_s(decode, graph=True) / one.forward_s(decode, graph=True)
+    assert 0.5 < ratio < 0.7, ratio
+    # Sampling stays on rank 0 over the whole vocabulary.
+    assert two.sample_s(64, 3, 2.0) == one.sample_s(64, 3, 2.0)
+    with pytest.raises(ValueError, match="does not divide the model's num_attention_heads 14"):
+        CostModel(spec_of(QWEN), 2, PROFILES["h100"], tp=4)
+
+
+def test_sim_engine_models_tensor_parallel_ranks():
+    """device='sim' with tensor_parallel_size: the same tokens (the host side is one engine either way), a
+    shorter modelled step and room for more KV blocks per rank."""
+    runs = {}
+    for tp in (1, 2):
+        llm = sim_llm(LLAMA8B, sim_gpu="h100", tensor_parallel_size=tp, max_model_len=8192, max_num_seqs=256)
+        outs = llm.generate(["hello"] * 8, SamplingParams(max_tokens=24, temperature=0))
+        runs[tp] = [o.token_ids for o in outs], llm.stats()
+        llm.shutdown()
+    (tokens1, s1), (tokens2, s2) = runs[1], runs[2]
+    assert tokens1 == tokens2
+    assert s2["attention_backend"] == "sim:h100, tensor parallel x2 (modelled)"
+    assert s2["device_busy_s"] < 0.75 * s1["device_busy_s"]
+    assert s2["kv_blocks_total"] > 2 * s1["kv_blocks_total"]  # half the weights and half the KV per token
+
+
 # ---- the engine on the simulated device ----------------------------------------------------------------------
 def test_sim_engine_needs_no_weights_and_reports_device_time():
     assert not list(SIM_MODELS.glob("*/*.safetensors"))

@@ -127,8 +127,7 @@ def test_unshardable_models_and_unsupported_combinations_are_rejected(tiny_model
     with pytest.raises(ValueError, match="num_key_value_heads 3 .nor does 4 divide"):
         check_shardable(dataclasses.replace(spec, num_heads=8, num_kv_heads=3, intermediate_size=8), 4)
     path, _ = tiny_model_factory("llama")
-    for kw, why in ((dict(device="sim"), "sim"),
-                    (dict(num_cpu_blocks=8), "KV offload"), (dict(enable_lora=True), "LoRA")):
+    for kw, why in ((dict(num_cpu_blocks=8), "KV offload"), (dict(enable_lora=True), "LoRA")):
         with pytest.raises(ValueError, match=f"tensor_parallel_size=2 is not supported with .*{why}"):
             EngineConfig(model=str(path), tensor_parallel_size=2, **kw)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):

@@ -80,6 +80,14 @@ class GpuProfile:
     host_triton_s: float = 10e-6  # one Triton kernel launched from Python
     host_graph_launch_s: float = 8e-6  # one CUDAGraph.replay()
     host_copy_s: float = 5e-6  # one non-blocking copy or event record
+    # Tensor parallelism (CostModel tp > 1): the GPU-to-GPU link inside one node. An all-reduce of B bytes over
+    # N ranks is priced as a ring: allreduce_latency_s + 2 (N - 1) / N * B / link_bytes_per_s.
+    link_bytes_per_s: float = 360 * GB  # achievable per direction (NVLink 4: 450 GB/s peak per direction;
+    # a100 NVLink 3: 300 peak, 230 here; b200 NVLink 5: 900 peak, 720 here; typical all-reduce bus bandwidths)
+    allreduce_latency_s: float = 8e-6  # a small NCCL all-reduce inside a graph on one NVLink node
+    # Host time rank 0 spends per step handing the step's inputs to the other ranks' processes (vLLM: a
+    # shared-memory message queue; Tandem on CPU: a gloo broadcast), on top of its own staging.
+    host_tp_broadcast_s: float = 30e-6
     # Fitted fixed terms (photon-* profiles only; zero for datasheet profiles).
     forward_fixed_s: float = 0.0
     sample_fixed_s: float = 0.0
@@ -96,18 +104,20 @@ PROFILES: dict[str, GpuProfile] = {p.name: p for p in (
     GpuProfile("h200", memory_bytes=141 * GB, hbm_bytes_per_s=4.8e12, bf16_flops=989e12, num_sms=132,
                pcie_bytes_per_s=_GEN5),
     GpuProfile("b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
-               pcie_bytes_per_s=_GEN5),
+               pcie_bytes_per_s=_GEN5, link_bytes_per_s=720 * GB),
     GpuProfile("a100", memory_bytes=80 * GB, hbm_bytes_per_s=2.039e12, bf16_flops=312e12, num_sms=108,
-               pcie_bytes_per_s=_GEN4, kernel_gap_graph_s=2e-6, kernel_gap_eager_s=3e-6),
+               pcie_bytes_per_s=_GEN4, kernel_gap_graph_s=2e-6, kernel_gap_eager_s=3e-6, link_bytes_per_s=230 * GB),
     # Photon's GPUs, fitted to its tables (see the module doc; `python -m engine.sim.calibrate` re-derives
     # the three fitted constants). Photon's forward is its own implementation, not this decoder, so the
     # per-kernel terms are zero and its launch overhead lives in the fitted forward_fixed_s.
     GpuProfile("photon-3090", memory_bytes=24 * GB, hbm_bytes_per_s=936e9, bf16_flops=71e12, num_sms=82,
-               pcie_bytes_per_s=_GEN4, kernel_gap_graph_s=0.0, kernel_gap_eager_s=0.0, graph_launch_s=0.0,
-               bw_fraction=1.0, forward_fixed_s=2.125e-3, sample_fixed_s=0.222e-3),
+               pcie_bytes_per_s=_GEN4, link_bytes_per_s=_GEN4, allreduce_latency_s=20e-6,  # no NVLink: PCIe
+               kernel_gap_graph_s=0.0, kernel_gap_eager_s=0.0, graph_launch_s=0.0, bw_fraction=1.0,
+               forward_fixed_s=2.125e-3, sample_fixed_s=0.222e-3),
     GpuProfile("photon-b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
-               pcie_bytes_per_s=_GEN5, kernel_gap_graph_s=0.0, kernel_gap_eager_s=0.0, graph_launch_s=0.0,
-               bw_fraction=0.49, forward_fixed_s=1.883e-3, sample_fixed_s=0.135e-3),
+               pcie_bytes_per_s=_GEN5, link_bytes_per_s=720 * GB, kernel_gap_graph_s=0.0,
+               kernel_gap_eager_s=0.0, graph_launch_s=0.0, bw_fraction=0.49, forward_fixed_s=1.883e-3,
+               sample_fixed_s=0.135e-3),
 )}
 SIM_GPUS = tuple(PROFILES)
 
@@ -154,12 +164,21 @@ class ModelCost:
     layer_kernels: int  # per layer: PyTorch kernels, then the attention backend's Triton launches
     layer_triton: int
     layer_views: int
+    tp: int = 1  # tensor-parallel ranks: every size above is one rank's share
+
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, dtype_bytes: int, kernels_per_layer: int | None = None) -> "ModelCost":
+    def from_spec(cls, spec: ModelSpec, dtype_bytes: int, kernels_per_layer: int | None = None,
+                  tp: int = 1) -> "ModelCost":
+        """`tp` > 1: one rank's share under Megatron sharding (engine/models/tp.py): heads, KV heads (one each
+        when there are fewer than ranks: replicated), MLP width and vocabulary split, and the two kernels a
+        layer adds for its all-reduces (whose time CostModel.tp_comm_s prices)."""
         if spec.moe is not None:
             raise ValueError(f"device='sim' models dense decoders only: {spec.family} is a mixture-of-experts "
                              "model (per-token expert routing is not in the cost model); run it on cpu or cuda")
+        if tp > 1:
+            from engine.models.tp import local_spec
+            spec = local_spec(spec, tp)  # ValueError naming what does not divide
         h, i = spec.hidden_size, spec.intermediate_size
         attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + spec.num_heads * spec.head_dim * h
         layer_params = attn + 3 * h * i
@@ -172,7 +191,8 @@ class ModelCost:
                    head_dim=spec.head_dim, layer_weight_bytes=layer_params * dtype_bytes,
                    head_weight_bytes=spec.vocab_size * h * dtype_bytes, layer_params=layer_params,
                    kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes,
-                   dtype_bytes=dtype_bytes, layer_kernels=kernels, layer_triton=triton, layer_views=views)
+                   dtype_bytes=dtype_bytes, layer_kernels=kernels + (2 if tp > 1 else 0), layer_triton=triton,
+                   layer_views=views, tp=tp)
 
     @property
     def kernels_per_forward(self) -> int:
@@ -202,17 +222,35 @@ class CostModel:
     """Device times for one model on one profile (seconds)."""
 
     def __init__(self, spec: ModelSpec, dtype_bytes: int, profile: GpuProfile,
-                 kernels_per_layer: int | None = None):
+                 kernels_per_layer: int | None = None, tp: int = 1):
+        """tp > 1: one rank of a tensor-parallel group on `profile` GPUs linked as the profile says; every rank
+        runs the same step, so a step takes one rank's share plus the collectives."""
         self.profile = profile
-        self.model = ModelCost.from_spec(spec, dtype_bytes, kernels_per_layer)
+        self.model = ModelCost.from_spec(spec, dtype_bytes, kernels_per_layer, tp)
+        self.vocab = spec.vocab_size  # rank 0 samples over the whole vocabulary
         p = profile
         self._bw = p.hbm_bytes_per_s * p.bw_fraction
         self._flops = p.bf16_flops * p.flops_fraction
 
     # ---- forward -----------------------------------------------------------------------------------------
     def forward_s(self, shape: StepShape, graph: bool) -> float:
-        return self.gemm_s(shape) + self.attention_s(shape) + self.launch_overhead_s(graph) + \
-            self.profile.forward_fixed_s
+        return self.gemm_s(shape) + self.attention_s(shape) + self.tp_comm_s(shape) + \
+            self.launch_overhead_s(graph) + self.profile.forward_fixed_s
+
+    def tp_comm_s(self, shape: StepShape) -> float:
+        """The tensor-parallel collectives of one forward: an all-reduce of the [tokens, hidden] activations
+        after the embedding and after every layer's o_proj and down_proj (ring: each rank sends and receives
+        2 (N - 1) / N of the bytes), and the sampling rows' vocabulary shards of the fp32 logits gathered to
+        rank 0. Not overlapped with compute (a layer's next GEMM needs the sum), as in vLLM's default path."""
+        m, p = self.model, self.profile
+        if m.tp == 1:
+            return 0.0
+        n = m.tp
+        act = shape.num_tokens * m.hidden * m.dtype_bytes
+        allreduce = p.allreduce_latency_s + 2.0 * (n - 1) / n * act / p.link_bytes_per_s
+        r = shape.num_sample_rows
+        gather = p.allreduce_latency_s + (n - 1) * r * m.vocab * 4 / p.link_bytes_per_s if r else 0.0
+        return (2 * m.layers + 1) * allreduce + gather
 
     def gemm_s(self, shape: StepShape) -> float:
         m, t, r = self.model, shape.num_tokens, shape.num_sample_rows
@@ -246,12 +284,14 @@ class CostModel:
 
     # ---- host launch cost of the CUDA path -------------------------------------------------------------------
     def host_forward_launch_s(self, graph: bool) -> float:
-        """CPU time to launch a forward: one graph replay, or every operator of the eager model."""
+        """CPU time to launch a forward: one graph replay, or every operator of the eager model (plus, with
+        tensor parallelism, rank 0 handing the step to the other ranks)."""
         p, m = self.profile, self.model
+        handoff = p.host_tp_broadcast_s if m.tp > 1 else 0.0  # the step's inputs to the other ranks
         if graph:
-            return p.host_graph_launch_s
+            return p.host_graph_launch_s + handoff
         per_layer = m.layer_kernels * p.host_op_s + m.layer_views * p.host_view_s + m.layer_triton * p.host_triton_s
-        return m.layers * per_layer + FIXED_KERNELS * p.host_op_s + FIXED_VIEWS * p.host_view_s
+        return m.layers * per_layer + FIXED_KERNELS * p.host_op_s + FIXED_VIEWS * p.host_view_s + handoff
 
     # ---- sampling and copies ------------------------------------------------------------------------------
     def sample_s(self, rows: int, kernels: int, passes: float) -> float:
@@ -259,7 +299,7 @@ class CostModel:
         if not rows:
             return 0.0
         p = self.profile
-        return p.sample_fixed_s + kernels * p.kernel_gap_eager_s + passes * rows * self.model.vocab * 4 / self._bw
+        return p.sample_fixed_s + kernels * p.kernel_gap_eager_s + passes * rows * self.vocab * 4 / self._bw
 
     def copy_s(self, nbytes: float, copies: int = 1) -> float:
         p = self.profile

@@ -99,10 +99,11 @@ class SimRunner(StepRunner):
                  tokenizer, num_cpu_blocks: int = 0):
         self.sim = SimDevice()
         self.cost = CostModel(spec, torch.tensor([], dtype=dtype).element_size(), profile(config.sim_gpu),
-                              config.sim_kernels_per_layer)
+                              config.sim_kernels_per_layer, config.tensor_parallel_size)
         super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len),
                          SimExecutor(self.sim, 2), slot_logits=False, transfer=self._upload)
-        self.backend_name = f"sim:{config.sim_gpu}"
+        tp = config.tensor_parallel_size
+        self.backend_name = f"sim:{config.sim_gpu}" + (f", tensor parallel x{tp} (modelled)" if tp > 1 else "")
         self.tokens = SimTokens(tokenizer, config.sim_eos_rate, config.seed)
         self.offloader = SimOffloader(self.sim, self.cost, config.block_size) if num_cpu_blocks else None
         self.graph_sizes = (capture_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
@@ -125,9 +126,10 @@ class SimRunner(StepRunner):
                              dtype_bytes=dtype_bytes, graphs=bool(self.graph_sizes))
 
     def _checkpoint_bytes(self, spec: ModelSpec) -> float:
-        """All weights held on the device: what a decode reads plus the input embedding when untied."""
+        """All weights held on one device (one rank's shard under tensor parallelism): what a decode reads plus
+        the input embedding when untied (vocabulary-sharded like the head)."""
         m = self.cost.model
-        return m.weight_bytes + (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size * m.dtype_bytes)
+        return m.weight_bytes + (0 if spec.tie_word_embeddings else m.head_weight_bytes)
 
     # ---- launch ----------------------------------------------------------------------------------------
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
