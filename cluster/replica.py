@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from engine import AsyncLLM, EngineConfig
+from engine.async_engine import EngineDeadError
 from cluster.metrics import EngineMetrics
 from cluster.protocol import GenerateChunk, GenerateRequest
 
@@ -55,11 +56,22 @@ class EngineReplica:
                 if out.finish_reason == "abort" and out.error is not None:
                     # The engine failed the request (a failed step, a dead pipeline stage): an error for the
                     # client (an SSE error event, or a 500), not a normal-looking "abort" finish.
-                    raise EngineRequestError(out.error)
+                    raise self._request_failure(out.error)
                 yield GenerateChunk.from_output(out)
                 out = await anext(outputs, None)
         finally:
             await outputs.aclose()  # a request left early (client gone) is aborted and its blocks freed
+
+    def _request_failure(self, error: str) -> Exception:
+        """A request the engine failed. When the engine itself can no longer serve (a dead pipeline stage or
+        tensor-parallel rank, a device fault: its health check now fails and Serve replaces the replica), the
+        client sees the replica lost (`replica_died`, retryable, as when the replica's process dies), not an
+        internal error; a failure of this request alone stays an EngineRequestError."""
+        try:
+            self.llm.check_health()
+        except EngineDeadError as dead:
+            return EngineDeadError(f"{error} (the engine cannot serve: {dead})")
+        return EngineRequestError(error)
 
     async def abort(self, request_id: str) -> None:
         self.llm.abort(request_id)

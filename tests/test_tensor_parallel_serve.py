@@ -69,8 +69,9 @@ def test_killed_worker_fails_streams_and_the_replica_is_replaced(cluster):
     assert {r[0] for r in results} <= {"error", "http", "status"}, f"a stream outlived its dead worker: {results}"
     for r in results:
         assert r[-1] - killed < 10, f"failure reported {r[-1] - killed:.1f} s after the kill: {r}"
-        if r[0] == "error":
+        if r[0] == "error":  # the replica can no longer serve: retryable, like a dead replica
             assert r[1]["type"] == "server_error" and "Traceback" not in r[1]["message"]
+            assert r[1]["code"] == "replica_died", r
 
     def rebuilt():
         live = worker_actors()
