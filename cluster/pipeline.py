@@ -2,8 +2,9 @@
 
 One stage group per engine replica: p stage actors (engine.pipeline.StageWorker under ray.remote), each holding a contiguous slice of the layers and its
 slice of the paged KV cache (engine/pipeline/stage.py), ganged by a placement group — the Serve replica's
-own when there is one (build_app adds a bundle per stage to the deployment), else one made here
-(STRICT_PACK: one node; PACK lets the stages spread over nodes). The driver (the engine replica, or the
+own when there is one (build_app adds a bundle per stage to the deployment, sized for the stage's TP group
+under tensor parallelism), else one made here (STRICT_PACK: one node; PACK/SPREAD let the stages spread over
+nodes, a stage's TP ranks always sharing its bundle's node). The driver (the engine replica, or the
 offline LLM's process) sends each step once into the graph; every stage reads it from the graph's input,
 hidden states go stage to stage, the last stage's logits come back to the driver.
 
@@ -41,9 +42,11 @@ STAGE_TP_TIMEOUT_S = 120.0  # a stage's TP collectives within a step (EngineConf
 LOCAL = "127.0.0.1"
 
 
-def stage_bundles(num_stages: int, device: str, stage_num_cpus: float) -> list[dict]:
-    """One placement-group bundle per stage."""
-    return [{"GPU": 1, "CPU": stage_num_cpus} if device == "cuda" else {"CPU": stage_num_cpus}
+def stage_bundles(num_stages: int, device: str, stage_num_cpus: float, tp: int = 1) -> list[dict]:
+    """One placement-group bundle per stage, sized for the stage's whole TP group (tp ranks): a bundle is
+    placed on one node, so a stage's ranks always share a node (their group talks over loopback) while
+    PACK/SPREAD may still put different stages on different nodes."""
+    return [{"GPU": tp, "CPU": tp * stage_num_cpus} if device == "cuda" else {"CPU": tp * stage_num_cpus}
             for _ in range(num_stages)]
 
 
@@ -60,13 +63,10 @@ class RayStageGroup:
         self.num_stages = len(specs)
         self.device = specs[0].device
         tp = specs[0].tensor_parallel_size
-        if tp > 1 and strategy != "STRICT_PACK":
-            raise ValueError("tensor_parallel_size > 1 with pipeline stages needs the STRICT_PACK placement "
-                             "(each stage's TP group talks over loopback)")
         self._own_pg = None
         pg, offset = get_current_placement_group(), first_bundle
         if pg is None:
-            pg = self._own_pg = placement_group(stage_bundles(self.num_stages * tp, self.device, stage_num_cpus),
+            pg = self._own_pg = placement_group(stage_bundles(self.num_stages, self.device, stage_num_cpus, tp),
                                                 strategy=strategy)
             ray.get(pg.ready(), timeout=STAGE_START_TIMEOUT_S)
             offset = 0
@@ -81,19 +81,21 @@ class RayStageGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=offset + bundle)).remote(spec)
 
-        # TP x PP (engine/tp/stage.py): stage i's TP rank 0 is the graph's stage actor (bundle i); its other
-        # ranks follow it (bundles after all the stages'), in a group whose rendezvous store is opened here.
+        # TP x PP (engine/tp/stage.py): stage i's TP rank 0 is the graph's stage actor and its other ranks
+        # follow it, all in bundle i (so on one node: their gloo group binds loopback), in a group whose
+        # rendezvous store is opened here, on this process's node address (the stage may be on another node).
         self._stores, self.followers, self._follows = [], [], []
         ranks = [[spec] for spec in specs]
         if tp > 1:
+            store_host = ray.util.get_node_ip_address()  # reachable from the stage's node, wherever it is
             for i, spec in enumerate(specs):
-                store = open_store(LOCAL, tp)
+                store = open_store(store_host, tp)
                 self._stores.append(store)
-                ranks[i] = stage_rank_specs(spec, LOCAL, store.port, LOCAL, STAGE_TP_TIMEOUT_S)
+                ranks[i] = stage_rank_specs(spec, store_host, store.port, LOCAL, STAGE_TP_TIMEOUT_S)
         self.actors = [start(f"stage{i}", i, r[0]) for i, r in enumerate(ranks)]
         for i, stage_ranks in enumerate(ranks):
             for r, rank_spec in enumerate(stage_ranks[1:], start=1):
-                actor = start(f"stage{i}-tp{r}", self.num_stages + i * (tp - 1) + r - 1, rank_spec)
+                actor = start(f"stage{i}-tp{r}", i, rank_spec)
                 self.followers.append(actor)
                 self._follows.append(actor.follow.remote())
         try:

@@ -201,11 +201,11 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
     if cfg.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = cfg.max_replicas_per_node
     tp = engine_cfg.tensor_parallel_size
-    if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp, then with TP
-        # each stage's other TP ranks (on one node: a stage's TP group talks over loopback)
+    if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp, each bundle
+        # sized for the stage's whole TP group (one node per stage group; stages may span nodes)
         options["placement_group_bundles"] = [{"CPU": actor_options["num_cpus"]}] + stage_bundles(
-            pp * tp, device, engine_cfg.pp_stage_num_cpus)
-        options["placement_group_strategy"] = cfg.pp_placement_strategy if tp == 1 else "STRICT_PACK"
+            pp, device, engine_cfg.pp_stage_num_cpus, tp)
+        options["placement_group_strategy"] = cfg.pp_placement_strategy
     elif tp > 1 and engine_cfg.device != "sim":  # the replica is rank 0; its worker ranks
         # (cluster/tensor_parallel.py) take bundles 1..tp-1, packed on the replica's node (the group talks over
         # loopback); a simulated device only models its ranks

@@ -420,6 +420,33 @@ def test_a_cross_node_pipeline_serves_the_single_engine_greedy_text(cluster, pp_
     assert "".join(c.choices[0].text for c in stream if c.choices) == greedy(cluster)
 
 
+TPPP_ROUTE = "/tppp"
+TPPP_APP = {**PP_APP, "tensor_parallel_size": 2, "pp_stage_num_cpus": 0.25}  # stage bundles: 2 x 0.25 CPU
+
+
+def test_tp_x_pp_stage_groups_span_the_nodes_and_serve_the_single_engine_text(cluster, pp_app):
+    """TP=2 x PP=2 with SPREAD: each stage's bundle holds its whole TP group (0.5 CPU, bigger than the replica's
+    0.25, so the two stage bundles go to different nodes first, as for PP alone), so a stage's two ranks share
+    a node and talk over loopback while the two stages' groups sit on different nodes; the groups' rendezvous
+    store listens on the replica's node address. Greedy text equals the module's single-engine app's."""
+    name = cluster.app_name + "tppp"
+    serve.run(build_app(TPPP_APP), name=name, route_prefix=TPPP_ROUTE)
+    try:
+        groups: dict[str, dict[str, str]] = {}  # tandem-pp-<id> -> actor suffix -> node id
+        for a in alive_named("tandem-pp-"):
+            group, _, rank = a["Name"].rpartition("-stage")
+            groups.setdefault(group, {})["stage" + rank] = a["Address"]["NodeID"]
+        [ranks] = [g for g in groups.values() if "stage0-tp1" in g]  # the TP x PP app's group
+        assert sorted(ranks) == ["stage0", "stage0-tp1", "stage1", "stage1-tp1"], ranks
+        assert ranks["stage0"] == ranks["stage0-tp1"] and ranks["stage1"] == ranks["stage1-tp1"], ranks
+        assert ranks["stage0"] != ranks["stage1"], ranks
+        for prompt in PP_PROMPTS:
+            want = greedy(cluster, prompt=prompt)
+            assert want and greedy(cluster, route=TPPP_ROUTE, prompt=prompt) == want
+    finally:
+        serve.delete(name)
+
+
 def test_losing_a_stage_node_ends_the_pipeline_streams_and_a_new_group_on_the_head_serves(cluster, pp_app):
     """Killing the worker node (one stage, maybe the replica too) mid-stream: every stream of the PP replica
     ends with an error within the bound (each step needs both stages, so none can finish). Which error is set

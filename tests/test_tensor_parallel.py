@@ -139,17 +139,21 @@ def test_unshardable_models_and_unsupported_combinations_are_rejected(tiny_model
         local_engine(moe_path, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("pp,tp,bundles", [(1, 2, 2), (1, 4, 4), (2, 2, 5)])
-def test_the_app_reserves_a_bundle_per_rank_on_one_node(pp, tp, bundles):
-    """The replica (bundle 0), then one bundle per TP worker rank, or per stage and per stage TP rank with PP;
-    STRICT_PACK whatever pp_placement_strategy says, since the TP groups talk over loopback."""
+@pytest.mark.parametrize("pp,tp,bundles,strategy", [(1, 2, 2, "STRICT_PACK"), (1, 4, 4, "STRICT_PACK"),
+                                                     (2, 2, 3, "SPREAD")])
+def test_the_app_reserves_a_bundle_per_rank_or_per_stage_group(pp, tp, bundles, strategy):
+    """The replica (bundle 0), then one bundle per TP worker rank (STRICT_PACK: the group talks over
+    loopback), or with PP one bundle per stage sized for its TP group (one node per stage group), placed by
+    pp_placement_strategy."""
     from serve_app import build_app
 
     app = build_app({"device": "cpu", "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                     "pp_placement_strategy": "SPREAD"})
+                     "pp_placement_strategy": "SPREAD", "pp_stage_num_cpus": 0.5})
     replica = app._bound_deployment.init_args[0]._bound_deployment._replica_config
     assert len(replica.placement_group_bundles) == bundles
-    assert replica.placement_group_strategy == "STRICT_PACK"
+    assert replica.placement_group_strategy == strategy
+    if pp > 1:
+        assert replica.placement_group_bundles[1:] == [{"CPU": tp * 0.5}] * pp
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads 8"):
         build_app({"device": "cpu", "tensor_parallel_size": 3})
 
