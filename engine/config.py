@@ -50,6 +50,11 @@ class EngineConfig:
     # every parallel region: measured on 2 cores (SmolLM2-135M, fp32), depth 2 with the thread ran 1.35x
     # slower per token at batch 1 and ~1.15x slower at batch 32 than the same depth inline.
     cpu_executor_thread: bool | None = None
+    # Intra-op threads for CPU forwards (torch.set_num_threads in the engine's process); None = the process's
+    # default. Under Ray that default is OMP_NUM_THREADS, which Ray sets to the actor's CPU reservation (1 for
+    # a Serve replica's fractional num_cpus), so a CPU replica meant to use a node's cores must say how many:
+    # on 2 cores, 1 thread decodes SmolLM2-135M at ~61 ms a token through HTTP against ~37 with 2.
+    cpu_threads: int | None = None
     # CPU linears through oneDNN with weights packed at load (engine/models/cpu_linear.py); off = F.linear.
     cpu_onednn: bool = True
     # Pipeline parallelism (engine/pipeline, cluster/pipeline.py): the layers split over this many stage
@@ -115,6 +120,8 @@ class EngineConfig:
             raise ValueError("num_cpu_blocks/swap_space_gb (KV offload) is not supported with "
                              "pipeline_parallel_size > 1: preempted requests are soft-reset instead")
         self._check_tensor_parallel()
+        if self.cpu_threads is not None:
+            _positive("cpu_threads", self.cpu_threads)
         if self.cpu_executor_thread not in (None, True, False):
             raise ValueError(f"cpu_executor_thread must be a boolean or None (auto), got {self.cpu_executor_thread!r}")
         for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_cpu_sampling",

@@ -92,6 +92,8 @@ def test_invalid_engine_config_names_the_field(ckpt, field, value):
     ("admission_margin", "x"),  # today: TypeError
     ("cpu_kv_cache_bytes", -5),  # today: accepted, silently a 1-block KV cache
     ("cpu_executor_thread", "auto"),  # None is auto
+    ("cpu_threads", 0),
+    ("cpu_threads", 1.5),
 ])
 def test_engine_config_rejects_other_bad_fields(ckpt, field, value):
     """Rule 8 / ARCHITECTURE: every config field is validated where the config is built, by name."""
@@ -285,5 +287,26 @@ def test_cpu_forward_thread_only_when_a_core_is_spare():
         if cores > 1:
             torch.set_num_threads(cores - 1)
             assert cpu_thread_helps(None) and not cpu_thread_helps(False)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_threads_sets_the_engine_processes_intra_op_threads(ckpt):
+    """cpu_threads: the engine process's torch threads (a Ray actor's default is its CPU reservation), which
+    also decides the forward thread (no core is left when the threads take them all)."""
+    import os
+
+    import torch
+
+    from engine import LLM
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cores = len(os.sched_getaffinity(0))
+        llm = LLM(str(ckpt[0]), cpu_threads=cores)
+        assert torch.get_num_threads() == cores
+        assert llm.stats()["executor"] == "InlineExecutor"
+        llm.shutdown()
     finally:
         torch.set_num_threads(before)
