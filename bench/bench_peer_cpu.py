@@ -184,9 +184,12 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> subp
                "--no-enable-prefix-caching", "--seed", "0"]
     else:
         env.setdefault("RAY_AUTH_MODE", "disabled")
+        # --tandem-cpu-threads: the replica's intra-op threads (EngineConfig.cpu_threads); by default Ray gives
+        # the replica OMP_NUM_THREADS = its fractional CPU reservation, i.e. 1 thread, leaving a core to Serve
         app = {"model": model_dir, "served_model_name": "m", "device": "cpu",
                "engine": {"dtype": dtype, "cpu_kv_cache_bytes": int(args.kv_gib * 1024**3),
-                          "enable_prefix_caching": False, "max_model_len": 2048}}
+                          "enable_prefix_caching": False, "max_model_len": 2048,
+                          "cpu_threads": args.tandem_cpu_threads}}
         tmp = tempfile.mkdtemp(prefix="tandem_peer_ray_")
         cmd = [sys.executable, "-c", TANDEM_SERVER.format(repo=str(REPO), tmp=tmp, port=port, app=app)]
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
@@ -211,6 +214,19 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def wait_port_free(port: int, timeout_s: float = 120) -> None:
+    """Until nothing answers on `port`: a Serve app's proxy can outlive its driver for a while, and the next
+    server on the same port would otherwise look ready at once and then drop the connections."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+        except httpx.HTTPError:
+            return
+        time.sleep(1)
+    raise RuntimeError(f"port {port} still answers {timeout_s:.0f} s after its server was stopped")
 
 
 async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
@@ -264,6 +280,7 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
             c16 = [asyncio.run(http_load(port, prompts, args.max_new_tokens, 16)) for _ in range(args.http_repeats)]
         finally:
             stop_server(proc)
+            wait_port_free(port)
         rows[name] = {f"c{runs[0]['concurrency']}": {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                       for runs in (c1, c16)}
         log(f"{dtype} http {name}: {rows[name]}")
@@ -334,6 +351,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--http-repeats", type=int, default=1)
     p.add_argument("--http-c1-requests", type=int, default=8)
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: Ray's)")
     p.add_argument("--json", type=Path)
     return p.parse_args()
 
