@@ -1,10 +1,11 @@
 """Pipeline stages as Ray actors, wired together by a Ray compiled graph.
 
-One stage group per engine replica: p stage actors (engine.pipeline.StageWorker under ray.remote), each holding a contiguous slice of the layers and its
-slice of the paged KV cache (engine/pipeline/stage.py), ganged by a placement group — the Serve replica's
-own when there is one (build_app adds a bundle per stage to the deployment, sized for the stage's TP group
-under tensor parallelism), else one made here (STRICT_PACK: one node; PACK/SPREAD let the stages spread over
-nodes, a stage's TP ranks always sharing its bundle's node). The driver (the engine replica, or the
+One stage group per engine replica: p stage actors (engine.pipeline.StageWorker under ray.remote), each
+holding a contiguous slice of the layers and its slice of the paged KV cache (engine/pipeline/stage.py),
+ganged by a placement group: the Serve replica's own when there is one (build_app adds a bundle per stage
+to the deployment, sized for the stage's TP group under tensor parallelism), else one made here
+(STRICT_PACK: one node; PACK/SPREAD let the stages spread over nodes, a stage's TP ranks always sharing its
+bundle's node). The driver (the engine replica, or the
 offline LLM's process) sends each step once into the graph; every stage reads it from the graph's input,
 hidden states go stage to stage, the last stage's logits come back to the driver.
 
