@@ -8,9 +8,6 @@ switched off in turn, and with a stage actor killed mid-run.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 
 import pytest
@@ -18,6 +15,7 @@ import pytest
 import tiny_models
 from engine import LLM, EngineConfig, SamplingParams
 from engine.pipeline import LocalStageGroup, PipelineEngine, split_layers
+from ray_local import local_ray
 from test_correctness_hf import MAX_NEW, assert_matches_hf, make_prompts
 
 LAYERS = 4  # enough for 3 stages
@@ -139,17 +137,8 @@ def test_local_stages_prefix_cache_and_seeded_sampling_match_single_engine(deep_
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-
-    temp_dir = tempfile.mkdtemp(prefix="tdr", dir="/tmp")
-    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-             namespace="tandem-pp-test")
-    try:
+    with local_ray(8, "tandem-pp-test") as ray:
         yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 RAY_OPTS = dict(block_size=4, max_num_batched_tokens=16, pp_stage_num_cpus=1.0)

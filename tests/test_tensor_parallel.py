@@ -20,9 +20,6 @@ The Serve path is tests/test_tensor_parallel_serve.py.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 import time
 
 import pytest
@@ -34,6 +31,7 @@ from engine.models.tp import RowParallelLinear, TPShard, check_shardable, local_
 from engine.pipeline import LocalStageGroup, PipelineEngine
 from engine.tp import TensorParallelEngine
 from engine.tp.local import LocalTPWorkerGroup
+from ray_local import local_ray
 from test_correctness_hf import MAX_NEW, assert_matches_hf, make_prompts
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -259,17 +257,8 @@ def test_tp2_x_pp2_in_process_matches_hf(tiny_model_factory, family):
 # ---- worker ranks as Ray actors -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-
-    temp_dir = tempfile.mkdtemp(prefix="tdr", dir="/tmp")
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-             namespace="tandem-tp-test")
-    try:
+    with local_ray(4, "tandem-tp-test") as ray:
         yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_mqa_rope_scaled"])
