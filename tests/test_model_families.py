@@ -1,5 +1,6 @@
 """Gemma 2, Gemma 3 (text) and Phi-3 through the one decoder: fp32 greedy equals Hugging Face transformers'
-generate on the same tiny random weights, token for token, under the engine's hard paths.
+generate on the same tiny random weights, token for token, under the engine's hard paths (which the
+mixture-of-experts families run here too: ENGINE_PATH_FAMILIES).
 
 The tiny checkpoints (tests/tiny_models.py EXTRA_FAMILIES) make every family switch change the output:
 sliding and global layers alternate with a 12-token window (prompts reach 70 tokens), Gemma 2 soft-caps
@@ -17,6 +18,7 @@ import shutil
 import pytest
 import torch
 
+import tiny_models
 from engine import LLM, EngineConfig, SamplingParams
 from engine.models import model_spec
 from engine.models.decoder import RMSNorm, rounded
@@ -25,14 +27,17 @@ from test_correctness_hf import MAX_NEW, assert_matches_hf, hf_greedy, make_prom
 from test_pipeline_parallel import GREEDY, run_engine
 
 FAMILIES = ["gemma2", "gemma3_text", "phi3"]
+# The engine-path tests below (chunked prefill, prefix hits, KV pressure, pipeline stages) also run the
+# mixture-of-experts families; their own tests (routing, expert layouts, kernels) are tests/test_moe.py.
+ENGINE_PATH_FAMILIES = FAMILIES + list(tiny_models.MOE_FAMILIES)
 DEPTHS = [1, 2]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_PATH_FAMILIES)
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_greedy_matches_hf_with_chunked_prefill(tiny_model_factory, family, depth):
     """Prompt lengths 3..70 around the window, block_size 4, a 16-token budget: long prompts are chunked
-    and share steps with other requests' decodes."""
+    and share steps (and so, for MoE, expert groups) with other requests' decodes."""
     path, hf = tiny_model_factory(family)
     llm = LLM(str(path), pipeline_depth=depth, block_size=4, max_num_batched_tokens=16)
     prompts = make_prompts(seed=1)
@@ -56,7 +61,7 @@ def test_gemma2_on_the_other_attention_backends(tiny_model_factory, backend):
         assert_matches_hf(hf, prompt, ours)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_PATH_FAMILIES)
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_prefix_cache_hit_keeps_outputs_exact(tiny_model_factory, family, depth):
     """The same prompt twice: the second run reads its full blocks from the cache (past the window, so
@@ -72,8 +77,8 @@ def test_prefix_cache_hit_keeps_outputs_exact(tiny_model_factory, family, depth)
     assert_matches_hf(hf, prompt[:25] + [7, 8, 9], second[1])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("depth,cpu_blocks", [(1, 0), (2, 0), (2, 64)])
+@pytest.mark.parametrize("family", ENGINE_PATH_FAMILIES)
+@pytest.mark.parametrize("depth,cpu_blocks", [(1, 0), (1, 64), (2, 0), (2, 64)])
 def test_kv_pressure_preempts_and_keeps_outputs_exact(tiny_model_factory, family, depth, cpu_blocks):
     """Too few KV blocks for the batch: sequences are preempted (soft reset and recompute, or offload to
     the CPU pool and swap back) and greedy outputs are unchanged."""
@@ -121,10 +126,11 @@ def test_phi3_longrope_short_and_long_factors(tiny_model_factory):
         assert_matches_hf(hf, prompt, ours)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_PATH_FAMILIES)
 def test_two_pipeline_stages_match_hf(tiny_model_factory, family):
     """4 layers over 2 in-process stages: each stage holds its own layers' windows (Gemma's alternation
-    continues across the split), the tied head lives on the last stage."""
+    continues across the split), the tied head lives on the last stage, and each stage builds routed or
+    dense MLPs by global layer index (Qwen3-MoE's layers 1 and 3 route: one of each per stage)."""
     path, hf = tiny_model_factory(family, num_hidden_layers=4)
     prompts = make_prompts(seed=1, lengths=(3, 17, 40))
     cfg = EngineConfig(model=str(path), block_size=4, max_num_batched_tokens=16, pipeline_parallel_size=2)

@@ -1,7 +1,8 @@
 """Mixture-of-experts (Qwen2-MoE, Qwen3-MoE, Mixtral) through the one decoder: fp32 greedy equals Hugging Face
-transformers' generate on the same tiny random weights, token for token, under the engine's hard paths; the
-grouped expert path equals a per-token reference; the Triton fused-MoE kernels (interpreted on CPU) equal the
-grouped path and compile for sm_90.
+transformers' generate on the same tiny random weights, token for token (the engine's hard paths, chunked
+prefill, prefix hits, KV pressure and pipeline stages, run with the other families in
+tests/test_model_families.py); both checkpoint layouts load; the grouped expert path equals a per-token
+reference; the Triton fused-MoE kernels (interpreted on CPU) equal the grouped path and compile for sm_90.
 
 The tiny checkpoints (tests/tiny_models.py MOE_FAMILIES) route each token to 2 of 6 experts with random
 routers, norms and biases; Qwen2-MoE has a shared expert, norm_topk_prob false and a dense layer
@@ -22,68 +23,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import tiny_models
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, SamplingParams
 from engine.models import model_spec
 from engine.models.moe import MoESpec, grouped_experts, route
-from engine.pipeline import LocalStageGroup, PipelineEngine
-from test_correctness_hf import MAX_NEW, assert_matches_hf, hf_greedy, make_prompts, run
-from test_pipeline_parallel import GREEDY, run_engine
+from test_correctness_hf import assert_matches_hf, hf_greedy, make_prompts, run
 
 FAMILIES = list(tiny_models.MOE_FAMILIES)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("depth", [1, 2])
-def test_greedy_matches_hf_with_chunked_prefill(tiny_model_factory, family, depth):
-    """Prompts of 3..70 tokens, block_size 4, a 16-token budget: long prompts are chunked and share steps
-    (and so expert groups) with other requests' decodes."""
-    path, hf = tiny_model_factory(family)
-    llm = LLM(str(path), pipeline_depth=depth, block_size=4, max_num_batched_tokens=16)
-    prompts = make_prompts(seed=1, lengths=(3, 9, 33, 70))
-    for prompt, ours in zip(prompts, run(llm, prompts)):
-        assert_matches_hf(hf, prompt, ours)
-    assert llm.stats()["steps"] > MAX_NEW  # the budget forced more steps than an unchunked run needs
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("depth", [1, 2])
-def test_prefix_cache_hit_keeps_outputs_exact(tiny_model_factory, family, depth):
-    path, hf = tiny_model_factory(family)
-    llm = LLM(str(path), pipeline_depth=depth, block_size=4, max_num_batched_tokens=32)
-    prompt = make_prompts(seed=2, lengths=(31,))[0]
-    first = run(llm, [prompt])
-    second = run(llm, [prompt, prompt[:25] + [7, 8, 9]])
-    assert llm.stats()["prefix_cache_hit_tokens"] >= 28 + 24  # 7 full blocks, then 6 of the shared prefix
-    assert second[0] == first[0]
-    assert_matches_hf(hf, prompt, first[0])
-    assert_matches_hf(hf, prompt[:25] + [7, 8, 9], second[1])
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("depth,cpu_blocks", [(1, 64), (2, 0), (2, 64)])
-def test_kv_pressure_preempts_and_keeps_outputs_exact(tiny_model_factory, family, depth, cpu_blocks):
-    """Too few KV blocks: sequences are preempted (recomputed, or offloaded to the CPU pool and swapped back)."""
-    path, hf = tiny_model_factory(family)
-    llm = LLM(str(path), pipeline_depth=depth, block_size=4, num_kv_blocks=14, admission_margin=0.0,
-              num_cpu_blocks=cpu_blocks)
-    prompts = make_prompts(seed=6, lengths=(10, 11, 12, 13))
-    for prompt, ours in zip(prompts, run(llm, prompts)):
-        assert_matches_hf(hf, prompt, ours)
-    stats = llm.stats()
-    assert stats["num_preemptions"] > 0
-    assert (stats["num_offloads"] > 0) == (cpu_blocks > 0)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_two_pipeline_stages_match_hf(tiny_model_factory, family):
-    """4 layers over 2 in-process stages; each stage builds routed or dense MLPs by global layer index (for
-    Qwen3-MoE layers 1 and 3 route, so each stage holds one of each)."""
-    path, hf = tiny_model_factory(family, num_hidden_layers=4)
-    prompts = make_prompts(seed=1, lengths=(3, 17, 40))
-    cfg = EngineConfig(model=str(path), block_size=4, max_num_batched_tokens=16, pipeline_parallel_size=2)
-    engine = PipelineEngine(cfg, LocalStageGroup)
-    for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
-        assert_matches_hf(hf, prompt, out.token_ids)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
