@@ -33,22 +33,20 @@ from engine.tp import TensorParallelEngine
 from engine.tp.local import LocalTPWorkerGroup
 from ray_local import local_ray
 from test_correctness_hf import MAX_NEW, assert_matches_hf, make_prompts
+from test_pipeline_parallel import GREEDY, run_engine
 
-GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
 OPTS = dict(device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=8, tensor_parallel_size=2)
 
 
-def run_engine(engine, prompts, params=GREEDY) -> list:
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
+def finish_failed(engine, ids: list[str], timeout_s: float = 30) -> None:
+    """Step a broken engine until every request in `ids` has ended: each with an error, none hanging."""
+    finished, deadline = {}, time.monotonic() + timeout_s
+    while engine.has_unfinished() and time.monotonic() < deadline:
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out
-    engine.check_integrity()
-    stats = engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], "blocks leaked after all requests finished"
-    return [done[i] for i in ids]
+                finished[out.request_id] = out
+    assert set(finished) == set(ids), "every in-flight request must end, none may hang"
+    assert all(o.finish_reason == "abort" and o.error for o in finished.values())
 
 
 def local_engine(path, **kw) -> TensorParallelEngine:
@@ -175,7 +173,7 @@ def test_tp2_in_process_matches_hf(tiny_model_factory, family):
         assert engine.stats()["tensor_parallel_size"] == 2
         if family == "qwen3":
             assert engine.runner.memory is not None and engine.stats()["kv_blocks_total"] > 24
-        for prompt, out in zip(prompts, run_engine(engine, prompts)):
+        for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
             assert_matches_hf(hf, prompt, out.token_ids)
         assert engine.stats()["tp_collectives"] > 0
     finally:
@@ -214,10 +212,10 @@ def test_an_idle_group_outlives_the_step_timeout(tiny_model_factory):
     prompts = make_prompts(seed=22, lengths=(6,))
     engine = local_engine(path, stall_timeout_s=0.5)
     try:
-        assert_matches_hf(hf, prompts[0], run_engine(engine, prompts)[0].token_ids)
+        assert_matches_hf(hf, prompts[0], run_engine(engine, prompts, GREEDY)[0].token_ids)
         time.sleep(1.5)
         assert engine.health_error() is None
-        assert_matches_hf(hf, prompts[0], run_engine(engine, prompts)[0].token_ids)
+        assert_matches_hf(hf, prompts[0], run_engine(engine, prompts, GREEDY)[0].token_ids)
     finally:
         engine.shutdown()
 
@@ -229,7 +227,7 @@ def test_skipping_the_row_parallel_all_reduce_breaks_equality(tiny_model_factory
     prompts = make_prompts(seed=21, lengths=(5, 19))
     engine = local_engine(path)
     try:
-        outs = run_engine(engine, prompts)
+        outs = run_engine(engine, prompts, GREEDY)
     finally:
         engine.shutdown()
     with pytest.raises(AssertionError):
@@ -246,7 +244,7 @@ def test_tp2_x_pp2_in_process_matches_hf(tiny_model_factory, family):
     try:
         assert "x tensor parallel 2" in engine.stats()["attention_backend"]
         prompts = make_prompts(seed=23, lengths=(5, 19, 40))
-        for prompt, out in zip(prompts, run_engine(engine, prompts)):
+        for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
             assert_matches_hf(hf, prompt, out.token_ids)
     finally:
         engine.shutdown()
@@ -311,13 +309,7 @@ def test_killed_worker_fails_requests_and_marks_the_engine_unhealthy(ray_cluster
             engine.step()
         assert engine.health_error() is None
         ray.kill(engine.runner.workers.actors[0])
-        finished, deadline = {}, time.monotonic() + 30
-        while engine.has_unfinished() and time.monotonic() < deadline:
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        assert set(finished) == set(ids), "every in-flight request must end, none may hang"
-        assert all(o.finish_reason == "abort" and o.error for o in finished.values())
+        finish_failed(engine, ids)
         assert "tensor-parallel" in engine.health_error()
         engine.check_integrity()  # their blocks were freed
         with pytest.raises(RuntimeError, match="unhealthy"):
@@ -352,13 +344,7 @@ def test_ray_tp2_x_pp2_killed_stage_rank_fails_requests_and_marks_the_engine_unh
         for _ in range(6):
             engine.step()
         ray.kill(engine.runner.stages.followers[1])  # the last stage's TP rank 1
-        finished, deadline = {}, time.monotonic() + 30
-        while engine.has_unfinished() and time.monotonic() < deadline:
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        assert set(finished) == set(ids), "every in-flight request must end, none may hang"
-        assert all(o.finish_reason == "abort" and o.error for o in finished.values())
+        finish_failed(engine, ids)
         assert engine.health_error() is not None
     finally:
         llm.shutdown()
