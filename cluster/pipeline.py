@@ -51,6 +51,17 @@ def stage_bundles(num_stages: int, device: str, stage_num_cpus: float, tp: int =
             for _ in range(num_stages)]
 
 
+def release(actors: list, own_pg) -> None:
+    """Kill a group's actors and remove the placement group it made for itself (None: it ran in the Serve
+    replica's, which Serve removes); nothing to do once the Ray session is gone, its actors with it."""
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        ray.kill(actor)
+    if own_pg is not None:
+        remove_placement_group(own_pg)
+
+
 class RayStageGroup:
     """The StageGroup (engine/pipeline/runner.py) of Ray actors driven through a compiled graph.
 
@@ -163,13 +174,8 @@ class RayStageGroup:
                 logger.debug("compiled graph teardown failed", exc_info=True)
         actors, self.actors = getattr(self, "actors", []) + getattr(self, "followers", []), []
         self.followers, self._follows = [], []
-        if not ray.is_initialized():  # the session is gone, and its actors with it
-            return
-        for actor in actors:
-            ray.kill(actor)
-        if self._own_pg is not None:
-            remove_placement_group(self._own_pg)
-            self._own_pg = None
+        own_pg, self._own_pg = self._own_pg, None
+        release(actors, own_pg)
 
 
 class _StageFollower(StageWorker):

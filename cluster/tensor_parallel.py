@@ -18,9 +18,10 @@ import logging
 import uuid
 
 import ray
-from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
+from ray.util.placement_group import get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.pipeline import release
 from engine.tp.comm import START_TIMEOUT_S, GroupComm, open_store
 from engine.tp.worker import TPWorker, TPWorkerSpec
 
@@ -91,13 +92,8 @@ class RayTPWorkerGroup:
 
     def shutdown(self) -> None:
         actors, self.actors, self.loops = getattr(self, "actors", []), [], []
-        if not ray.is_initialized():
-            return
-        for actor in actors:
-            ray.kill(actor)
-        if self._own_pg is not None:
-            remove_placement_group(self._own_pg)
-            self._own_pg = None
+        own_pg, self._own_pg = self._own_pg, None
+        release(actors, own_pg)
 
 
 class _RayTPWorker(TPWorker):
