@@ -62,8 +62,9 @@ if AVAILABLE:
         tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
 
     @triton.jit
-    def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        # The interpreter's 16-bit float dot is wrong (triton 3.9): there, multiply in fp32 instead.
+    def safe_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        # The interpreter's 16-bit float dot is wrong (triton 3.9): there, multiply in fp32 instead. Shared
+        # with the fused-MoE kernels (engine/models/moe_triton.py).
         if UPCAST:
             out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
@@ -142,7 +143,7 @@ if AVAILABLE:
             in_blk = offs_n % BLOCK_SIZE
             k = tl.load(kc_ptr + (blk * stride_kb + in_blk * stride_ks + kvh * stride_kh)[None, :]
                         + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
-            s = _dot(q, k, PRECISION, UPCAST) * scale  # [M, N] fp32
+            s = safe_dot(q, k, PRECISION, UPCAST) * scale  # [M, N] fp32
             if SOFTCAP:  # cap * tanh(s / cap), tanh through exp (tl has no tanh); saturates to +-cap
                 s = softcap - 2.0 * softcap / (tl.exp(2.0 * s / softcap) + 1.0)
             ok = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
@@ -156,7 +157,7 @@ if AVAILABLE:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vc_ptr + (blk * stride_vb + in_blk * stride_vs + kvh * stride_vh)[:, None]
                         + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+            acc = acc * alpha[:, None] + safe_dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
 
         row = (q_start + tok).to(tl.int64)

@@ -21,22 +21,14 @@ Triton: without it `AVAILABLE` is False. scripts/compile_kernels.py compiles the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # optional, as in engine/attention/triton_paged.py
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the CPU torch build may ship without Triton
-    triton = None
-    tl = None
-
-AVAILABLE = triton is not None
-INTERPRETED = AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
+# Triton is optional (the CPU torch build ships without it): the attention kernels' module owns the import,
+# whether the interpreter runs it, and the dot product that works around the interpreter's bf16 bug.
+from engine.attention.triton_paged import AVAILABLE, INTERPRETED, tl, triton
 
 if AVAILABLE:
+    from engine.attention.triton_paged import safe_dot
 
     @triton.jit
     def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
@@ -70,11 +62,11 @@ if AVAILABLE:
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
             w_mask = k_ok[:, None] & n_ok[None, :]
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)  # [BK, BN]
-            acc += _dot(a, w, PRECISION, UPCAST)
+            acc += safe_dot(a, w, PRECISION, UPCAST)
             if GATED:
                 w_up = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None], mask=w_mask,
                                other=0.0)
-                acc_up += _dot(a, w_up, PRECISION, UPCAST)
+                acc_up += safe_dot(a, w_up, PRECISION, UPCAST)
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # SiLU(gate) * up, in fp32
         if WEIGHTED:
@@ -82,14 +74,6 @@ if AVAILABLE:
         c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
-    def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        # The interpreter's 16-bit float dot is wrong (triton 3.9): there, multiply in fp32 instead.
-        if UPCAST:
-            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            out = tl.dot(a, b, input_precision=PRECISION)
-        return out
 
 
 def _pow2(n: int) -> int:
