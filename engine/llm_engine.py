@@ -26,6 +26,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.cpu_block_pool import CpuBlockPool
 from engine.detokenizer import IncrementalDetokenizer, token_texts
+from engine.executor import release_openmp_threads
 from engine.kv_offload import KVSwapError
 from engine.lora.registry import AdapterRegistry
 from engine.lora.request import LoRARequest
@@ -633,8 +634,11 @@ def create_engine(config: EngineConfig) -> LLMEngine:
     imports Ray or cluster/. The tensor-parallel engine's Ray workers come through the same entry point; a
     simulated device models tensor parallelism in its cost model instead (engine/sim), so it stays here."""
     if config.pipeline_parallel_size > 1 or (config.tensor_parallel_size > 1 and config.device != "sim"):
-        return engine_plugin("pipeline")(config)
-    return LLMEngine(config)
+        engine = engine_plugin("pipeline")(config)
+    else:
+        engine = LLMEngine(config)
+    release_openmp_threads()  # forwards may run on another thread (AsyncLLM's loop): see there
+    return engine
 
 
 def engine_plugin(name: str):

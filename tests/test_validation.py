@@ -3,6 +3,7 @@ never harms the engine (nothing queued, no KV blocks held, the next request runs
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -310,3 +311,51 @@ def test_cpu_threads_sets_the_engine_processes_intra_op_threads(ckpt):
         llm.shutdown()
     finally:
         torch.set_num_threads(before)
+
+
+
+OPENMP_TEAMS_PROBE = """
+import os, sys, time
+import torch
+from engine import LLM
+from engine.config import DEFAULT_MODEL_DIR
+from engine.executor import _omp_pause_resource_all, release_openmp_threads
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+def settle(expect):  # a released team's threads exit just after the call returns
+    for _ in range(200):
+        if tasks() == expect:
+            return expect
+        time.sleep(0.01)
+    return tasks()
+
+big = torch.ones(1 << 20)
+assert _omp_pause_resource_all() is not None, "no OpenMP runtime found"
+big.add_(1)  # this thread's team: 1 worker beside it (OMP_NUM_THREADS=2)
+with_team = tasks()
+release_openmp_threads()
+print("released", with_team - settle(with_team - 1))
+big.add_(1)
+print("restarted", settle(with_team) - (with_team - 1))
+llm = LLM(str(DEFAULT_MODEL_DIR), device="cpu")  # builds on this thread: its regions start a team here
+after_build = tasks()
+big.add_(1)
+print("team after build", settle(after_build + 1) - after_build)
+"""
+
+
+def test_an_engine_leaves_no_openmp_team_on_the_thread_that_built_it():
+    """OpenMP gives each thread that opens parallel regions its own team; with more team threads than cores
+    every team sleeps between regions instead of spinning, so an engine stepped on another thread than the
+    one that built it (AsyncLLM's loop) ran every region through a futex wake-up. The builder's team is
+    released once the engine is built: the next region on that thread has to start a worker again."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", OPENMP_TEAMS_PROBE], env={**os.environ, "OMP_NUM_THREADS": "2"},
+                         capture_output=True, text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.rsplit(" ", 1) for line in out.stdout.strip().splitlines()[-3:])
+    assert lines == {"released": "1", "restarted": "1", "team after build": "1"}, out.stdout
