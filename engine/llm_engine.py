@@ -78,6 +78,8 @@ class LLMEngine:
         token_texts(self.tokenizer.backend_tokenizer, True)  # the detokenizer's table, built now, not mid-request
         num_cpu_blocks = self._num_cpu_blocks()
         self.runner, num_blocks = self._make_runner(num_cpu_blocks)
+        # EngineConfig.pipeline_depth, resolved: None is 2 where the forward overlaps the loop, else 1
+        self.pipeline_depth = self.config.pipeline_depth or (2 if self.runner.forward_overlaps_loop else 1)
         self.device = self.runner.device  # where sampling runs (the driver's CPU under pipeline parallelism)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
@@ -299,7 +301,7 @@ class LLMEngine:
             t1 = clock()
             self.runner.finalize(launched)
             ht["finalize"] += clock() - t1
-            if self.config.pipeline_depth == 1:
+            if self.pipeline_depth == 1:
                 outputs += self._commit(launched)
             else:
                 self.inflight = launched
@@ -546,7 +548,7 @@ class LLMEngine:
             "num_waiting": len(sched.waiting), "num_running": len(sched.running),
             "num_swapped": len(sched.swapped),
             "device": str(self.compute_device), "dtype": str(self.dtype).removeprefix("torch."),
-            "pipeline_depth": self.config.pipeline_depth, "num_compiling": len(self.compiling),
+            "pipeline_depth": self.pipeline_depth, "num_compiling": len(self.compiling),
             "executor": type(self.runner.executor).__name__,
             "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
             "cuda_graph_max_batch_size": self.runner.max_graph_batch_size(),

@@ -53,9 +53,10 @@ class ModelRunner(StepRunner):
                  dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0):
         if device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)  # before cpu_thread_helps reads it
-        threaded = config.pipeline_depth > 1 and cpu_thread_helps(config.cpu_executor_thread)
+        threaded = config.pipeline_depth != 1 and cpu_thread_helps(config.cpu_executor_thread)
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len),
                          make_executor(device, threaded))
+        self.forward_overlaps_loop = device.type == "cuda" or threaded
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size,
                                             softcap=spec.attn_softcap is not None)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)

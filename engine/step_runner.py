@@ -46,6 +46,9 @@ class StepRunner:
         self.block_size = config.block_size
         self.limits = limits
         self.executor = executor
+        # Whether a launched forward runs beside the engine loop (what pipeline_depth=None picks 2 for); the CPU
+        # ModelRunner with its forward inline on the loop thread says False.
+        self.forward_overlaps_loop = True
         self.sampler = Sampler(config.seed, device)
         self.slots = [DecodeSlot(i, limits, spec.vocab_size, device, logits=slot_logits, transfer=transfer)
                       for i in range(num_slots)]

@@ -95,6 +95,8 @@ def test_invalid_engine_config_names_the_field(ckpt, field, value):
     ("cpu_executor_thread", "auto"),  # None is auto
     ("cpu_threads", 0),
     ("cpu_threads", 1.5),
+    ("pipeline_depth", 3),
+    ("pipeline_depth", True),
 ])
 def test_engine_config_rejects_other_bad_fields(ckpt, field, value):
     """Rule 8 / ARCHITECTURE: every config field is validated where the config is built, by name."""
@@ -312,6 +314,27 @@ def test_cpu_threads_sets_the_engine_processes_intra_op_threads(ckpt):
     finally:
         torch.set_num_threads(before)
 
+
+
+
+@pytest.mark.parametrize("depth,thread,resolved", [(None, False, 1), (None, True, 2), (2, False, 2), (1, True, 1)])
+def test_pipeline_depth_auto_defers_commits_only_when_the_forward_overlaps_the_loop(ckpt, depth, thread, resolved):
+    """pipeline_depth=None: 2 (the prefill's first token commits one tick later, under the next forward) with a
+    forward thread, 1 (it commits in the tick that computed it) when the forward runs inline on the loop thread,
+    where deferring the commit overlaps nothing. An explicit depth is kept either way."""
+    from engine import LLM
+
+    llm = LLM(str(ckpt[0]), device="cpu", pipeline_depth=depth, cpu_executor_thread=thread)
+    try:
+        assert llm.stats()["executor"] == ("SerialExecutor" if thread and depth != 1 else "InlineExecutor")
+        assert llm.stats()["pipeline_depth"] == resolved
+        llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0), stream=True)
+        first_tick = llm.engine.step()
+        assert len(first_tick) == (1 if resolved == 1 else 0)
+        outputs = first_tick + [o for _ in range(8) for o in llm.engine.step()]
+        assert [len(o.token_ids) for o in outputs] == [1, 2, 3, 4]
+    finally:
+        llm.shutdown()
 
 
 OPENMP_TEAMS_PROBE = """
