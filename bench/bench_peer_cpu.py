@@ -189,7 +189,7 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> subp
         app = {"model": model_dir, "served_model_name": "m", "device": "cpu",
                "engine": {"dtype": dtype, "cpu_kv_cache_bytes": int(args.kv_gib * 1024**3),
                           "enable_prefix_caching": False, "max_model_len": 2048,
-                          "cpu_threads": args.tandem_cpu_threads}}
+                          "cpu_threads": args.tandem_cpu_threads, "stream_interval": args.tandem_stream_interval}}
         tmp = tempfile.mkdtemp(prefix="tandem_peer_ray_")
         cmd = [sys.executable, "-c", TANDEM_SERVER.format(repo=str(REPO), tmp=tmp, port=port, app=app)]
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
@@ -352,6 +352,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--http-c1-requests", type=int, default=8)
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: Ray's)")
+    p.add_argument("--tandem-stream-interval", type=int, default=1,
+                   help="the Tandem replica's stream_interval (tokens per streamed event; default 1, vLLM's)")
     p.add_argument("--json", type=Path)
     return p.parse_args()
 

@@ -104,6 +104,7 @@ class LLMEngine:
         # "wait" is the commit blocked on the device (not host work).
         self.host_time = dict.fromkeys(HOST_PHASES, 0.0)
         self._block_size, self._caching = config.block_size, config.enable_prefix_caching  # read per token
+        self._stream_interval = config.stream_interval
         self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
         self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
         self.fault: str | None = None  # set once the device raised an error: the engine serves no more
@@ -431,7 +432,8 @@ class LLMEngine:
         seq = req.seq
         if seq.finish_reason is not None and not seq.finalized:
             return self._finish(req, seq.finish_reason)
-        if req.stream and seq.num_output_tokens > seq.num_emitted_tokens and \
+        new = seq.num_output_tokens - seq.num_emitted_tokens
+        if req.stream and new > 0 and (new >= self._stream_interval or seq.num_emitted_tokens == 0) and \
                 (req.sink is None or req.sink.items[seq.index] is None):  # read across threads: a stale value only
             return self._output(seq)                            # delays or merges an output, never loses one
         return None

@@ -95,6 +95,7 @@ def test_invalid_engine_config_names_the_field(ckpt, field, value):
     ("cpu_executor_thread", "auto"),  # None is auto
     ("cpu_threads", 0),
     ("cpu_threads", 1.5),
+    ("stream_interval", 0),
     ("pipeline_depth", 3),
     ("pipeline_depth", True),
 ])
