@@ -6,8 +6,10 @@ asyncio queue back to this actor's event loop and on to the caller.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from engine import AsyncLLM, EngineConfig
@@ -19,6 +21,18 @@ from cluster.protocol import GenerateChunk, GenerateRequest
 logger = logging.getLogger("ray.serve")
 
 
+def replica_engine_config(engine_config: dict, all_cores: bool) -> EngineConfig:
+    """The replica's engine config. `all_cores` (the app's only engine replica, on CPU, with neither
+    cpu_threads nor replica_num_cpus given): the forward's threads are every core this process may run on,
+    as vLLM's CPU server takes them, instead of the OMP_NUM_THREADS Ray derives from the replica's fractional
+    CPU reservation (1). 2-core VM, SmolLM2-135M bf16 through HTTP: 1 stream 36.8 -> 30.1 ms a token,
+    16 streams 186 -> 221 tok/s (README "Real model, CPU")."""
+    config = EngineConfig(**engine_config)
+    if all_cores and config.cpu_threads is None:
+        config = dataclasses.replace(config, cpu_threads=len(os.sched_getaffinity(0)))
+    return config
+
+
 class EngineRequestError(RuntimeError):
     """The engine ended a request because of a failure, not because the client or a limit stopped it."""
 
@@ -26,8 +40,8 @@ class EngineRequestError(RuntimeError):
 class EngineReplica:
     """One engine per replica: one GPU when CUDA is visible (inside the actor it is cuda:0), else CPU."""
 
-    def __init__(self, engine_config: dict):
-        self.config = EngineConfig(**engine_config)
+    def __init__(self, engine_config: dict, all_cores: bool = False):
+        self.config = replica_engine_config(engine_config, all_cores)
         self.llm = AsyncLLM(self.config)
         self.metrics = EngineMetrics(self.llm)
         # Everything alive now (model, tokenizer, libraries) lives as long as the replica: keep it out of the

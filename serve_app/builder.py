@@ -162,7 +162,12 @@ def build_app(args: dict | None = None) -> serve.Application:
     max_model_len = min(engine_cfg.max_model_len or model_spec(hf_config).max_position_embeddings,
                         model_spec(hf_config).max_position_embeddings)
     check_shardable(model_spec(hf_config), engine_cfg.tensor_parallel_size)  # a bad split fails here, not in Serve
-    engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg))
+    # The app's only engine replica on CPU takes the node's cores (cluster/replica.py); with several, or a CPU
+    # reservation of the user's, each replica keeps the threads Ray gives it (its CPU reservation).
+    all_cores = device == "cpu" and engine_cfg.cpu_threads is None and cfg.replica_num_cpus is None and \
+        not cfg.autoscaling and (cfg.num_replicas or 1) == 1 and engine_cfg.pipeline_parallel_size == 1 and \
+        engine_cfg.tensor_parallel_size == 1
+    engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg), all_cores)
     scaling: dict[str, Any] = {"num_replicas": cfg.ingress_replicas}
     if cfg.ingress_max_replicas is not None and cfg.ingress_max_replicas > cfg.ingress_replicas:
         scaling = {"autoscaling_config": AutoscalingConfig(
