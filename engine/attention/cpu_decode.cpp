@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -72,6 +73,27 @@ inline __m512 dots16(const float* q, const T* k, int64_t stride, int64_t m) {
   }
   return sum16(acc);
 }
+
+#if defined(__AVX512BF16__)
+#define TANDEM_AVX512_BF16 1
+// dots16 for bf16 q and K with AVX512-BF16: each VDPBF16PS multiplies 32 bf16 pairs and adds them into 16
+// fp32 lanes, so a K row is read and multiplied without widening it to fp32 first (the widening made the
+// bf16 scores cost more than fp32's, per byte). The products of two bf16 values are exact in fp32; the sums
+// are fp32 as before, in another order. q is the model's own bf16 (unscaled: the caller scales the sums).
+template <int DIM>
+inline __m512 dots16_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t stride, int64_t m) {
+  __m512bh qv[DIM / 32];
+  __m512 acc[16];
+  for (int c = 0; c < DIM / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int r = 0; r < 16; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    if (r < m)
+      for (int c = 0; c < DIM / 32; ++c)
+        acc[r] = _mm512_dpbf16_ps(acc[r], qv[c], (__m512bh)_mm512_loadu_si512(k + r * stride + 32 * c));
+  }
+  return sum16(acc);
+}
+#endif
 
 // out += sum_r s[r] * v_r over the m rows v_r = v + r * stride, out held in registers throughout.
 template <int DIM, typename T>
@@ -148,9 +170,17 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           for (int64_t c0 = 0; c0 < cnt; c0 += 16) {
             const int64_t m = std::min<int64_t>(16, cnt - c0);
             const T* rows = kp + (r0 + c0) * row_stride + h0 * DIM;
-            for (int64_t j = 0; j < hs; ++j)
-              _mm512_mask_storeu_ps(scores.data() + j * n + (t0 + c0 - first), __mmask16((1u << m) - 1),
-                                    dots16<DIM>(qf.data() + j * DIM, rows + (j / group) * DIM, row_stride, m));
+            for (int64_t j = 0; j < hs; ++j) {
+              __m512 d;
+#ifdef TANDEM_AVX512_BF16
+              if constexpr (std::is_same_v<T, at::BFloat16>)
+                d = _mm512_mul_ps(dots16_bf16<DIM>(qp + (b * heads + h0 * group + j) * DIM, rows + (j / group) * DIM,
+                                                   row_stride, m), _mm512_set1_ps(float(scale)));
+              else
+#endif
+                d = dots16<DIM>(qf.data() + j * DIM, rows + (j / group) * DIM, row_stride, m);
+              _mm512_mask_storeu_ps(scores.data() + j * n + (t0 + c0 - first), __mmask16((1u << m) - 1), d);
+            }
           }
         });
       } else
