@@ -273,7 +273,9 @@ def test_ray_tp2_matches_hf_under_chunked_prefill_kv_pressure_and_prefix_hits(ra
             assert_matches_hf(hf, prompt, out.token_ids)
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and stats["num_soft_resets"] > 0
-        extended = [p + [7, 8, 9] for p in prompts[:3]]
+        # the last prompts: under this KV pressure the first ones' blocks are the LRU's first victims, and whether
+        # any survive depends on the step order (none did once pipeline_depth resolved to 1 here)
+        extended = [p + [7, 8, 9] for p in prompts[-3:]]
         for prompt, out in zip(extended, llm.generate(extended, GREEDY)):
             assert_matches_hf(hf, prompt, out.token_ids)
         assert llm.stats()["prefix_cache_hit_tokens"] > stats["prefix_cache_hit_tokens"]
