@@ -316,8 +316,6 @@ def test_cpu_threads_sets_the_engine_processes_intra_op_threads(ckpt):
         torch.set_num_threads(before)
 
 
-
-
 @pytest.mark.parametrize("depth,thread,resolved", [(None, False, 1), (None, True, 2), (2, False, 2), (1, True, 1)])
 def test_pipeline_depth_auto_defers_commits_only_when_the_forward_overlaps_the_loop(ckpt, depth, thread, resolved):
     """pipeline_depth=None: 2 (the prefill's first token commits one tick later, under the next forward) with a
@@ -339,7 +337,7 @@ def test_pipeline_depth_auto_defers_commits_only_when_the_forward_overlaps_the_l
 
 
 OPENMP_TEAMS_PROBE = """
-import os, sys, time
+import os, time
 import torch
 from engine import LLM
 from engine.config import DEFAULT_MODEL_DIR
