@@ -61,7 +61,6 @@ def test_concurrent_streams_match_offline_outputs(allm, model_dir):
         assert len(outs) > 1  # streamed as committed, not only at the end
 
 
-
 @pytest.mark.parametrize("interval", [1, 3, 5])
 def test_stream_interval_emits_the_first_token_then_every_n_then_the_rest(model_dir, interval):
     """stream_interval (vLLM's): a streamed request's first token goes out at once, then one output per
@@ -84,6 +83,7 @@ def test_stream_interval_emits_the_first_token_then_every_n_then_the_rest(model_
         assert sum((o.delta_token_ids for o in outs[rid]), []) == outs[rid][-1].token_ids == exp.token_ids
         assert "".join(o.delta_text for o in outs[rid]) == exp.text
         assert outs[rid][-1].finished and not any(o.finished for o in outs[rid][:-1])
+
 
 def test_leaving_the_stream_aborts_and_frees_blocks(allm):
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)

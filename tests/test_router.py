@@ -313,7 +313,6 @@ def test_engine_fields_at_top_level_or_nested():
     assert engine_deployment(app).max_ongoing_requests == 8  # defaults to what one engine batches
 
 
-
 def test_the_only_cpu_engine_replica_takes_every_core_unless_told_otherwise():
     """A lone CPU replica's forward uses every core (Ray would give it OMP_NUM_THREADS=1 for its fractional
     reservation); several replicas, a CPU reservation or cpu_threads of the user's keep Ray's threads."""
@@ -329,6 +328,7 @@ def test_the_only_cpu_engine_replica_takes_every_core_unless_told_otherwise():
     assert replica_engine_config({"device": "cpu"}, True).cpu_threads == cores
     assert replica_engine_config({"device": "cpu", "cpu_threads": 1}, True).cpu_threads == 1
     assert replica_engine_config({"device": "cpu"}, False).cpu_threads is None
+
 
 def test_unknown_engine_field_rejected_listing_valid_names():
     with pytest.raises(ValueError) as exc:
