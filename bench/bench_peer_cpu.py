@@ -184,8 +184,8 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> subp
                "--no-enable-prefix-caching", "--seed", "0"]
     else:
         env.setdefault("RAY_AUTH_MODE", "disabled")
-        # --tandem-cpu-threads: the replica's intra-op threads (EngineConfig.cpu_threads); by default Ray gives
-        # the replica OMP_NUM_THREADS = its fractional CPU reservation, i.e. 1 thread, leaving a core to Serve
+        # --tandem-cpu-threads: the replica's intra-op threads (EngineConfig.cpu_threads); by default the app's
+        # only CPU engine replica takes every core, as vLLM's server does (cluster/replica.py)
         app = {"model": model_dir, "served_model_name": "m", "device": "cpu",
                "engine": {"dtype": dtype, "cpu_kv_cache_bytes": int(args.kv_gib * 1024**3),
                           "enable_prefix_caching": False, "max_model_len": 2048,
@@ -351,7 +351,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--http-repeats", type=int, default=1)
     p.add_argument("--http-c1-requests", type=int, default=8)
     p.add_argument("--skip-offline", action="store_true")
-    p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: Ray's)")
+    p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: every core)")
     p.add_argument("--tandem-stream-interval", type=int, default=1,
                    help="the Tandem replica's stream_interval (tokens per streamed event; default 1, vLLM's)")
     p.add_argument("--json", type=Path)

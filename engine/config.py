@@ -63,8 +63,8 @@ class EngineConfig:
     cpu_executor_thread: bool | None = None
     # Intra-op threads for CPU forwards (torch.set_num_threads in the engine's process); None = the process's
     # default. Under Ray that default is OMP_NUM_THREADS, which Ray sets to the actor's CPU reservation (1 for
-    # a Serve replica's fractional num_cpus), so a CPU replica meant to use a node's cores must say how many
-    # (2-core VM, SmolLM2-135M fp32 through HTTP: 61 ms a token with Ray's 1 thread, 56 with 2; README).
+    # a Serve replica's fractional num_cpus); an app's only CPU engine replica takes every core of its node
+    # instead (cluster/replica.py), and with several replicas on a node this splits its cores between them.
     cpu_threads: int | None = None
     # CPU linears through oneDNN with weights packed at load (engine/models/cpu_linear.py); off = F.linear.
     cpu_onednn: bool = True
