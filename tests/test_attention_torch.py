@@ -101,13 +101,14 @@ def test_cpu_decode_kernel_builds_here():
     assert cpu_native.load() is not None
 
 
-@pytest.mark.parametrize("dim", [64, 128, 48])  # 64 / 128: scores by AVX512-BF16 dot products where the CPU has them
-@pytest.mark.parametrize("softcap", [None, 2.0])
-def test_cpu_decode_kernel_bf16_within_tolerance(softcap, dim):
-    """bf16 cache and queries, fp32 accumulation (soft-capped scores too): within bf16 rounding of the fp64
-    dense reference."""
+@pytest.mark.parametrize("dim", [64, 128, 48])  # 64 / 128: AVX512-BF16 dot products (scores and values) where
+@pytest.mark.parametrize("softcap", [None, 2.0])  # the CPU has them; 48: the per-row loops
+@pytest.mark.parametrize("window,bs", [(0, 16), (37, 16), (0, 32)])  # 37: runs starting at odd positions
+def test_cpu_decode_kernel_bf16_within_tolerance(softcap, dim, window, bs):
+    """bf16 cache and queries, fp32 accumulation (soft-capped scores too; odd run lengths and starts, so the
+    value path's pairs of rows end in a lone row): within bf16 rounding of the fp64 dense reference."""
     torch.manual_seed(1)
-    bs, heads, kv_heads, nblocks = 16, 9, 3, 64
+    heads, kv_heads, nblocks = 9, 3, 64
     lens = [1, 17, 300, 512, 45]
     k_cache, v_cache = torch.randn(nblocks, bs, kv_heads, dim), torch.randn(nblocks, bs, kv_heads, dim)
     width = -(-max(lens) // bs)
@@ -115,13 +116,13 @@ def test_cpu_decode_kernel_bf16_within_tolerance(softcap, dim):
     q = torch.randn(len(lens), heads, dim)
     kernel = cpu_native.load()
     out = kernel.paged_decode(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables,
-                              torch.tensor(lens, dtype=torch.int32), dim ** -0.5, 0, softcap or 0.0).float()
+                              torch.tensor(lens, dtype=torch.int32), dim ** -0.5, window, softcap or 0.0).float()
     for b, n in enumerate(lens):
         rows = tables[b].long()
         k = k_cache[rows].bfloat16().float().flatten(0, 1)[:n]
         v = v_cache[rows].bfloat16().float().flatten(0, 1)[:n]
         ref = dense_reference(q[b:b + 1].bfloat16().float(), k, v, torch.tensor([n - 1]), dim ** -0.5,
-                              softcap=softcap)
+                              window or None, softcap)
         torch.testing.assert_close(out[b:b + 1], ref, atol=2e-2, rtol=2e-2)
 
 

@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -93,6 +94,59 @@ inline __m512 dots16_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t 
   }
   return sum16(acc);
 }
+
+// The probabilities of one head as bf16 (round to nearest even), for the VDPBF16PS value accumulation below.
+inline void to_bf16(const float* s, int64_t n, at::BFloat16* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, s + i));
+    _mm256_mask_storeu_epi16(out + i, k, h);
+  }
+}
+
+// out += sum_r p[r] * v_r over the m rows v_r = v + r * stride (bf16 probabilities p and rows, fp32 sums), two
+// rows per VDPBF16PS: rows r and r + 1 are interleaved 16 bits at a time (unpacklo/hi within each 128-bit lane)
+// and multiplied by the broadcast pair (p[r], p[r + 1]). Widening every V row to fp32 instead cost three
+// instructions per 16 elements for each query head of the group. The accumulators hold each 32-element chunk
+// in the unpack order (lo: dims 0-3, 8-11, 16-19, 24-27; hi: the other four quads), permuted in and out once
+// per call. An odd last row is paired with zeros: nothing past the run is read (it could hold NaN bits).
+template <int DIM>
+inline void axpy_rows_bf16(const at::BFloat16* p, const at::BFloat16* v, int64_t stride, int64_t m, float* out) {
+  static_assert(DIM % 32 == 0, "chunks of 32 bf16");
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i from_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i from_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  __m512 lo[DIM / 32], hi[DIM / 32];
+  for (int c = 0; c < DIM / 32; ++c) {
+    const __m512 x0 = _mm512_loadu_ps(out + 32 * c), x1 = _mm512_loadu_ps(out + 32 * c + 16);
+    lo[c] = _mm512_permutex2var_ps(x0, to_lo, x1);
+    hi[c] = _mm512_permutex2var_ps(x0, to_hi, x1);
+  }
+  auto step = [&](__m512bh pair, const at::BFloat16* a, const at::BFloat16* b) {
+    for (int c = 0; c < DIM / 32; ++c) {
+      const __m512i x = _mm512_loadu_si512(a + 32 * c);
+      const __m512i y = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+      lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_unpacklo_epi16(x, y), pair);
+      hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_unpackhi_epi16(x, y), pair);
+    }
+  };
+  int64_t r = 0;
+  for (; r + 1 < m; r += 2) {
+    int32_t pair;
+    std::memcpy(&pair, p + r, sizeof(pair));  // (p[r], p[r + 1]); p + r may be 16-bit aligned only
+    step((__m512bh)_mm512_set1_epi32(pair), v + r * stride, v + (r + 1) * stride);
+  }
+  if (r < m) {
+    uint16_t last;
+    std::memcpy(&last, p + r, sizeof(last));
+    step((__m512bh)_mm512_set1_epi32(int32_t(last)), v + r * stride, nullptr);
+  }
+  for (int c = 0; c < DIM / 32; ++c) {
+    _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(lo[c], from_0, hi[c]));
+    _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(lo[c], from_1, hi[c]));
+  }
+}
 #endif
 
 // exp(x) for the softmax's x = score - max <= 0: Cody-Waite reduction by ln 2 and Cephes' degree-6 expf
@@ -169,6 +223,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 
   at::parallel_for(0, batch * spans, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(hs * dim), acc(hs * dim), scores, inv_sum(hs);
+    std::vector<at::BFloat16> probs;  // bf16 copies of the probabilities (the AVX512-BF16 value path)
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / spans, h0 = (w % spans) * span;  // KV heads [h0, h0 + span)
       const int64_t len = lens[b];
@@ -245,6 +300,20 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #endif
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef TANDEM_AVX512_BF16
+      if constexpr (kBlocked && std::is_same_v<T, at::BFloat16>) {
+        // Value rows by VDPBF16PS on bf16 probabilities (fp32 sums, as torch's CPU flash attention does for
+        // bf16): 64 sequences of 460 tokens 0.88-0.95 -> 0.75-0.78 ms a layer on a 2-core AMD EPYC.
+        probs.resize(hs * n);
+        for (int64_t j = 0; j < hs; ++j) to_bf16(scores.data() + j * n, n, probs.data() + j * n);
+        for_each_run(vp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
+          const T* rows = vp + r0 * row_stride + h0 * DIM;
+          for (int64_t j = 0; j < hs; ++j)
+            axpy_rows_bf16<DIM>(probs.data() + j * n + (t0 - first), rows + (j / group) * DIM, row_stride, cnt,
+                                acc.data() + j * DIM);
+        });
+      } else
+#endif
 #ifdef TANDEM_AVX512
       if constexpr (kBlocked) {
         for_each_run(vp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
