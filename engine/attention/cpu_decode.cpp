@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "cpu_simd.h"
+
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -111,7 +113,7 @@ inline void to_bf16(const float* s, int64_t n, at::BFloat16* out) {
 // in the unpack order (lo: dims 0-3, 8-11, 16-19, 24-27; hi: the other four quads), permuted in and out once
 // per call. An odd last row is paired with zeros: nothing past the run is read (it could hold NaN bits).
 template <int DIM>
-inline void axpy_rows_bf16(const at::BFloat16* p, const at::BFloat16* v, int64_t stride, int64_t m, float* out) {
+inline void axpy_rows(const at::BFloat16* p, const at::BFloat16* v, int64_t stride, int64_t m, float* out) {
   static_assert(DIM % 32 == 0, "chunks of 32 bf16");
   const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
@@ -149,22 +151,6 @@ inline void axpy_rows_bf16(const at::BFloat16* p, const at::BFloat16* v, int64_t
 }
 #endif
 
-// exp(x) for the softmax's x = score - max <= 0: Cody-Waite reduction by ln 2 and Cephes' degree-6 expf
-// polynomial (about 1 ulp, like glibc's vector expf it replaces), 2^n applied by VSCALEFPS. Inputs below -100
-// are clamped there (e^-100 is nothing next to the max's 1).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // s[0, n) = exp(s - max s), in place; returns their sum.
 inline float softmax_numerators(float* s, int64_t n) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -176,7 +162,7 @@ inline float softmax_numerators(float* s, int64_t n) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
+    const __m512 e = tandem_simd::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
     _mm512_mask_storeu_ps(s + i, k, e);
     sum = _mm512_mask_add_ps(sum, k, sum, e);
   }
@@ -300,28 +286,26 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #endif
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-#ifdef TANDEM_AVX512_BF16
-      if constexpr (kBlocked && std::is_same_v<T, at::BFloat16>) {
-        // Value rows by VDPBF16PS on bf16 probabilities (fp32 sums, as torch's CPU flash attention does for
-        // bf16): 64 sequences of 460 tokens 0.88-0.95 -> 0.75-0.78 ms a layer on a 2-core AMD EPYC.
-        probs.resize(hs * n);
-        for (int64_t j = 0; j < hs; ++j) to_bf16(scores.data() + j * n, n, probs.data() + j * n);
-        for_each_run(vp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
-          const T* rows = vp + r0 * row_stride + h0 * DIM;
-          for (int64_t j = 0; j < hs; ++j)
-            axpy_rows_bf16<DIM>(probs.data() + j * n + (t0 - first), rows + (j / group) * DIM, row_stride, cnt,
-                                acc.data() + j * DIM);
-        });
-      } else
-#endif
 #ifdef TANDEM_AVX512
       if constexpr (kBlocked) {
-        for_each_run(vp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
-          const T* rows = vp + r0 * row_stride + h0 * DIM;
-          for (int64_t j = 0; j < hs; ++j)
-            axpy_rows<DIM>(scores.data() + j * n + (t0 - first), rows + (j / group) * DIM, row_stride, cnt,
-                           acc.data() + j * DIM);
-        });
+        auto values = [&](const auto* weights) {  // the fp32 scores, or their bf16 copies
+          for_each_run(vp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
+            const T* rows = vp + r0 * row_stride + h0 * DIM;
+            for (int64_t j = 0; j < hs; ++j)
+              axpy_rows<DIM>(weights + j * n + (t0 - first), rows + (j / group) * DIM, row_stride, cnt,
+                             acc.data() + j * DIM);
+          });
+        };
+#ifdef TANDEM_AVX512_BF16
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          // Value rows by VDPBF16PS on bf16 probabilities (fp32 sums, as torch's CPU flash attention does for
+          // bf16): 64 sequences of 460 tokens 0.88-0.95 -> 0.75-0.78 ms a layer on a 2-core AMD EPYC.
+          probs.resize(hs * n);
+          for (int64_t j = 0; j < hs; ++j) to_bf16(scores.data() + j * n, n, probs.data() + j * n);
+          values(probs.data());
+        } else
+#endif
+          values(scores.data());
       } else
 #endif
       for_each_row(vp, first, len, [&](int64_t t, int64_t row) {
@@ -369,9 +353,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 }  // namespace
 
 void register_fused(pybind11::module& m);  // engine/models/cpu_fused.cpp, built into the same module
+void register_prefill(pybind11::module& m);  // cpu_prefill.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);
+  register_prefill(m);
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", pybind11::arg("q"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
         pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);

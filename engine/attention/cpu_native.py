@@ -1,4 +1,5 @@
-"""The CPU kernels, compiled at first use and cached: paged decode attention (cpu_decode.cpp) and the
+"""The CPU kernels, compiled at first use and cached: paged decode and prefill attention (cpu_decode.cpp,
+cpu_prefill.cpp) and the
 decoder's fused elementwise ops (engine/models/cpu_fused.cpp: residual add + RMSNorm, SiLU * up, RoPE).
 
 `load()` builds it with torch.utils.cpp_extension (g++ and ninja; -O3 -march=native, so the build is
@@ -23,8 +24,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).with_name("cpu_decode.cpp"),
+_SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_prefill.cpp"),
             Path(__file__).parents[1] / "models" / "cpu_fused.cpp")
+_HEADERS = (Path(__file__).with_name("cpu_simd.h"),)  # in the digest: they are compiled into the sources
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one thread);
 # -fno-math-errno lets `omp simd` call glibc's vector expf; the reassociation flags let GCC vectorize the
 # dot products' sums (a tree of vector adds instead of one scalar chain) without -ffast-math's
@@ -33,7 +35,8 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative
            "-fno-trapping-math"]
 @functools.cache
 def load():
-    """The compiled module (`paged_decode`, `rms_norm`, `silu_mul`, `rope_`), or None if disabled or it does
+    """The compiled module (`paged_decode`, `paged_prefill` where the CPU has AVX-512 (`prefill_dtypes` says
+    which dtypes), `rms_norm`, `silu_mul`, `rope_`), or None if disabled or it does
     not build here. Concurrent first calls may both reach the build; cpp_extension's lock file makes the
     second wait and reuse it."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
@@ -64,7 +67,8 @@ def _build():
         # The sources' contents and where they live: checkouts (git worktrees) with equal sources at other paths
         # would otherwise share one build directory whose ninja file names the other checkout's paths, and
         # rebuild over each other.
-        source_tag = hashlib.sha1(b"".join(src.read_bytes() + str(src).encode() for src in _SOURCES)).hexdigest()[:8]
+        source_tag = hashlib.sha1(b"".join(src.read_bytes() + str(src).encode()
+                                           for src in _SOURCES + _HEADERS)).hexdigest()[:8]
         return cpp_extension.load(name=f"tandem_cpu_decode_{_isa_tag()}_{source_tag}",
                                   sources=[str(src) for src in _SOURCES],
                                   extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)

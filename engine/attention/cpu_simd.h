@@ -1,0 +1,26 @@
+// AVX-512 helpers shared by the CPU attention kernels (cpu_decode.cpp, cpu_prefill.cpp).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace tandem_simd {
+
+// exp(x) for the softmax's x = score - max <= 0: Cody-Waite reduction by ln 2 and Cephes' degree-6 expf
+// polynomial (about 1 ulp, like glibc's vector expf it replaces), 2^n applied by VSCALEFPS. Inputs below -100
+// are clamped there (e^-100 is nothing next to the max's 1).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace tandem_simd
+#endif
