@@ -217,13 +217,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       const int64_t n = len - first;
       const int32_t* table = tables + b * table_width;
       // Calls f(first position, its cache row, count) for each run of consecutive positions in [lo, hi) that
-      // share a block, walking the block table and prefetching the next block of `base_ptr` (blocks are
-      // scattered: the hardware's stream restarts at each one).
+      // share a block, walking the block table and prefetching the block two ahead of `base_ptr` into L2
+      // (blocks are scattered: the hardware's stream restarts at each one). SmolLM2, 64 sequences of ~320
+      // tokens, 2-core AMD EPYC: the next block into L1 gave 1.02 ms a layer bf16, 1.98 fp32; two ahead into L2
+      // 0.66 and 1.43 (the same walk rewritten around a prefetch lambda measured as slow as before: this is
+      // sensitive to code generation: re-measure in the engine or over a many-layer pool, since a benchmark on
+      // one layer's cache runs from L3).
       auto for_each_run = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
         for (int64_t blk = lo / block_size; blk * block_size < hi; ++blk) {
-          if ((blk + 1) * block_size < hi) {
-            const char* next = reinterpret_cast<const char*>(base_ptr + int64_t(table[blk + 1]) * block_elems);
-            for (int64_t off = 0; off < int64_t(block_elems * sizeof(T)); off += 64) __builtin_prefetch(next + off);
+          if ((blk + 2) * block_size < hi) {
+            const char* next = reinterpret_cast<const char*>(base_ptr + int64_t(table[blk + 2]) * block_elems);
+            for (int64_t off = 0; off < int64_t(block_elems * sizeof(T)); off += 64)
+              __builtin_prefetch(next + off, 0, 1);  // locality 1: PREFETCHT2
           }
           const int64_t start = std::max(lo, blk * block_size), stop = std::min(hi, (blk + 1) * block_size);
           f(start, int64_t(table[blk]) * block_size + start - blk * block_size, stop - start);
@@ -299,7 +304,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #ifdef TANDEM_AVX512_BF16
         if constexpr (std::is_same_v<T, at::BFloat16>) {
           // Value rows by VDPBF16PS on bf16 probabilities (fp32 sums, as torch's CPU flash attention does for
-          // bf16): 64 sequences of 460 tokens 0.88-0.95 -> 0.75-0.78 ms a layer on a 2-core AMD EPYC.
+          // bf16): 64 sequences of 460 tokens 0.88-0.95 -> 0.75-0.78 ms a layer on a 2-core AMD EPYC (one
+          // layer's cache, in L3: the compute without the memory stalls).
           probs.resize(hs * n);
           for (int64_t j = 0; j < hs; ++j) to_bf16(scores.data() + j * n, n, probs.data() + j * n);
           values(probs.data());
