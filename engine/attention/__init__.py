@@ -2,8 +2,9 @@
 
 - "torch": pure PyTorch (gather pages + SDPA). The reference every kernel is tested against; on CUDA it
   works but builds its per-step plan on the host (not capturable, synchronizes).
-- "cpu": the CPU default: "torch" with decode rows through a native paged kernel (cpu_decode.cpp, built at
-  first use); "auto" falls back to "torch" where it does not build.
+- "cpu": the CPU default: "torch" with decode rows and multi-token chunks through native paged kernels
+  (cpu_decode.cpp, cpu_prefill.cpp, built at first use; prefill for head sizes 64/128 and the dtypes the CPU
+  has instructions for, else SDPA); "auto" falls back to "torch" where they do not build.
 - "triton": Triton kernels (engine/attention/triton_paged.py). The CUDA default; needs the triton package.
 - "flash_attn": flash-attn's paged kernels, only when flash_attn is importable and block_size % 256 == 0.
 "auto" picks flash_attn, then triton, then torch on CUDA, and cpu (else torch) on CPU.
