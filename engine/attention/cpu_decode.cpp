@@ -100,7 +100,7 @@ inline __m512 dots16_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t 
 // The probabilities of one head as bf16 (round to nearest even), for the VDPBF16PS value accumulation below.
 inline void to_bf16(const float* s, int64_t n, at::BFloat16* out) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 k = tandem_simd::lanes(n - i);
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, s + i));
     _mm256_mask_storeu_epi16(out + i, k, h);
   }
@@ -110,21 +110,14 @@ inline void to_bf16(const float* s, int64_t n, at::BFloat16* out) {
 // rows per VDPBF16PS: rows r and r + 1 are interleaved 16 bits at a time (unpacklo/hi within each 128-bit lane)
 // and multiplied by the broadcast pair (p[r], p[r + 1]). Widening every V row to fp32 instead cost three
 // instructions per 16 elements for each query head of the group. The accumulators hold each 32-element chunk
-// in the unpack order (lo: dims 0-3, 8-11, 16-19, 24-27; hi: the other four quads), permuted in and out once
-// per call. An odd last row is paired with zeros: nothing past the run is read (it could hold NaN bits).
+// in the unpack order (cpu_simd.h), permuted in and out once per call. An odd last row is paired with zeros:
+// nothing past the run is read (it could hold NaN bits).
 template <int DIM>
 inline void axpy_rows(const at::BFloat16* p, const at::BFloat16* v, int64_t stride, int64_t m, float* out) {
   static_assert(DIM % 32 == 0, "chunks of 32 bf16");
-  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i from_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i from_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   __m512 lo[DIM / 32], hi[DIM / 32];
-  for (int c = 0; c < DIM / 32; ++c) {
-    const __m512 x0 = _mm512_loadu_ps(out + 32 * c), x1 = _mm512_loadu_ps(out + 32 * c + 16);
-    lo[c] = _mm512_permutex2var_ps(x0, to_lo, x1);
-    hi[c] = _mm512_permutex2var_ps(x0, to_hi, x1);
-  }
+  for (int c = 0; c < DIM / 32; ++c)
+    tandem_simd::to_unpack_order(_mm512_loadu_ps(out + 32 * c), _mm512_loadu_ps(out + 32 * c + 16), lo[c], hi[c]);
   auto step = [&](__m512bh pair, const at::BFloat16* a, const at::BFloat16* b) {
     for (int c = 0; c < DIM / 32; ++c) {
       const __m512i x = _mm512_loadu_si512(a + 32 * c);
@@ -145,8 +138,10 @@ inline void axpy_rows(const at::BFloat16* p, const at::BFloat16* v, int64_t stri
     step((__m512bh)_mm512_set1_epi32(int32_t(last)), v + r * stride, nullptr);
   }
   for (int c = 0; c < DIM / 32; ++c) {
-    _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(lo[c], from_0, hi[c]));
-    _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(lo[c], from_1, hi[c]));
+    __m512 x0, x1;
+    tandem_simd::from_unpack_order(lo[c], hi[c], x0, x1);
+    _mm512_storeu_ps(out + 32 * c, x0);
+    _mm512_storeu_ps(out + 32 * c + 16, x1);
   }
 }
 #endif
@@ -155,13 +150,13 @@ inline void axpy_rows(const at::BFloat16* p, const at::BFloat16* v, int64_t stri
 inline float softmax_numerators(float* s, int64_t n) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 k = tandem_simd::lanes(n - i);
     mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + i));
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __mmask16 k = tandem_simd::lanes(n - i);
     const __m512 e = tandem_simd::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
     _mm512_mask_storeu_ps(s + i, k, e);
     sum = _mm512_mask_add_ps(sum, k, sum, e);

@@ -233,19 +233,14 @@ struct Prefill {
         values(w, orow, pr, tiles);
       }
     }
-    // bf16: the accumulators hold each 32-dim chunk in the unpack order (lo: dims 0-3, 8-11, 16-19, 24-27).
-    const __m512i from_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i from_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
       const float* o = w.o.data() + r * DIM;
       T* dst = out + (q_start[c] + p0 - pos0 + r / group) * out_stride + (h * group + r % group) * DIM;
       for (int d = 0; d < DIM; d += 32) {
         __m512 x0 = _mm512_loadu_ps(o + d), x1 = _mm512_loadu_ps(o + d + 16);
-        if constexpr (kBf16<T>) {
-          const __m512 lo_ = x0;
-          x0 = _mm512_permutex2var_ps(lo_, from_0, x1);
-          x1 = _mm512_permutex2var_ps(lo_, from_1, x1);
+        if constexpr (kBf16<T>) {  // the bf16 sums are in unpack order (cpu_simd.h)
+          tandem_simd::from_unpack_order(x0, x1, x0, x1);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x0, inv)));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d + 16),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x1, inv)));

@@ -4,7 +4,24 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace tandem_simd {
+
+// The first min(n, 16) lanes: the mask of a row's (possibly short) tail.
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// VDPBF16PS on rows interleaved 16 bits at a time (unpacklo/hi_epi16, within each 128-bit lane) leaves a
+// 32-element chunk's sums in unpack order: `lo` holds elements 0-3, 8-11, 16-19, 24-27, `hi` the other quads.
+// These move a chunk, x0 = elements 0-15 and x1 = 16-31, between that order and the natural one.
+inline void to_unpack_order(__m512 x0, __m512 x1, __m512& lo, __m512& hi) {
+  lo = _mm512_permutex2var_ps(x0, _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27), x1);
+  hi = _mm512_permutex2var_ps(x0, _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31), x1);
+}
+inline void from_unpack_order(__m512 lo, __m512 hi, __m512& x0, __m512& x1) {
+  x0 = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi);
+  x1 = _mm512_permutex2var_ps(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi);
+}
 
 // exp(x) for the softmax's x = score - max <= 0: Cody-Waite reduction by ln 2 and Cephes' degree-6 expf
 // polynomial (about 1 ulp, like glibc's vector expf it replaces), 2^n applied by VSCALEFPS. Inputs below -100

@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../attention/cpu_simd.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TANDEM_FUSED_AVX512 1
@@ -39,8 +41,7 @@ namespace {
 
 #ifdef TANDEM_FUSED_AVX512
 
-// Lanes [0, n) of 16 (a row's tail chunk).
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+using tandem_simd::lanes;  // lanes [0, n) of 16 (a row's tail chunk)
 
 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load(const at::BFloat16* p, __mmask16 m) {  // exact: a bf16's bits are the top half of its fp32
