@@ -50,7 +50,7 @@ class _Plan:
     layers) built when a layer first asks for them in this step, then reused by the later layers."""
 
     decodes: list
-    prefills: list[_PrefillChunk]
+    prefills: list[_PrefillChunk] | None  # None: CpuPagedAttention builds them when a layer falls back to SDPA
     layout: _Layout
     other_windows: dict[int | None, tuple[list, list[_PrefillChunk]]]
     native_prefill: object = None  # CpuPagedAttention: every multi-token chunk as one native kernel call
@@ -149,7 +149,7 @@ class TorchPagedAttention:
         out = torch.empty_like(q)
         for g in decodes:
             out[g.tokens] = self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, scale, window, softcap)
-        if prefills:
+        if meta.backend_data.layout.chunks:
             self._attend_prefills(q, k_cache, v_cache, meta.backend_data, prefills, out, scale, window, softcap)
         return out
 
@@ -226,7 +226,11 @@ class CpuPagedAttention(TorchPagedAttention):
                          scale: float, window: int | None, softcap: float | None) -> None:
         unit = plan.native_prefill
         if unit is None or q.dtype not in self.prefill_dtypes or q.shape[-1] not in (64, 128):
-            return super()._attend_prefills(q, k_cache, v_cache, plan, prefills, out, scale, window, softcap)
+            units = plan.other_windows.get(window)
+            if units is None:  # SDPA's chunks: built once per step and window, on first use
+                chunks_only = replace(plan.layout, dec_rows=[])
+                units = plan.other_windows[window] = (plan.decodes, super()._units(chunks_only, window)[1])
+            return super()._attend_prefills(q, k_cache, v_cache, plan, units[1], out, scale, window, softcap)
         if q.stride(-1) != 1 or q.stride(1) != q.shape[-1]:  # rows may be strided; each row's heads may not
             q = q.contiguous()
         self.kernel.paged_prefill(q, k_cache, v_cache, unit.blocks, unit.q_start, unit.q_len, unit.seq_len, scale,
@@ -244,14 +248,13 @@ class CpuPagedAttention(TorchPagedAttention):
                               meta.block_tables.index_select(0, idx)[:, :max(nb for nb, _ in rows)].contiguous(),
                               meta.seq_lens.index_select(0, idx).int())]
 
-    def _units_for(self, plan: _Plan, window: int | None) -> tuple[list, list[_PrefillChunk]]:
-        if window == self.sliding_window:
-            return plan.decodes, plan.prefills
-        units = plan.other_windows.get(window)
-        if units is None:  # the native decode unit is window-free: only the prefill masks are rebuilt
-            prefills = self._units(replace(plan.layout, dec_rows=[]), window)[1]
-            units = plan.other_windows[window] = (plan.decodes, prefills)
-        return units
+    def _units(self, layout: _Layout, window: int | None) -> tuple[list, None]:
+        """The native decode unit; SDPA's prefill chunks (and their masks) are built only for a layer the prefill
+        kernel cannot serve (`_attend_prefills`)."""
+        return self._decode_plan(layout.dec_rows, layout.meta, layout.qsl, window), None
+
+    def _units_for(self, plan: _Plan, window: int | None) -> tuple[list, None]:
+        return plan.decodes, None  # both native units take the window as a kernel argument
 
     def _decode(self, q, k_cache, v_cache, g: _NativeDecode, scale: float, window: int | None,
                 softcap: float | None) -> torch.Tensor:
