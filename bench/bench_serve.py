@@ -43,6 +43,7 @@ from ray import serve
 
 from engine import AsyncLLM, SamplingParams
 from serve_app import build_app
+from serve_app.builder import apply_cluster_env
 
 APP = "tandem_bench"
 
@@ -409,6 +410,7 @@ def main() -> None:
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.app = json.loads(args.app)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    apply_cluster_env()  # the cluster scripts/serve.sh starts
 
     probe = AsyncLLM(device="cpu")
     tokenizer = probe.tokenizer

@@ -35,6 +35,7 @@ from ray import serve
 
 from bench_serve import actor_pids, free_port, machine  # bench/ is this script's directory
 from serve_app import build_app
+from serve_app.builder import apply_cluster_env
 
 APP = "tandem_soak"
 KEY = "soak-key-1"
@@ -224,6 +225,7 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    apply_cluster_env()  # the cluster scripts/serve.sh starts
 
     temp_dir = tempfile.mkdtemp(prefix="tds")
     ray.init(num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, namespace="soak", logging_level="ERROR",

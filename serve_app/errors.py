@@ -52,14 +52,13 @@ def param_of(message: str, fields: tuple[str, ...] = PARAM_FIELDS) -> str | None
 
 def from_engine_failure(exc: BaseException) -> APIError:
     """Map an exception raised while talking to an engine replica to an API error (no stack trace)."""
-    from ray.exceptions import RayTaskError
     from ray.serve.exceptions import BackPressureError
 
     if isinstance(exc, BackPressureError):
         return APIError(503, "the server is overloaded: too many queued requests; retry later",
                         type_="server_overloaded", code="overloaded")
-    if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
-        message = str(exc.cause)
+    if isinstance(replica_error(exc), ValueError):
+        message = str(replica_error(exc))
         return bad_request(message, param=param_of(message, PARAM_FIELDS))
     if replica_lost(exc):
         logger.warning("engine replica lost during a request: %s", type(exc).__name__)
@@ -69,15 +68,23 @@ def from_engine_failure(exc: BaseException) -> APIError:
     return APIError(500, "internal engine error", type_="server_error", code="internal_error")
 
 
+def replica_error(exc: BaseException) -> BaseException:
+    """What the engine replica raised: over Ray actor calls (engine_transport "ray") it comes wrapped in a
+    RayTaskError; over Serve's gRPC transport it is the replica's exception itself."""
+    from ray.exceptions import RayTaskError
+
+    return exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+
+
 def replica_lost(exc: BaseException) -> bool:
     """The replica went away (its actor died or became unreachable, or its engine shut down under it): not
     something the request did, so it may be sent to another replica if nothing was streamed yet."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     from engine.async_engine import EngineDeadError
 
-    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)) or (
-        isinstance(exc, RayTaskError) and isinstance(exc.cause, EngineDeadError))
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)) or isinstance(
+        replica_error(exc), EngineDeadError)
 
 
 def install_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:

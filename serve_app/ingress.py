@@ -99,8 +99,9 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, model_dir: str, served_model_name: str, max_model_len: int,
                  api_keys: tuple[str, ...] = (), limits: dict | None = None,
                  engine_deployment: str = "EngineReplica", lora_modules: dict[str, str] | None = None,
-                 lora_dir: str | None = None, tool_parser: str | None = None):
-        self.engine = engine.options(stream=True)
+                 lora_dir: str | None = None, tool_parser: str | None = None, engine_transport: str = "grpc"):
+        # _by_reference=False: Serve's gRPC transport (AppConfig.engine_transport)
+        self.engine = engine.options(stream=True, _by_reference=engine_transport != "grpc")
         self.engine_unary = engine
         self.model_name = served_model_name
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

@@ -92,6 +92,9 @@ def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> I
     from ray import serve
 
     from serve_app import build_app
+    from serve_app.builder import apply_cluster_env
+
+    apply_cluster_env()  # the cluster scripts/serve.sh starts: Serve's proxy on gRPC
 
     temp_dir = tempfile.mkdtemp(prefix="tdr", dir="/tmp")  # short: Ray puts unix sockets under it
     cluster = ServeCluster(app_name=f"tandem{uuid.uuid4().hex[:6]}", port=free_port(), temp_dir=temp_dir,

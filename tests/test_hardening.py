@@ -184,18 +184,24 @@ def test_user_errors_and_disconnects_log_no_traceback(cluster):
 
 def test_a_lost_replica_is_replica_died_whether_its_actor_died_or_its_engine_shut_down():
     """An engine shut down under a stream (a drained replica past its grace period) is the same failure for
-    the client as a dead actor: replica_died (retryable, and retried before the first token), not internal."""
-    from ray.exceptions import ActorDiedError, RayTaskError
+    the client as a dead actor: replica_died (retryable, and retried before the first token), not internal.
+    Over Ray actor calls the replica's exception arrives wrapped in a RayTaskError, over Serve's gRPC transport
+    (the default engine_transport) as itself: both map the same."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
     from engine.async_engine import EngineDeadError
     from serve_app.errors import from_engine_failure, replica_lost
 
-    shut_down = RayTaskError("generate", "traceback", EngineDeadError("the engine shut down"))
-    for exc in (shut_down, ActorDiedError()):
+    shut_down = EngineDeadError("the engine shut down")
+    for exc in (RayTaskError("generate", "traceback", shut_down), shut_down, ActorDiedError(),
+                ActorUnavailableError("unreachable", None)):
         assert replica_lost(exc) and from_engine_failure(exc).code == "replica_died"
-    assert not replica_lost(RuntimeError("bug")) and from_engine_failure(RuntimeError("bug")).code == "internal_error"
-    bad = RayTaskError("generate", "traceback", ValueError("temperature must be >= 0"))
-    assert not replica_lost(bad) and from_engine_failure(bad).status == 400
+    for bug in (RuntimeError("bug"), RayTaskError("generate", "traceback", RuntimeError("bug"))):
+        assert not replica_lost(bug) and from_engine_failure(bug).code == "internal_error"
+    bad = ValueError("temperature must be >= 0")
+    for exc in (RayTaskError("generate", "traceback", bad), bad):
+        assert not replica_lost(exc) and from_engine_failure(exc).status == 400
+        assert from_engine_failure(exc).body()["error"]["param"] == "temperature"
 
 
 def test_a_cancelled_proxy_receive_is_a_disconnect_not_an_error():

@@ -47,6 +47,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from serve_app import build_app  # noqa: E402
+from serve_app.builder import CLUSTER_ENV  # noqa: E402
 
 # The ingress asks for a sliver of node_a, so it lives on the head beside the only HTTP proxy (HeadOnly):
 # losing the worker node then costs exactly its engine replica, and what the client sees is Tandem's
@@ -182,7 +183,8 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")  # short: Ray puts unix sockets under it
     cluster = Cluster(gcs_port=free_port(), http_port=free_port(), temp_dir=temp_dir,
                       app_name=f"tandem{uuid.uuid4().hex[:6]}")
-    cluster.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    # README "Multi-node": every node's `ray start` gets RAY_AUTH_MODE and CLUSTER_ENV (the proxy on gRPC)
+    cluster.env = {**os.environ, **CLUSTER_ENV, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver too (Ray 2.60 turns token auth on by default)
     try:
         _ray_start(cluster, "head", [
