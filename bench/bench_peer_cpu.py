@@ -22,10 +22,12 @@ vLLM gets what its CPU docs ask for: VLLM_CPU_KVCACHE_SPACE, its OpenMP threads 
 installed. dtype is passed explicitly: vLLM's "auto" runs a float32 checkpoint in bfloat16 on CPU.
 
 `--http` also serves the model over HTTP from each system in turn, alone on the machine (vLLM's OpenAI
-server; Tandem's Serve app in its own Ray cluster, one engine replica), and streams /v1/completions with
-httpx: `--http-c1-requests` requests one at a time (`--single-tokens` tokens each) and the offline workload
-16 at a time; TTFT (to the first text chunk) and TPOT ((end - first) / (tokens - 1)) medians, output tok/s.
-Servers are started once per dtype, so these are not interleaved like the offline passes.
+server; Tandem's Serve app in its own Ray cluster, one engine replica, the cluster environment
+scripts/serve.sh sets), and streams /v1/completions with httpx: `--http-c1-requests` requests one at a time
+(`--single-tokens` tokens each) and the offline workload 16 at a time; TTFT (to the first text chunk) and
+TPOT ((end - first) / (tokens - 1)) medians, output tok/s. Servers are started once per dtype, so these are
+not interleaved like the offline passes. `--http-direct-ingress` adds a Tandem row with Serve's direct
+ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: no proxy, clients on the ingress replica's own port).
 """
 
 from __future__ import annotations
@@ -175,7 +177,12 @@ while True:
 """
 
 
-def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> subprocess.Popen:
+DIRECT_INGRESS_PORT = 30000  # Serve's RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT: the first ingress replica's port
+
+
+def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> tuple[subprocess.Popen, int]:
+    """The server and the port its clients use: `port`, except for tandem_direct_ingress (Serve's direct
+    ingress: no proxy, the ingress replica serves HTTP itself on a port of its own)."""
     log_file = open(Path(args.log_dir) / f"http_{name}_{dtype}.log", "w")
     env = worker_env(name, args)
     if name == "vllm":
@@ -184,6 +191,12 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> subp
                "--no-enable-prefix-caching", "--seed", "0"]
     else:
         env.setdefault("RAY_AUTH_MODE", "disabled")
+        from serve_app.builder import CLUSTER_ENV
+
+        env = {**CLUSTER_ENV, **env}  # the cluster scripts/serve.sh starts
+        if name == "tandem_direct_ingress":
+            env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
+                       RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(DIRECT_INGRESS_PORT))
         # --tandem-cpu-threads: the replica's intra-op threads (EngineConfig.cpu_threads); by default the app's
         # only CPU engine replica takes every core, as vLLM's server does (cluster/replica.py)
         app = {"model": model_dir, "served_model_name": "m", "device": "cpu",
@@ -194,13 +207,14 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> subp
         cmd = [sys.executable, "-c", TANDEM_SERVER.format(repo=str(REPO), tmp=tmp, port=port, app=app)]
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                             start_new_session=True)
+    port = DIRECT_INGRESS_PORT if name == "tandem_direct_ingress" else port
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name} server exited ({proc.returncode}); see {log_file.name}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
+                return proc, port
         except httpx.HTTPError:
             pass
         time.sleep(2)
@@ -268,10 +282,12 @@ async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concur
 
 def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) -> dict:
     rows = {}
-    for name in [e for e in engines if e != "hf"]:
-        port = 18000 + len(rows)
+    names = [e for e in engines if e != "hf"]
+    if args.http_direct_ingress and "tandem" in names:
+        names.append("tandem_direct_ingress")
+    for name in names:
         t0 = time.perf_counter()
-        proc = start_server(name, dtype, args, model_dir, port)
+        proc, port = start_server(name, dtype, args, model_dir, 18000 + len(rows))
         log(f"{dtype} http {name}: ready in {time.perf_counter() - t0:.0f} s")
         try:
             asyncio.run(http_load(port, prompts[:4], 8, 4))  # warm-up
@@ -284,9 +300,9 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
         rows[name] = {f"c{runs[0]['concurrency']}": {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                       for runs in (c1, c16)}
         log(f"{dtype} http {name}: {rows[name]}")
-    if "tandem" in rows and "vllm" in rows:
-        t, v = rows["tandem"], rows["vllm"]
-        rows["tandem_vs_vllm (>1: Tandem better)"] = {
+    for name in [n for n in ("tandem", "tandem_direct_ingress") if n in rows and "vllm" in rows]:
+        t, v = rows[name], rows["vllm"]
+        rows[f"{name}_vs_vllm (>1: Tandem better)"] = {
             c: {"output_tok_s": t[c]["output_tok_s"] / v[c]["output_tok_s"],
                 "ttft_p50": v[c]["ttft_p50_ms"] / t[c]["ttft_p50_ms"],
                 "tpot_p50": v[c]["tpot_p50_ms"] / t[c]["tpot_p50_ms"]} for c in ("c1", "c16")}
@@ -350,6 +366,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--http", action="store_true", help="also serve both over HTTP (each server alone)")
     p.add_argument("--http-repeats", type=int, default=1)
     p.add_argument("--http-c1-requests", type=int, default=8)
+    p.add_argument("--http-direct-ingress", action="store_true",
+                   help="also serve Tandem with Serve's direct ingress (no proxy; clients on port 30000)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: every core)")
     p.add_argument("--tandem-stream-interval", type=int, default=1,
