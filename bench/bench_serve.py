@@ -10,7 +10,11 @@ TTFT floor of Ray Serve itself (an app of the same shape with no engine) to spli
 at each of `--levels` concurrencies, beside Ray Serve's floor (a no-engine app of the same shape) at each
 level, with the CPU seconds that the proxy, ingress and engine replica processes spent per 1,000 streamed
 tokens. `--device sim` runs the simulated H100 (Qwen2.5-0.5B shape: the device time is MODELLED, the host
-work is real), so the engine is not the bottleneck and what is left is the serving path.
+work is real), so the engine is not the bottleneck and what is left is the serving path. Tandem's app runs
+as built by default ("http"), with the engine_transport its default does not pick for the device (grpc on
+the simulated one, ray on CPU), and with Serve's thread defaults; the cluster
+runs serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
+(RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run).
 
 One run, one model (default: the embedded model), one seeded workload: `--groups` system prompts of
 `--prefix-len` tokens shared by `--requests` requests, each with a unique `--suffix-len`-token tail,
@@ -261,6 +265,7 @@ def machine() -> str:
 
 # ---- --mode path: the serving path at engine speeds it cannot hide behind -----------------------------------
 SERVE_DEFAULTS = "http, Serve's thread defaults"  # Tandem with Serve's own user-code thread and router loop
+OTHER_TRANSPORT = "http, the other engine_transport"  # grpc on the simulated device, ray on CPU (auto's other)
 SIM_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine", "sim", "models")
 
 
@@ -314,6 +319,11 @@ def level_prompts(prompts: list[str], concurrency: int, args) -> list[str]:
     return [prompts[i % len(prompts)] + f" {i}" for i in range(n)]
 
 
+def other_transport(args) -> str:
+    """The engine_transport that "auto" does not pick for this device (serve_app.builder.AppConfig)."""
+    return "grpc" if args.device == "sim" else "ray"
+
+
 def bench_path(args, prompts, warm) -> list[dict]:
     rows = []
     llm = AsyncLLM(**engine_args(args))
@@ -334,6 +344,7 @@ def bench_path(args, prompts, warm) -> list[dict]:
         tandem = {**engine_args(args), "served_model_name": "tandem-default", **args.app}
         defaults = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
         for setting, app in [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem)),
+                             (OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})),
                              (SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults}))]:
             serve.run(app, name=APP, route_prefix="/")
             asyncio.run(run_http(port, warm, args, max(args.levels)))
@@ -372,10 +383,11 @@ def report_path(rows: list[dict], args) -> None:
                   f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} ms, e2e p50 {r['e2e_p50_ms']:.0f} ms, "
                   f"{r['tokens_per_event']} tokens per event")
     for c in args.levels:
-        d, h, f, sd = (next(r for r in rows if r["setting"] == s and r["concurrency"] == c)
-                       for s in ("direct", "http", "Serve floor", SERVE_DEFAULTS))
+        d, h, f, sd, rt = (next(r for r in rows if r["setting"] == s and r["concurrency"] == c)
+                           for s in ("direct", "http", "Serve floor", SERVE_DEFAULTS, OTHER_TRANSPORT))
         print(f"c={c}: http/direct tok/s {h['output_tok_s'] / d['output_tok_s']:.2f} (with Serve's thread defaults "
-              f"{sd['output_tok_s'] / d['output_tok_s']:.2f}); TTFT p50 overhead "
+              f"{sd['output_tok_s'] / d['output_tok_s']:.2f}, with engine_transport {other_transport(args)} "
+              f"{rt['output_tok_s'] / d['output_tok_s']:.2f}); TTFT p50 overhead "
               f"{h['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms (Serve floor {f['ttft_p50_ms']:.1f} ms)")
     if args.json:
         with open(args.json, "w") as f:

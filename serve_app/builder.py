@@ -38,7 +38,8 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # HTTP proxy hands requests and their SSE events to the ingress over gRPC instead of Ray actor calls with a
 # streaming generator. Serve reads it in the proxy process, which no app option reaches. With the engine
 # handle on gRPC too (AppConfig.engine_transport), SmolLM2-135M bf16 on a 2-core AMD EPYC, 64 streamed
-# requests 16 at a time: ingress + proxy CPU 11.5 -> 6.2 s and 172-184 -> 211 tok/s (README "Serving path").
+# requests 16 at a time: ingress + proxy CPU 11.5 -> 6.2 s and 172-184 -> 211 tok/s; with the engine handle on
+# Ray, the simulated H100 at 16-256 streams: 3916-5716 -> 4376-7279 tok/s (README "Serving path").
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
@@ -91,10 +92,15 @@ class AppConfig(BaseModel):
     # Environment of the ingress and engine replica processes, over SERVE_ENV (Serve's own switches are read
     # when a replica starts; see SERVE_ENV for the defaults and why).
     replica_env: dict[str, str] = Field(default_factory=dict)
-    # How the ingress talks to the engine replicas: "grpc", Serve's gRPC transport between deployments (each
-    # streamed chunk is one gRPC message, about a third less CPU per chunk on both ends than "ray"); "ray",
-    # Ray actor calls with a streaming generator (Serve's default).
-    engine_transport: Literal["grpc", "ray"] = "grpc"
+    # How the ingress streams from the engine replicas. "grpc": Serve's gRPC transport between deployments,
+    # about a third less CPU per streamed chunk on both ends. "ray": Ray actor calls with a streaming
+    # generator (Serve's default), under which the engine replica's generator is asked for its next chunk
+    # only once Ray has taken the last one, so a stream the serving path cannot keep up with coalesces
+    # (SERVE_ENV); over gRPC it does not. "auto": grpc on CPU, where the engine is the bottleneck and every
+    # chunk's CPU comes out of its cores (SmolLM2 bf16 over HTTP, 16 streams: 194 vs 172-184 tok/s on Serve's
+    # proxy transport), ray on a GPU or the simulated one (Qwen2.5-0.5B shape on the simulated H100, 64
+    # streams: 7279 vs 5339 tok/s, 9.3 vs 2.0 tokens per event; at 1 stream TTFT p50 23.3 vs 17.6 ms).
+    engine_transport: Literal["auto", "grpc", "ray"] = "auto"
     # Pipeline parallelism (engine field pipeline_parallel_size > 1): each replica's placement group holds
     # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
     # node, PACK/SPREAD let it span nodes.
@@ -194,6 +200,7 @@ def build_app(args: dict | None = None) -> serve.Application:
             min_replicas=cfg.ingress_replicas, initial_replicas=cfg.ingress_replicas,
             max_replicas=cfg.ingress_max_replicas, target_ongoing_requests=cfg.ingress_target_ongoing_requests,
             upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)}
+    transport = cfg.engine_transport if cfg.engine_transport != "auto" else "grpc" if device == "cpu" else "ray"
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=4096,
                                ray_actor_options={"num_cpus": 0, **_user_code(cfg),
                                                   **({"resources": cfg.ingress_resources} if cfg.ingress_resources
@@ -203,7 +210,7 @@ def build_app(args: dict | None = None) -> serve.Application:
     return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
                         max_model_len, cfg.api_keys, cfg.limits.model_dump(),
                         lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
-                        tool_parser=cfg.tool_parser, engine_transport=cfg.engine_transport)
+                        tool_parser=cfg.tool_parser, engine_transport=transport)
 
 
 def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):

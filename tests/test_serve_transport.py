@@ -1,7 +1,8 @@
-"""Both ways a stream crosses Serve: the default (gRPC from the proxy to the ingress and from the ingress to the
-engine replica, tests/serve_cluster.py applies serve_app.builder.CLUSTER_ENV as scripts/serve.sh does) is what
-every other Serve test runs on; this module runs Serve's own default, Ray actor calls with streaming generators
-on both hops (`engine_transport: ray`, RAY_SERVE_PROXY_USE_GRPC=0), so the fallback keeps working.
+"""Both ways a stream crosses Serve. The other Serve tests run the defaults: the proxy on gRPC
+(tests/serve_cluster.py applies serve_app.builder.CLUSTER_ENV as scripts/serve.sh does), and the ingress streams
+from the engine over gRPC on CPU (engine_transport auto), over Ray actor calls on the simulated device
+(tests/test_sim_serve.py). This module runs Serve's own default on both hops on CPU (`engine_transport: ray`,
+RAY_SERVE_PROXY_USE_GRPC=0), so that combination keeps working too.
 
 Oracle: the offline engine on the same embedded model; greedy output must match exactly. A disconnect must still
 abort the request and free its KV blocks.
@@ -44,10 +45,13 @@ def kv_state(cluster) -> dict:
     return ray.get(actor.record_routing_stats.remote(), timeout=20)
 
 
-def test_the_transport_is_an_app_option_and_an_unknown_one_is_refused():
-    ingress = build_app({"device": "cpu", "engine_transport": "ray"})._bound_deployment
-    assert ingress.init_kwargs["engine_transport"] == "ray"
-    assert build_app({"device": "cpu"})._bound_deployment.init_kwargs["engine_transport"] == "grpc"
+def test_the_transport_is_an_app_option_grpc_on_cpu_and_ray_elsewhere_by_default():
+    def transport(args: dict) -> str:
+        return build_app(args)._bound_deployment.init_kwargs["engine_transport"]
+
+    assert transport({"device": "cpu"}) == "grpc" and transport({"device": "sim"}) == "ray"
+    assert transport({"device": "cpu", "engine_transport": "ray"}) == "ray"
+    assert transport({"device": "sim", "engine_transport": "grpc"}) == "grpc"
     with pytest.raises(ValueError, match="engine_transport"):
         build_app({"device": "cpu", "engine_transport": "zmq"})
 
