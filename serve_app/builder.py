@@ -48,6 +48,8 @@ def apply_cluster_env() -> None:
     local Ray cluster with ray.init: the cluster's processes, Serve's proxy among them, inherit it."""
     for name, value in CLUSTER_ENV.items():
         os.environ.setdefault(name, value)
+
+
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device"}
 _ENGINE_TYPES = typing.get_type_hints(EngineConfig)
 
