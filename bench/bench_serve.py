@@ -12,8 +12,8 @@ level, with the CPU seconds that the proxy, ingress and engine replica processes
 tokens. `--device sim` runs the simulated H100 (Qwen2.5-0.5B shape: the device time is MODELLED, the host
 work is real), so the engine is not the bottleneck and what is left is the serving path. Tandem's app runs
 as built by default ("http"), with the engine_transport its default does not pick for the device (grpc on
-the simulated one, ray on CPU), and with Serve's thread defaults; the cluster
-runs serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
+the simulated one, ray on CPU), and with Serve's thread defaults; the cluster runs
+serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
 (RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run).
 
 One run, one model (default: the embedded model), one seeded workload: `--groups` system prompts of
