@@ -57,8 +57,8 @@ def from_engine_failure(exc: BaseException) -> APIError:
     if isinstance(exc, BackPressureError):
         return APIError(503, "the server is overloaded: too many queued requests; retry later",
                         type_="server_overloaded", code="overloaded")
-    if isinstance(replica_error(exc), ValueError):
-        message = str(replica_error(exc))
+    if isinstance(raised := replica_error(exc), ValueError):
+        message = str(raised)
         return bad_request(message, param=param_of(message, PARAM_FIELDS))
     if replica_lost(exc):
         logger.warning("engine replica lost during a request: %s", type(exc).__name__)

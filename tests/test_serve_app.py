@@ -374,6 +374,12 @@ def all_idle(stats: list[dict]) -> bool:
 
 
 def test_client_disconnect_aborts_request_and_frees_blocks(cluster):
+    check_disconnect_frees_blocks(cluster)
+
+
+def check_disconnect_frees_blocks(cluster) -> None:
+    """A streamed request that is running and holds KV blocks; the client closes the stream after 5 events;
+    the engine must abort it and free its blocks (also run over Serve's own transports, test_serve_transport)."""
     wait_for(lambda: all_idle(replica_stats(cluster)), 30, what="idle replicas before the test")
     body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 1000, "ignore_eos": True, "temperature": 0,
             "stream": True}
