@@ -47,7 +47,7 @@ from ray import serve
 
 from engine import AsyncLLM, SamplingParams
 from serve_app import build_app
-from serve_app.builder import apply_cluster_env
+from serve_app.builder import apply_cluster_env, engine_transport
 
 APP = "tandem_bench"
 
@@ -320,8 +320,8 @@ def level_prompts(prompts: list[str], concurrency: int, args) -> list[str]:
 
 
 def other_transport(args) -> str:
-    """The engine_transport that "auto" does not pick for this device (serve_app.builder.AppConfig)."""
-    return "grpc" if args.device == "sim" else "ray"
+    """The engine_transport that "auto" does not pick for this device."""
+    return "ray" if engine_transport("auto", args.device) == "grpc" else "grpc"
 
 
 def bench_path(args, prompts, warm) -> list[dict]:

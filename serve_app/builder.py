@@ -179,6 +179,13 @@ class AppConfig(BaseModel):
         return self.max_replicas is not None
 
 
+def engine_transport(choice: str, device: str) -> str:
+    """AppConfig.engine_transport resolved for a device: "auto" is grpc on CPU, ray elsewhere."""
+    if choice != "auto":
+        return choice
+    return "grpc" if device == "cpu" else "ray"
+
+
 def build_app(args: dict | None = None) -> serve.Application:
     """Build the OpenAI ingress bound to an engine-replica deployment."""
     cfg = AppConfig(**(args or {}))
@@ -202,7 +209,6 @@ def build_app(args: dict | None = None) -> serve.Application:
             min_replicas=cfg.ingress_replicas, initial_replicas=cfg.ingress_replicas,
             max_replicas=cfg.ingress_max_replicas, target_ongoing_requests=cfg.ingress_target_ongoing_requests,
             upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)}
-    transport = cfg.engine_transport if cfg.engine_transport != "auto" else "grpc" if device == "cpu" else "ray"
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=4096,
                                ray_actor_options={"num_cpus": 0, **_user_code(cfg),
                                                   **({"resources": cfg.ingress_resources} if cfg.ingress_resources
@@ -212,7 +218,8 @@ def build_app(args: dict | None = None) -> serve.Application:
     return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
                         max_model_len, cfg.api_keys, cfg.limits.model_dump(),
                         lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
-                        tool_parser=cfg.tool_parser, engine_transport=transport)
+                        tool_parser=cfg.tool_parser,
+                        engine_transport=engine_transport(cfg.engine_transport, device))
 
 
 def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
