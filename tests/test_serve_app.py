@@ -89,6 +89,37 @@ def test_models_and_health(cluster, client):
     assert r.status_code == 200 and r.json() == {"status": "ok", "engine_replicas": cluster.running_replicas()}
 
 
+def _replica_processes(app_name: str, deployment: str) -> list[str]:
+    """/proc/<pid>/maps paths of this cluster's replica processes of `deployment` (Ray titles a Serve replica's
+    process ray::ServeReplica:<app>:<deployment>)."""
+    import glob
+
+    found = []
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                title = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith(f"ray::ServeReplica:{app_name}:{deployment}"):
+            found.append(cmdline.replace("cmdline", "maps"))
+    return found
+
+
+def test_cpu_engine_replicas_run_on_tcmalloc_where_installed(cluster):
+    from engine import cpu_alloc
+
+    def on_tcmalloc(maps: str) -> bool:
+        with open(maps) as f:
+            return "libtcmalloc" in f.read()
+
+    engines = _replica_processes(cluster.app_name, "EngineReplica")
+    ingresses = _replica_processes(cluster.app_name, "OpenAIIngress")
+    assert len(engines) == 2 and len(ingresses) == 1
+    assert [on_tcmalloc(m) for m in engines] == [cpu_alloc.tcmalloc_path() is not None] * 2
+    assert not on_tcmalloc(ingresses[0])  # only the engine's processes
+
+
 # ---- greedy results equal the offline engine -------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt", PROMPTS[:3])
