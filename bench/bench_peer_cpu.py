@@ -27,8 +27,9 @@ replicas (engine/cpu_alloc.py); TANDEM_TCMALLOC=0 runs it on glibc's malloc.
 server; Tandem's Serve app in its own Ray cluster, one engine replica, the cluster environment
 scripts/serve.sh sets), and streams /v1/completions with httpx: `--http-c1-requests` requests one at a time
 (`--single-tokens` tokens each) and the offline workload 16 at a time; TTFT (to the first text chunk) and
-TPOT ((end - first) / (tokens - 1)) medians, output tok/s. Servers are started once per dtype, so these are
-not interleaved like the offline passes. `--http-direct-ingress` adds a Tandem row with Serve's direct
+TPOT ((end - first) / (tokens - 1)) medians, output tok/s. `--http-rounds N` starts the servers N times in
+turn (each alone, restarted every round) and takes medians over every run, so the machine's drift falls on
+all of them alike; with 1 (the default) each server runs once per dtype. `--http-direct-ingress` adds a Tandem row with Serve's direct
 ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: no proxy, clients on the ingress replica's own port).
 """
 
@@ -291,20 +292,25 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
     names = [e for e in engines if e != "hf"]
     if args.http_direct_ingress and "tandem" in names:
         names.append("tandem_direct_ingress")
+    runs: dict[str, dict[str, list]] = {name: {"c1": [], "c16": []} for name in names}
+    for rnd in range(args.http_rounds):  # each server alone, in turn, restarted every round: the VM's drift
+        for name in names:              # falls on all of them alike
+            t0 = time.perf_counter()
+            proc, port = start_server(name, dtype, args, model_dir, 18000 + rnd * len(names) + names.index(name))
+            log(f"{dtype} http {name} round {rnd + 1}: ready in {time.perf_counter() - t0:.0f} s")
+            try:
+                asyncio.run(http_load(port, prompts[:4], 8, 4))  # warm-up
+                for _ in range(args.http_repeats):
+                    runs[name]["c1"].append(asyncio.run(http_load(port, prompts[:args.http_c1_requests],
+                                                                  args.single_tokens, 1)))
+                for _ in range(args.http_repeats):
+                    runs[name]["c16"].append(asyncio.run(http_load(port, prompts, args.max_new_tokens, 16)))
+            finally:
+                stop_server(proc)
+                wait_port_free(port)
+            log(f"{dtype} http {name} round {rnd + 1}: c1 {runs[name]['c1'][-1]}, c16 {runs[name]['c16'][-1]}")
     for name in names:
-        t0 = time.perf_counter()
-        proc, port = start_server(name, dtype, args, model_dir, 18000 + len(rows))
-        log(f"{dtype} http {name}: ready in {time.perf_counter() - t0:.0f} s")
-        try:
-            asyncio.run(http_load(port, prompts[:4], 8, 4))  # warm-up
-            c1 = [asyncio.run(http_load(port, prompts[:args.http_c1_requests], args.single_tokens, 1))
-                  for _ in range(args.http_repeats)]
-            c16 = [asyncio.run(http_load(port, prompts, args.max_new_tokens, 16)) for _ in range(args.http_repeats)]
-        finally:
-            stop_server(proc)
-            wait_port_free(port)
-        rows[name] = {f"c{runs[0]['concurrency']}": {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                      for runs in (c1, c16)}
+        rows[name] = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs[name].items()}
         log(f"{dtype} http {name}: {rows[name]}")
     for name in [n for n in ("tandem", "tandem_direct_ingress") if n in rows and "vllm" in rows]:
         t, v = rows[name], rows["vllm"]
@@ -337,7 +343,8 @@ def log(msg: str) -> None:
 def print_report(report: dict) -> None:
     print(f"\nmachine: {report['machine']}  (vLLM {report.get('vllm_version', '-')})")
     for dtype, rows in report.get("http", {}).items():
-        print(f"\nHTTP {dtype} (streamed /v1/completions; c1: {report['http_c1']}; c16: the offline workload)")
+        print(f"\nHTTP {dtype} (streamed /v1/completions; c1: {report['http_c1']}; c16: the offline workload; "
+              f"{report['http_runs']})")
         for name, r in rows.items():
             print(f"  {name}: " + "; ".join(f"{c} " + ", ".join(f"{k} {x:.2f}" for k, x in v.items())
                                          for c, v in r.items()))
@@ -371,6 +378,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-dir", default="/tmp/tandem_peer_logs")
     p.add_argument("--http", action="store_true", help="also serve both over HTTP (each server alone)")
     p.add_argument("--http-repeats", type=int, default=1)
+    p.add_argument("--http-rounds", type=int, default=1,
+                   help="start every HTTP server this many times, in turn; medians over all runs")
     p.add_argument("--http-c1-requests", type=int, default=8)
     p.add_argument("--http-direct-ingress", action="store_true",
                    help="also serve Tandem with Serve's direct ingress (no proxy; clients on port 30000)")
@@ -394,6 +403,7 @@ def main() -> None:
               "workload": f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
                           f"{args.max_new_tokens} greedy tokens each, prefix caching off, KV {args.kv_gib} GiB",
               "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
+              "http_runs": f"{args.http_rounds} rounds of the servers in turn x {args.http_repeats} runs each; medians",
               "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats), "dtypes": {}}
     if args.vllm_python:
         report["vllm_version"] = vllm_version(args.vllm_python)

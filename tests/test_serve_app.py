@@ -89,35 +89,49 @@ def test_models_and_health(cluster, client):
     assert r.status_code == 200 and r.json() == {"status": "ok", "engine_replicas": cluster.running_replicas()}
 
 
-def _replica_processes(app_name: str, deployment: str) -> list[str]:
-    """/proc/<pid>/maps paths of this cluster's replica processes of `deployment` (Ray titles a Serve replica's
-    process ray::ServeReplica:<app>:<deployment>)."""
+def _ray_processes(title: str) -> list[str]:
+    """/proc/<pid> of this machine's processes whose title starts with `title` (Ray titles a Serve replica's
+    process ray::ServeReplica:<app>:<deployment>, Serve's controller ray::ServeController)."""
     import glob
 
     found = []
     for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
         try:
             with open(cmdline, "rb") as f:
-                title = f.read().replace(b"\0", b" ").decode(errors="replace")
+                if f.read().split(b"\0")[0].decode(errors="replace").startswith(title):
+                    found.append(cmdline.removesuffix("/cmdline"))
         except OSError:
             continue
-        if title.startswith(f"ray::ServeReplica:{app_name}:{deployment}"):
-            found.append(cmdline.replace("cmdline", "maps"))
     return found
 
 
 def test_cpu_engine_replicas_run_on_tcmalloc_where_installed(cluster):
     from engine import cpu_alloc
 
-    def on_tcmalloc(maps: str) -> bool:
-        with open(maps) as f:
+    def on_tcmalloc(proc: str) -> bool:
+        with open(f"{proc}/maps") as f:
             return "libtcmalloc" in f.read()
 
-    engines = _replica_processes(cluster.app_name, "EngineReplica")
-    ingresses = _replica_processes(cluster.app_name, "OpenAIIngress")
+    engines = _ray_processes(f"ray::ServeReplica:{cluster.app_name}:EngineReplica")
+    ingresses = _ray_processes(f"ray::ServeReplica:{cluster.app_name}:OpenAIIngress")
     assert len(engines) == 2 and len(ingresses) == 1
-    assert [on_tcmalloc(m) for m in engines] == [cpu_alloc.tcmalloc_path() is not None] * 2
+    assert [on_tcmalloc(p) for p in engines] == [cpu_alloc.tcmalloc_path() is not None] * 2
     assert not on_tcmalloc(ingresses[0])  # only the engine's processes
+
+
+def test_serve_controller_and_proxy_run_with_the_cluster_env(cluster):
+    from serve_app.builder import CLUSTER_ENV
+
+    raylet = str(ray._private.worker._global_node.all_processes["raylet"][0].process.pid)
+    seen = 0
+    for title in ("ray::ServeController", "ray::ProxyActor"):
+        for proc in _ray_processes(title):
+            with open(f"{proc}/environ", "rb") as f:
+                env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+            if env.get("RAY_RAYLET_PID") == raylet:  # this cluster's, not another's on the machine
+                assert {k: env.get(k) for k in CLUSTER_ENV} == CLUSTER_ENV, title
+                seen += 1
+    assert seen == 2
 
 
 # ---- greedy results equal the offline engine -------------------------------------------------------------
