@@ -29,8 +29,9 @@ scripts/serve.sh sets), and streams /v1/completions with httpx: `--http-c1-reque
 (`--single-tokens` tokens each) and the offline workload 16 at a time; TTFT (to the first text chunk) and
 TPOT ((end - first) / (tokens - 1)) medians, output tok/s. `--http-rounds N` starts the servers N times in
 turn (each alone, restarted every round) and takes medians over every run, so the machine's drift falls on
-all of them alike; with 1 (the default) each server runs once per dtype. `--http-direct-ingress` adds a Tandem row with Serve's direct
-ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: no proxy, clients on the ingress replica's own port).
+all of them alike; with 1 (the default) each server runs once per dtype. `--http-direct-ingress` adds a
+Tandem row with Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: no proxy, clients on the ingress
+replica's own port).
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ from ray.serve.request_router import ReplicaID
 
 from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
 from cluster.protocol import GenerateRequest
-from engine import cpu_alloc
 from cluster.router import PrefixAwareRouter, router_class
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_alloc
 from engine.block_manager import prefix_hashes
 from engine.lora import LoRARequest
 from serve_app import AppConfig, build_app
