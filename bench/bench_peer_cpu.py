@@ -56,7 +56,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from engine import cpu_alloc  # noqa: E402
 WORKER = REPO / "bench" / "peer_worker.py"
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 
 class Worker:
@@ -95,8 +94,8 @@ def worker_env(name: str, args) -> dict:
     if name == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib)), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        if TCMALLOC.exists():
-            env["LD_PRELOAD"] = str(TCMALLOC)
+        if (tcmalloc := cpu_alloc.find_tcmalloc()) is not None:  # whatever Tandem's TANDEM_TCMALLOC says
+            env["LD_PRELOAD"] = tcmalloc
     elif name == "tandem":  # what Tandem's Serve app gives its CPU replicas (engine/cpu_alloc.py)
         env.update(cpu_alloc.preload_env())
     return env

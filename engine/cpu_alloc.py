@@ -27,12 +27,15 @@ _DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64"
 _QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
 
 
+def find_tcmalloc() -> str | None:
+    """The tcmalloc shared library installed on this machine, or None."""
+    return next((str(Path(d) / n) for d in _DIRS for n in _NAMES if (Path(d) / n).exists()), None)
+
+
 @functools.cache
 def tcmalloc_path() -> str | None:
-    """The tcmalloc shared library on this machine, or None (not installed, or TANDEM_TCMALLOC=0)."""
-    if os.environ.get("TANDEM_TCMALLOC", "1") == "0":
-        return None
-    return next((str(Path(d) / n) for d in _DIRS for n in _NAMES if (Path(d) / n).exists()), None)
+    """The tcmalloc the engine uses: find_tcmalloc(), or None when TANDEM_TCMALLOC=0."""
+    return None if os.environ.get("TANDEM_TCMALLOC", "1") == "0" else find_tcmalloc()
 
 
 def preload_env() -> dict[str, str]:

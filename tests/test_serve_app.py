@@ -14,6 +14,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 import ray
 from transformers import AutoTokenizer
@@ -89,28 +90,17 @@ def test_models_and_health(cluster, client):
     assert r.status_code == 200 and r.json() == {"status": "ok", "engine_replicas": cluster.running_replicas()}
 
 
-def _ray_processes(title: str) -> list[str]:
-    """/proc/<pid> of this machine's processes whose title starts with `title` (Ray titles a Serve replica's
-    process ray::ServeReplica:<app>:<deployment>, Serve's controller ray::ServeController)."""
-    import glob
-
-    found = []
-    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
-        try:
-            with open(cmdline, "rb") as f:
-                if f.read().split(b"\0")[0].decode(errors="replace").startswith(title):
-                    found.append(cmdline.removesuffix("/cmdline"))
-        except OSError:
-            continue
-    return found
+def _ray_processes(title: str) -> list[psutil.Process]:
+    """This machine's processes whose title starts with `title` (Ray titles a Serve replica's process
+    ray::ServeReplica:<app>:<deployment>, Serve's controller ray::ServeController)."""
+    return [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(title)]
 
 
 def test_cpu_engine_replicas_run_on_tcmalloc_where_installed(cluster):
     from engine import cpu_alloc
 
-    def on_tcmalloc(proc: str) -> bool:
-        with open(f"{proc}/maps") as f:
-            return "libtcmalloc" in f.read()
+    def on_tcmalloc(proc: psutil.Process) -> bool:
+        return any("libtcmalloc" in m.path for m in proc.memory_maps())
 
     engines = _ray_processes(f"ray::ServeReplica:{cluster.app_name}:EngineReplica")
     ingresses = _ray_processes(f"ray::ServeReplica:{cluster.app_name}:OpenAIIngress")
@@ -126,8 +116,7 @@ def test_serve_controller_and_proxy_run_with_the_cluster_env(cluster):
     seen = 0
     for title in ("ray::ServeController", "ray::ProxyActor"):
         for proc in _ray_processes(title):
-            with open(f"{proc}/environ", "rb") as f:
-                env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+            env = proc.environ()
             if env.get("RAY_RAYLET_PID") == raylet:  # this cluster's, not another's on the machine
                 assert {k: env.get(k) for k in CLUSTER_ENV} == CLUSTER_ENV, title
                 seen += 1
