@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -58,10 +59,38 @@ class ServeCluster:
         return handles
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now and that the kernel will not hand out meanwhile.
+
+    Ports come from below the kernel's ephemeral range. A port taken from inside it (bind to port 0) is free
+    when chosen, but until Ray binds it the kernel may give it to any outgoing connection as its source port,
+    and Ray's own processes open many (CI lost a whole module to "dashboard ... address already in use").
+    Ray's worker ports (10002-19999 unless set) are left out too: `ray start` refuses a port inside them."""
+    lo = _ephemeral_start()
+    start = 20000 if lo > 22000 else 1024  # Ray's workers take 10002-19999 by default
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(start, lo)
+        if port in _handed_out:  # not bound yet by whoever got it: a second caller must not get it too
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # the wildcard: taken on any address means taken
+            except OSError:
+                continue  # in use: try another
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in [{start}, {lo})")
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.5,
