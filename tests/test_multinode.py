@@ -240,9 +240,16 @@ def start_streams(cluster: Cluster, prompts: list[str], route: str = "") -> tupl
 
 def in_flight_on_all(replicas: dict[str, object], results: list[dict]) -> dict[str, int] | None:
     """Streams per replica, once every replica has some and every stream has its first token (after that a
-    replica's loss is the client's error, not a silent retry on another replica)."""
+    replica's loss is the client's error, not a silent retry on another replica).
+
+    The first tokens are checked before the replicas are asked: a stream with its first token is on its replica
+    for good, so the counts that follow are exact. Counted first, a stream routed just after its replica was
+    asked and answering before the token check would go uncounted. (A local run once counted 1 stream on the
+    killed node and saw 3 fail; this race is the one explanation found, not a proven one.)"""
+    if not results or not all(r["chunks"] for r in results):
+        return None
     counts = {node: ray.get(h.get_num_ongoing_requests.remote(), timeout=10) for node, h in replicas.items()}
-    return counts if all(counts.values()) and all(r["chunks"] for r in results) else None
+    return counts if all(counts.values()) else None
 
 
 def join(threads: list[threading.Thread], deadline: float) -> None:
@@ -298,7 +305,8 @@ def test_losing_the_worker_node_ends_its_streams_and_the_head_replica_serves_on(
     failed = [r for r in results if "error" in r]
     completed = [r for r in results if "error" not in r]
     assert failed, f"no stream failed although {counts[worker_id]} ran on the killed node: {results}"
-    assert len(failed) == counts[worker_id], (counts, results)  # exactly the streams on the dead replica
+    assert len(failed) == counts[worker_id], (f"worker {worker_id[:8]}", counts, [  # exactly the dead replica's
+        (r["chunks"], r["finish"], repr(r.get("error"))[:60]) for r in results])
     for r in failed:  # the ingress's error event, which the openai client raises as an APIError
         assert isinstance(r["error"], openai.APIError) and r["error"].code == "replica_died", r
         assert r["ended"] - killed_at < STREAM_END_BOUND_S, r
@@ -349,8 +357,23 @@ def test_a_new_worker_node_gets_the_missing_replica(cluster):
     replicas = cluster.replica_handles()
     assert set(replicas) == {head_id, new_id}
 
-    results, threads = start_streams(cluster, [PROMPT] * 4)
-    counts = wait_for(lambda: in_flight_on_all(replicas, results), 60, 0.05, what="streams on both replicas")
+    # Streams are added one every 0.5 s (at least 4, at most 12) until both replicas have some in flight. A
+    # batch of 4 sent at once all went to the head's replica once in ~4 full runs: the router's queue-length
+    # view is cached, and it may learn of the new replica after the controller does. Where requests land is
+    # not what this test is about; that the new node's replica serves, and serves the same text, is.
+    results, threads = [], []
+
+    def spread() -> dict[str, int] | None:
+        counts = in_flight_on_all(replicas, results)
+        if counts and len(results) >= 4:
+            return counts
+        if len(results) < 12:
+            more, started = start_streams(cluster, [PROMPT])
+            results.extend(more)
+            threads.extend(started)
+        return None
+
+    counts = wait_for(spread, 60, 0.5, what="streams on both replicas")
     join(threads, time.monotonic() + 120)
     assert all("error" not in r and r["finish"] == "length" for r in results), results
     assert len({r["text"] for r in results}) == 1, [r["text"][:80] for r in results]  # same text on both nodes
