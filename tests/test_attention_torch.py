@@ -179,3 +179,53 @@ def test_cpu_prefill_kernel_matches_dense(dtype, dim, heads, kv_heads, bs, windo
                               dim ** -0.5, window or None, softcap)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[start:start + n].float(), ref, atol=tol, rtol=tol)
+
+
+def test_cpu_attention_kernels_run_without_the_gil():
+    """paged_prefill and paged_decode release the GIL for the call, as PyTorch's own ops do, so another Python
+    thread (an engine replica's Serve loop shipping chunks) runs meanwhile. With the switch interval at 100 s,
+    the only way the ticking thread can get the GIL while this thread is in a call is the call releasing it:
+    a kernel that holds it leaves the count exactly as it was before the call."""
+    import sys
+    import threading
+    import time
+
+    kernel = cpu_native.load()
+    torch.manual_seed(0)
+    bs, heads, kv_heads, dim, seq = 16, 8, 8, 64, 2048
+    k_cache, v_cache = torch.randn(seq // bs * 4, bs, kv_heads, dim), torch.randn(seq // bs * 4, bs, kv_heads, dim)
+    one_table = torch.arange(seq // bs, dtype=torch.int32)
+    # Every argument is made here: PyTorch's ops release the GIL, so making one inside the timed span would let
+    # the ticker in whatever the kernel does.
+    decode_args = (torch.randn(64, heads, dim), k_cache, v_cache, one_table.repeat(64, 1),  # 64 x 2,048 tokens
+                   torch.full((64,), seq, dtype=torch.int32), dim ** -0.5)
+    calls = {"decode": lambda: kernel.paged_decode(*decode_args)}
+    if "float32" in kernel.prefill_dtypes:
+        q = torch.randn(seq, heads, dim)  # one whole 2,048-token prompt
+        prefill_args = (q, k_cache, v_cache, one_table[None], *(torch.tensor([x], dtype=torch.int32)
+                                                                for x in (0, seq, seq)),
+                        dim ** -0.5, 0, 0.0, torch.empty_like(q))
+        calls["prefill"] = lambda: kernel.paged_prefill(*prefill_args)
+    ticks, stop = [0], threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.0002)  # releases the GIL; taking it back needs this thread's holder to let go
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    ticker = threading.Thread(target=tick, daemon=True)
+    try:
+        ticker.start()
+        during = {}
+        for name, call in calls.items():
+            for _ in range(3):
+                before = ticks[0]
+                call()
+                during.setdefault(name, []).append(ticks[0] - before)
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        ticker.join(timeout=5)
+    assert all(max(n) > 0 for n in during.values()), f"ticks during each call: {during}"

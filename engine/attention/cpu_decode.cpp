@@ -361,5 +361,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_prefill(m);
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", pybind11::arg("q"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
-        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,
+        // Without the GIL, as PyTorch's own ops run: the replica's Serve thread ships chunks meanwhile.
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -350,7 +350,8 @@ void register_prefill(pybind11::module& m) {
   m.def("paged_prefill", &paged_prefill, "paged prefill attention (CPU)", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("q_start"),
         pybind11::arg("q_len"), pybind11::arg("seq_len"), pybind11::arg("scale"), pybind11::arg("window"),
-        pybind11::arg("softcap"), pybind11::arg("out"));
+        pybind11::arg("softcap"), pybind11::arg("out"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());  // as paged_decode (cpu_decode.cpp)
 #endif
 #if defined(TANDEM_PREFILL) && defined(__AVX512BF16__)
   m.attr("prefill_dtypes") = pybind11::make_tuple("float32", "bfloat16");
