@@ -357,10 +357,11 @@ def test_a_new_worker_node_gets_the_missing_replica(cluster):
     replicas = cluster.replica_handles()
     assert set(replicas) == {head_id, new_id}
 
-    # Streams are added one every 0.5 s (at least 4, at most 12) until both replicas have some in flight. A
-    # batch of 4 sent at once all went to the head's replica once in ~4 full runs: the router's queue-length
-    # view is cached, and it may learn of the new replica after the controller does. Where requests land is
-    # not what this test is about; that the new node's replica serves, and serves the same text, is.
+    # Streams are added one every 0.5 s (at least 4, at most 12) until both replicas have some in flight. With
+    # a batch of 4 sent at once, the wait for both replicas timed out once in ~4 full runs, most likely all 4
+    # on the head's replica: the router's queue-length view is cached, and it may learn of the new replica
+    # after the controller does. Where requests land is not what this test is about; that the new node's
+    # replica serves, and serves the same text, is.
     results, threads = [], []
 
     def spread() -> dict[str, int] | None:
