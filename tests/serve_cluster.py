@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 
@@ -64,7 +65,7 @@ _handed_out: set[int] = set()
 
 def _ephemeral_start() -> int:
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default
 
@@ -76,11 +77,10 @@ def free_port() -> int:
     when chosen, but until Ray binds it the kernel may give it to any outgoing connection as its source port,
     and Ray's own processes open many (CI lost a whole module to "dashboard ... address already in use").
     Ray's worker ports (10002-19999 unless set) are left out too: `ray start` refuses a port inside them."""
-    lo = _ephemeral_start()
-    start = 20000 if lo > 22000 else 1024  # Ray's workers take 10002-19999 by default
+    start, lo = 20000, _ephemeral_start()  # Ray's workers take 10002-19999 by default
     rng = random.SystemRandom()
     for _ in range(200):
-        port = rng.randrange(start, lo)
+        port = rng.randrange(start, max(lo, start + 1000))
         if port in _handed_out:  # not bound yet by whoever got it: a second caller must not get it too
             continue
         with socket.socket() as s:
