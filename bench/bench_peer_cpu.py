@@ -166,17 +166,15 @@ def bench_dtype(dtype: str, engines: list[str], args, model_dir: str, prompts, s
         for w in workers:  # warm-up: compile/JIT paths and allocator pools, excluded from timing
             w.call(op="offline", prompts=prompts[:4], max_tokens=8)
             w.call(op="single", prompt=single, max_tokens=4)
-        offline = {w.name: [] for w in workers}
-        others_cpu = {w.name: [] for w in workers}  # the other engines' CPU seconds during each timed call
+        offline = {w.name: [] for w in workers}  # each call's result, its tokens kept apart in `tokens`
         tokens = {}
         for r in range(args.repeats):
             for w in workers:
                 if w.name == "hf" and r >= args.hf_repeats:
                     continue
                 res = timed_call(w, workers, op="offline", prompts=prompts, max_tokens=args.max_new_tokens)
-                offline[w.name].append(res["seconds"])
-                others_cpu[w.name].append(res["others_cpu_s"])
-                tokens[w.name] = res["tokens"]
+                tokens[w.name] = res.pop("tokens")
+                offline[w.name].append(res)
                 log(f"{dtype} {w.name} offline #{r + 1}: {res['seconds']:.2f} s")
         singles = {w.name: [] for w in workers}
         for r in range(args.repeats):
@@ -189,11 +187,11 @@ def bench_dtype(dtype: str, engines: list[str], args, model_dir: str, prompts, s
     out_tokens = sum(len(t) for t in next(iter(tokens.values())))
     rows = {}
     for name in engines:
-        wall = statistics.median(offline[name])
-        rows[name] = {"offline_seconds": offline[name], "offline_tok_s": out_tokens / wall,
+        seconds = [r["seconds"] for r in offline[name]]
+        rows[name] = {"offline_seconds": seconds, "offline_tok_s": out_tokens / statistics.median(seconds),
                       "single_ttft_ms_each": [round(s["ttft_s"] * 1e3, 1) for s in singles[name]],
-                      "others_cpu_s_during": {"offline": [round(x, 3) for x in others_cpu[name]],
-                                              "single": [round(s["others_cpu_s"], 3) for s in singles[name]]},
+                      "others_cpu_s_during": {op: [round(r["others_cpu_s"], 3) for r in runs[name]]
+                                              for op, runs in (("offline", offline), ("single", singles))},
                       "single_ttft_ms": statistics.median(s["ttft_s"] for s in singles[name]) * 1e3,
                       "single_ms_per_token": statistics.median(s["ms_per_token"] for s in singles[name])}
     ratios = {}
