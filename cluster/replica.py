@@ -115,10 +115,17 @@ class EngineReplica:
         return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
                 "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"]}
 
-    def __del__(self):
+    def shutdown(self) -> None:
+        """Stop the metrics thread and the engine (idempotent)."""
+        if getattr(self, "_shut_down", False):
+            return
+        self._shut_down = True
         metrics = getattr(self, "metrics", None)
         if metrics is not None:
             metrics.stop()
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.shutdown()
+
+    def __del__(self):
+        self.shutdown()

@@ -28,6 +28,7 @@ class ServeCluster:
     port: int
     temp_dir: str = ""
     metrics_port: int | None = None  # Ray's Prometheus export port, when asked for
+    engine_deployment: str = ENGINE_DEPLOYMENT  # the deployment whose replicas hold the engines
 
     @property
     def base_url(self) -> str:
@@ -51,7 +52,7 @@ class ServeCluster:
         in the "serve" namespace)."""
         import ray
 
-        prefix = f"SERVE_REPLICA::{self.app_name}#{ENGINE_DEPLOYMENT}#"
+        prefix = f"SERVE_REPLICA::{self.app_name}#{self.engine_deployment}#"
         handles = []
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry["namespace"] == "serve" and entry["name"].startswith(prefix):
@@ -128,6 +129,10 @@ def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> I
     temp_dir = tempfile.mkdtemp(prefix="tdr", dir="/tmp")  # short: Ray puts unix sockets under it
     cluster = ServeCluster(app_name=f"tandem{uuid.uuid4().hex[:6]}", port=free_port(), temp_dir=temp_dir,
                            metrics_port=free_port() if metrics else None)
+    if app_args.get("colocated"):
+        from serve_app.builder import COLOCATED_DEPLOYMENT
+
+        cluster.engine_deployment = COLOCATED_DEPLOYMENT
     extra = dict(_metrics_export_port=cluster.metrics_port, include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=free_port()) if metrics else dict(include_dashboard=False)
     try:
