@@ -227,8 +227,9 @@ DIRECT_INGRESS_PORT = 30000  # Serve's RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT: t
 
 
 def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> tuple[subprocess.Popen, int]:
-    """The server and the port its clients use: `port`, except for tandem_direct_ingress (Serve's direct
-    ingress: no proxy, the ingress replica serves HTTP itself on a port of its own)."""
+    """The server and the port its clients use: `port`, except for tandem[_colocated]_direct_ingress (Serve's
+    direct ingress: no proxy, the ingress replica serves HTTP itself on a port of its own). tandem_colocated*:
+    the app's `colocated: true` (the engine inside the ingress replica)."""
     log_file = open(Path(args.log_dir) / f"http_{name}_{dtype}.log", "w")
     # Tandem: the app preloads tcmalloc into its engine replica itself, not into every process of the cluster
     env = worker_env(name, args) if name == "vllm" else dict(os.environ)
@@ -241,7 +242,7 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> tupl
         from serve_app.builder import CLUSTER_ENV
 
         env = {**CLUSTER_ENV, **env}  # the cluster scripts/serve.sh starts
-        if name == "tandem_direct_ingress":
+        if name.endswith("direct_ingress"):
             env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
                        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(DIRECT_INGRESS_PORT))
         # --tandem-cpu-threads: the replica's intra-op threads (EngineConfig.cpu_threads); by default the app's
@@ -249,12 +250,13 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> tupl
         app = {"model": model_dir, "served_model_name": "m", "device": "cpu",
                "engine": {"dtype": dtype, "cpu_kv_cache_bytes": int(args.kv_gib * 1024**3),
                           "enable_prefix_caching": False, "max_model_len": 2048,
-                          "cpu_threads": args.tandem_cpu_threads, "stream_interval": args.tandem_stream_interval}}
+                          "cpu_threads": args.tandem_cpu_threads, "stream_interval": args.tandem_stream_interval},
+               "colocated": "colocated" in name}
         tmp = tempfile.mkdtemp(prefix="tandem_peer_ray_")
         cmd = [sys.executable, "-c", TANDEM_SERVER.format(repo=str(REPO), tmp=tmp, port=port, app=app)]
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                             start_new_session=True)
-    port = DIRECT_INGRESS_PORT if name == "tandem_direct_ingress" else port
+    port = DIRECT_INGRESS_PORT if name.endswith("direct_ingress") else port
     deadline = time.time() + 600
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -330,8 +332,9 @@ async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concur
 def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) -> dict:
     rows = {}
     names = [e for e in engines if e != "hf"]
-    if args.http_direct_ingress and "tandem" in names:
-        names.append("tandem_direct_ingress")
+    if "tandem" in names:
+        names += [f"tandem{c}{d}" for c in ("", "_colocated") for d in ("", "_direct_ingress")
+                  if (c or d) and (args.http_colocated or not c) and (args.http_direct_ingress or not d)]
     runs: dict[str, dict[str, list]] = {name: {"c1": [], "c16": []} for name in names}
     for rnd in range(args.http_rounds):  # each server alone, in turn, restarted every round: the VM's drift
         for name in names:              # falls on all of them alike
@@ -352,7 +355,7 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
     for name in names:
         rows[name] = {c: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for c, rs in runs[name].items()}
         log(f"{dtype} http {name}: {rows[name]}")
-    for name in [n for n in ("tandem", "tandem_direct_ingress") if n in rows and "vllm" in rows]:
+    for name in [n for n in names if n.startswith("tandem") and "vllm" in rows]:
         t, v = rows[name], rows["vllm"]
         rows[f"{name}_vs_vllm (>1: Tandem better)"] = {
             c: {"output_tok_s": t[c]["output_tok_s"] / v[c]["output_tok_s"],
@@ -423,6 +426,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--http-c1-requests", type=int, default=8)
     p.add_argument("--http-direct-ingress", action="store_true",
                    help="also serve Tandem with Serve's direct ingress (no proxy; clients on port 30000)")
+    p.add_argument("--http-colocated", action="store_true",
+                   help="also serve Tandem with the app's colocated: true (the engine inside the ingress replica)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: every core)")
     p.add_argument("--tandem-stream-interval", type=int, default=1,
