@@ -46,6 +46,7 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # the GCS, taken from the engine; SmolLM2 bf16 over HTTP, 64 requests 16 at a time: controller 1.13-1.37 ->
 # 0.56-0.61 CPU s, GCS 0.54-0.71 -> 0.27-0.28 s. Serve then notices replica starts, deaths and scaling
 # decisions up to 0.4 s later; health checks and autoscaling keep their own periods.
+INGRESS_MAX_ONGOING = 4096  # per ingress replica: the engines' limits apply behind it
 COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deployment, ingress and engine
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 
@@ -226,8 +227,10 @@ def build_app(args: dict | None = None) -> serve.Application:
         not cfg.autoscaling and (cfg.num_replicas or 1) == 1 and engine_cfg.pipeline_parallel_size == 1 and \
         engine_cfg.tensor_parallel_size == 1
     if cfg.colocated:
+        max_ongoing = cfg.max_ongoing_requests or engine_cfg.max_num_seqs
+        max_in_flight = None if cfg.max_queued_requests < 0 else max_ongoing + cfg.max_queued_requests
         return _colocated_deployment(cfg, engine_cfg, device).bind(
-            dataclasses.asdict(engine_cfg), all_cores, engine_cfg.model,
+            dataclasses.asdict(engine_cfg), all_cores, max_in_flight, engine_cfg.model,
             cfg.served_model_name or _default_name(cfg.model), max_model_len, cfg.api_keys,
             cfg.limits.model_dump(), lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
             tool_parser=cfg.tool_parser)
@@ -238,7 +241,7 @@ def build_app(args: dict | None = None) -> serve.Application:
             min_replicas=cfg.ingress_replicas, initial_replicas=cfg.ingress_replicas,
             max_replicas=cfg.ingress_max_replicas, target_ongoing_requests=cfg.ingress_target_ongoing_requests,
             upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)}
-    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=4096,
+    ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING,
                                ray_actor_options={"num_cpus": 0, **_user_code(cfg),
                                                   **({"resources": cfg.ingress_resources} if cfg.ingress_resources
                                                      else {})},
@@ -297,17 +300,15 @@ def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
 
 
 def _colocated_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
-    """AppConfig.colocated: the ingress with its engine inside (serve_app/colocated.py), placed and sized as
-    an engine replica. It takes what the engine batches and queues plus room for the cheap routes (/health,
-    /v1/models), so those still answer at full load; beyond that Serve's proxy queues up to
-    max_queued_requests and then answers 503."""
+    """AppConfig.colocated: the ingress with its engine inside (serve_app/colocated.py), placed as an engine
+    replica. Serve sends it everything, as it does an ingress; the replica itself keeps generation requests
+    to the engine's max_ongoing_requests + max_queued_requests and answers the rest 503 (as the split app's
+    ingress does), while /health and /v1/models always get through."""
     from serve_app.colocated import ColocatedIngress
 
-    queued = max(cfg.max_queued_requests, 0)
     return serve.deployment(ColocatedIngress, name=COLOCATED_DEPLOYMENT,
                             ray_actor_options=_engine_deployment(cfg, engine_cfg, device).ray_actor_options,
-                            max_ongoing_requests=cfg.max_ongoing_requests or engine_cfg.max_num_seqs + queued + 64,
-                            max_queued_requests=cfg.max_queued_requests,
+                            max_ongoing_requests=INGRESS_MAX_ONGOING,
                             health_check_period_s=cfg.health_check_period_s,
                             health_check_timeout_s=cfg.health_check_timeout_s,
                             graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,

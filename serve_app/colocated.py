@@ -25,26 +25,55 @@ from serve_app.ingress import OpenAIIngress
 
 class _LocalStream:
     """One request's chunks straight from the in-process engine, shaped like the handle's response
-    generator the ingress awaits (`__anext__`, `async for`, `cancel()`)."""
+    generator the ingress awaits (`__anext__`, `async for`, `cancel()`). It holds one of the engine's
+    in-flight places until it ends, is cancelled or is dropped."""
 
-    def __init__(self, chunks: AsyncIterator[GenerateChunk]):
+    def __init__(self, chunks: AsyncIterator[GenerateChunk], engine: LocalEngine):
         self._chunks = chunks
-        self._closed = False
+        self._engine: LocalEngine | None = engine
+        engine.in_flight += 1
+
+    def _release(self) -> None:
+        if self._engine is not None:
+            self._engine.in_flight -= 1
+            self._engine = None
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> GenerateChunk:
-        return await self._chunks.__anext__()
+        try:
+            return await self._chunks.__anext__()
+        except BaseException:  # the end, a failure or a cancellation: the place is free either way
+            self._release()
+            raise
 
     def cancel(self) -> None:
         """Stop the request: closing the replica's generator aborts it in the engine and frees its blocks
-        (cluster.replica.EngineReplica.generate's `finally`). A cancelled consumer has closed it already."""
-        if self._closed:
+        (cluster.replica.EngineReplica.generate's `finally`). A consumer cancelled mid-chunk has closed it
+        already."""
+        if self._engine is None:
             return
-        self._closed = True
-        with contextlib.suppress(RuntimeError):  # still running in its consumer: that one closes it
+        self._release()
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing left to close it on
             asyncio.get_running_loop().create_task(self._chunks.aclose())
+
+    def __del__(self):
+        self._release()
+
+
+class _Refused:
+    """A request over the in-flight limit: its first chunk is Serve's BackPressureError, which the ingress
+    answers as for the split app (503 "overloaded" with Retry-After)."""
+
+    def __init__(self, error: Exception):
+        self._error = error
+
+    async def __anext__(self):
+        raise self._error
+
+    def cancel(self) -> None:
+        pass
 
 
 class _LocalMethod:
@@ -57,11 +86,23 @@ class _LocalMethod:
 
 class LocalEngine:
     """The in-process engine behind the ingress's handle calls: `generate.remote(request)` streams its
-    chunks, `.options(...)` is the handle's, for the same code path."""
+    chunks, `.options(...)` is the handle's, for the same code path. At most `max_in_flight` requests run or
+    wait in the engine (None: no limit): what the split app's handle allows an engine replica
+    (max_ongoing_requests) plus its queue (max_queued_requests)."""
 
-    def __init__(self, replica: EngineReplica):
+    def __init__(self, replica: EngineReplica, max_in_flight: int | None = None):
         self.replica = replica
-        self.generate = _LocalMethod(lambda request: _LocalStream(replica.generate(request)))
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        self.generate = _LocalMethod(self._generate)
+
+    def _generate(self, request):
+        if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
+            from ray.serve.exceptions import BackPressureError
+
+            return _Refused(BackPressureError(num_queued_requests=self.in_flight,
+                                              max_queued_requests=self.max_in_flight))
+        return _LocalStream(self.replica.generate(request), self)
 
     def options(self, **_: object) -> LocalEngine:
         return self
@@ -71,9 +112,9 @@ class ColocatedIngress(OpenAIIngress):
     """OpenAIIngress with its engine in the same replica. Serve's health probe, routing and autoscaling stats
     are the engine's, as on an engine replica; /health counts this replica's engine."""
 
-    async def __init__(self, engine_config: dict, all_cores: bool, *args, **kwargs):
+    async def __init__(self, engine_config: dict, all_cores: bool, max_in_flight: int | None, *args, **kwargs):
         self.replica = EngineReplica(engine_config, all_cores)
-        await super().__init__(LocalEngine(self.replica), *args, **kwargs)
+        await super().__init__(LocalEngine(self.replica, max_in_flight), *args, **kwargs)
 
     async def check_health(self) -> None:
         await self.replica.check_health()
