@@ -109,7 +109,7 @@ class LocalEngine:
 
 
 class ColocatedIngress(OpenAIIngress):
-    """OpenAIIngress with its engine in the same replica. Serve's health probe, routing and autoscaling stats
+    """OpenAIIngress with its engine in the same replica. Serve's health probe and routing stats
     are the engine's, as on an engine replica; /health counts this replica's engine."""
 
     async def __init__(self, engine_config: dict, all_cores: bool, max_in_flight: int | None, *args, **kwargs):
