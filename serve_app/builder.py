@@ -226,14 +226,16 @@ def build_app(args: dict | None = None) -> serve.Application:
     all_cores = device == "cpu" and engine_cfg.cpu_threads is None and cfg.replica_num_cpus is None and \
         not cfg.autoscaling and (cfg.num_replicas or 1) == 1 and engine_cfg.pipeline_parallel_size == 1 and \
         engine_cfg.tensor_parallel_size == 1
+    # What the ingress is built with, split or colocated: model, name, context, keys, limits, adapters, tools
+    ingress_args = (engine_cfg.model, cfg.served_model_name or _default_name(cfg.model), max_model_len,
+                    cfg.api_keys, cfg.limits.model_dump())
+    ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
+                          tool_parser=cfg.tool_parser)
     if cfg.colocated:
-        max_ongoing = cfg.max_ongoing_requests or engine_cfg.max_num_seqs
-        max_in_flight = None if cfg.max_queued_requests < 0 else max_ongoing + cfg.max_queued_requests
+        max_in_flight = None if cfg.max_queued_requests < 0 else \
+            _engine_max_ongoing(cfg, engine_cfg) + cfg.max_queued_requests
         return _colocated_deployment(cfg, engine_cfg, device).bind(
-            dataclasses.asdict(engine_cfg), all_cores, max_in_flight, engine_cfg.model,
-            cfg.served_model_name or _default_name(cfg.model), max_model_len, cfg.api_keys,
-            cfg.limits.model_dump(), lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
-            tool_parser=cfg.tool_parser)
+            dataclasses.asdict(engine_cfg), all_cores, max_in_flight, *ingress_args, **ingress_kwargs)
     engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg), all_cores)
     scaling: dict[str, Any] = {"num_replicas": cfg.ingress_replicas}
     if cfg.ingress_max_replicas is not None and cfg.ingress_max_replicas > cfg.ingress_replicas:
@@ -247,33 +249,44 @@ def build_app(args: dict | None = None) -> serve.Application:
                                                      else {})},
                                graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s, **scaling)
-    return ingress.bind(engine, engine_cfg.model, cfg.served_model_name or _default_name(cfg.model),
-                        max_model_len, cfg.api_keys, cfg.limits.model_dump(),
-                        lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
-                        tool_parser=cfg.tool_parser,
+    return ingress.bind(engine, *ingress_args, **ingress_kwargs,
                         engine_transport=engine_transport(cfg.engine_transport, device))
 
 
-def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
-    max_ongoing = cfg.max_ongoing_requests or engine_cfg.max_num_seqs
+def _engine_max_ongoing(cfg: AppConfig, engine_cfg: EngineConfig) -> int:
+    """Requests an engine replica takes at once (more wait in the handle's queue, max_queued_requests)."""
+    return cfg.max_ongoing_requests or engine_cfg.max_num_seqs
+
+
+def _engine_replica_options(cfg: AppConfig, engine_cfg: EngineConfig, device: str) -> dict[str, Any]:
+    """Serve options of any replica that hosts an engine, split or colocated: its process (CPUs, a GPU,
+    tcmalloc on CPU), its health checks, its draining and its spread over nodes."""
     actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus if cfg.replica_num_cpus is not None
                                      else (1 if device == "cuda" else 0.5),
                                      **_user_code(cfg, cpu_alloc.preload_env() if device == "cpu" else {})}
-    pp = engine_cfg.pipeline_parallel_size
-    if device == "cuda" and pp == 1:
+    if device == "cuda" and engine_cfg.pipeline_parallel_size == 1:
         actor_options["num_gpus"] = 1
     options: dict[str, Any] = dict(
-        name="EngineReplica", ray_actor_options=actor_options, max_ongoing_requests=max_ongoing,
-        max_queued_requests=cfg.max_queued_requests, health_check_period_s=cfg.health_check_period_s,
+        ray_actor_options=actor_options, health_check_period_s=cfg.health_check_period_s,
         health_check_timeout_s=cfg.health_check_timeout_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-        graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s)
+    if cfg.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = cfg.max_replicas_per_node
+    return options
+
+
+def _engine_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str):
+    max_ongoing = _engine_max_ongoing(cfg, engine_cfg)
+    options = _engine_replica_options(cfg, engine_cfg, device)
+    actor_options = options["ray_actor_options"]
+    pp = engine_cfg.pipeline_parallel_size
+    options.update(
+        name="EngineReplica", max_ongoing_requests=max_ongoing, max_queued_requests=cfg.max_queued_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=router_class(cfg.router),
             request_routing_stats_period_s=cfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * cfg.routing_stats_period_s)))
-    if cfg.max_replicas_per_node is not None:
-        options["max_replicas_per_node"] = cfg.max_replicas_per_node
     tp = engine_cfg.tensor_parallel_size
     if pp > 1:  # the replica drives; its stage actors (cluster/pipeline.py) take bundles 1..pp, each bundle
         # sized for the stage's whole TP group (one node per stage group; stages may span nodes)
@@ -306,14 +319,8 @@ def _colocated_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str)
     ingress does), while /health and /v1/models always get through."""
     from serve_app.colocated import ColocatedIngress
 
-    return serve.deployment(ColocatedIngress, name=COLOCATED_DEPLOYMENT,
-                            ray_actor_options=_engine_deployment(cfg, engine_cfg, device).ray_actor_options,
-                            max_ongoing_requests=INGRESS_MAX_ONGOING,
-                            health_check_period_s=cfg.health_check_period_s,
-                            health_check_timeout_s=cfg.health_check_timeout_s,
-                            graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-                            graceful_shutdown_wait_loop_s=cfg.graceful_shutdown_wait_loop_s,
-                            num_replicas=cfg.num_replicas or 1)
+    return serve.deployment(ColocatedIngress, name=COLOCATED_DEPLOYMENT, max_ongoing_requests=INGRESS_MAX_ONGOING,
+                            num_replicas=cfg.num_replicas or 1, **_engine_replica_options(cfg, engine_cfg, device))
 
 
 def _user_code(cfg: AppConfig, env: dict[str, str] | None = None) -> dict[str, Any]:

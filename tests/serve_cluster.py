@@ -122,17 +122,14 @@ def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> I
     from ray import serve
 
     from serve_app import build_app
-    from serve_app.builder import apply_cluster_env
+    from serve_app.builder import COLOCATED_DEPLOYMENT, apply_cluster_env
 
     apply_cluster_env()  # the cluster scripts/serve.sh starts: Serve's proxy on gRPC
 
     temp_dir = tempfile.mkdtemp(prefix="tdr", dir="/tmp")  # short: Ray puts unix sockets under it
     cluster = ServeCluster(app_name=f"tandem{uuid.uuid4().hex[:6]}", port=free_port(), temp_dir=temp_dir,
-                           metrics_port=free_port() if metrics else None)
-    if app_args.get("colocated"):
-        from serve_app.builder import COLOCATED_DEPLOYMENT
-
-        cluster.engine_deployment = COLOCATED_DEPLOYMENT
+                           metrics_port=free_port() if metrics else None,
+                           engine_deployment=COLOCATED_DEPLOYMENT if app_args.get("colocated") else ENGINE_DEPLOYMENT)
     extra = dict(_metrics_export_port=cluster.metrics_port, include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=free_port()) if metrics else dict(include_dashboard=False)
     try:
