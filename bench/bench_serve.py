@@ -11,8 +11,9 @@ at each of `--levels` concurrencies, beside Ray Serve's floor (a no-engine app o
 level, with the CPU seconds that the proxy, ingress and engine replica processes spent per 1,000 streamed
 tokens. `--device sim` runs the simulated H100 (Qwen2.5-0.5B shape: the device time is MODELLED, the host
 work is real), so the engine is not the bottleneck and what is left is the serving path. Tandem's app runs
-as built by default ("http"), with the engine_transport its default does not pick for the device (grpc on
-the simulated one, ray on CPU), and with Serve's thread defaults; the cluster runs
+as built by default ("http"; on CPU that is the colocated app, one replica with the engine inside, unless
+`--app '{"colocated": false}'`), with the engine_transport its default does not pick for the device (grpc on
+the simulated one, ray on CPU; split app only), and with Serve's thread defaults; the cluster runs
 serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
 (RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run).
 
@@ -47,7 +48,7 @@ from ray import serve
 
 from engine import AsyncLLM, SamplingParams
 from serve_app import build_app
-from serve_app.builder import apply_cluster_env, engine_transport
+from serve_app.builder import COLOCATED_DEPLOYMENT, app_is_colocated, apply_cluster_env, engine_transport
 
 APP = "tandem_bench"
 
@@ -293,9 +294,11 @@ def actor_pids(title_part: str) -> list[int]:
 
 
 def serve_pids(app: str) -> dict[str, int]:
-    """pid of the HTTP proxy, the ingress replica and the engine replica (one of each in this benchmark)."""
+    """pid of the HTTP proxy, the ingress replica and the engine replica (one of each in this benchmark); the
+    colocated app's one replica is both, reported as "ingress+engine"."""
     roles = {"ProxyActor": "proxy", f"{app}:OpenAIIngress": "ingress", f"{app}:EchoIngress": "ingress",
-             f"{app}:EngineReplica": "engine", f"{app}:EchoEngine": "engine"}
+             f"{app}:EngineReplica": "engine", f"{app}:EchoEngine": "engine",
+             f"{app}:{COLOCATED_DEPLOYMENT}": "ingress+engine"}
     return {role: pids[0] for key, role in roles.items() if (pids := actor_pids(key))}
 
 
@@ -343,9 +346,11 @@ def bench_path(args, prompts, warm) -> list[dict]:
     try:
         tandem = {**engine_args(args), "served_model_name": "tandem-default", **args.app}
         defaults = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
-        for setting, app in [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem)),
-                             (OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})),
-                             (SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults}))]:
+        settings = [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem))]
+        if not app_is_colocated(tandem):  # colocated (one CPU replica by default): no engine hop to transport
+            settings.append((OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})))
+        settings.append((SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults})))
+        for setting, app in settings:
             serve.run(app, name=APP, route_prefix="/")
             asyncio.run(run_http(port, warm, args, max(args.levels)))
             for c in args.levels:
@@ -383,11 +388,12 @@ def report_path(rows: list[dict], args) -> None:
                   f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} ms, e2e p50 {r['e2e_p50_ms']:.0f} ms, "
                   f"{r['tokens_per_event']} tokens per event")
     for c in args.levels:
-        d, h, f, sd, rt = (next(r for r in rows if r["setting"] == s and r["concurrency"] == c)
+        d, h, f, sd, rt = (next((r for r in rows if r["setting"] == s and r["concurrency"] == c), None)
                            for s in ("direct", "http", "Serve floor", SERVE_DEFAULTS, OTHER_TRANSPORT))
+        other = "" if rt is None else \
+            f", with engine_transport {other_transport(args)} {rt['output_tok_s'] / d['output_tok_s']:.2f}"
         print(f"c={c}: http/direct tok/s {h['output_tok_s'] / d['output_tok_s']:.2f} (with Serve's thread defaults "
-              f"{sd['output_tok_s'] / d['output_tok_s']:.2f}, with engine_transport {other_transport(args)} "
-              f"{rt['output_tok_s'] / d['output_tok_s']:.2f}); TTFT p50 overhead "
+              f"{sd['output_tok_s'] / d['output_tok_s']:.2f}{other}); TTFT p50 overhead "
               f"{h['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms (Serve floor {f['ttft_p50_ms']:.1f} ms)")
     if args.json:
         with open(args.json, "w") as f:
@@ -439,7 +445,8 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         results += bench_floor(port, warm, prompts, args)
-        for setting, app_args in [("http, 1 replica", {"num_replicas": 1}),
+        # the split app throughout (colocated: false), so that 1 and 2 replicas differ in replicas alone
+        for setting, app_args in [("http, 1 replica", {"num_replicas": 1, "colocated": False}),
                                   ("http, 2 replicas, prefix_aware", {"num_replicas": 2, "router": "prefix_aware"}),
                                   ("http, 2 replicas, pow2", {"num_replicas": 2, "router": "pow2"})]:
             results += bench_serve(setting, {**app_args, "device": "cpu"}, port, warm, prompts, args)

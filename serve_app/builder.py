@@ -115,8 +115,10 @@ class AppConfig(BaseModel):
     # The ingress and its engine in one replica (serve_app/colocated.py): no engine hop, one Python process
     # fewer per streamed chunk, which on a CPU host comes out of the forward's cores (SmolLM2 fp32, 2 cores,
     # 16 streams: README "Serving path"). Gives up the engine router's prefix affinity across replicas,
-    # autoscaling, ingress replicas apart from engines, pipeline and tensor parallelism.
-    colocated: bool = False
+    # autoscaling, ingress replicas apart from engines, pipeline and tensor parallelism. None (the default):
+    # on where the app is one CPU engine replica behind one ingress and none of those is asked for
+    # (`colocated_by_default`); false keeps the two deployments apart.
+    colocated: bool | None = None
     # Pipeline parallelism (engine field pipeline_parallel_size > 1): each replica's placement group holds
     # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
     # node, PACK/SPREAD let it span nodes.
@@ -202,6 +204,31 @@ class AppConfig(BaseModel):
     def autoscaling(self) -> bool:
         return self.max_replicas is not None
 
+    def colocated_on(self, device: str) -> bool:
+        """Whether the app is built colocated on `device` (a resolved one: cpu, cuda or sim)."""
+        return self.colocated if self.colocated is not None else colocated_by_default(self, device)
+
+
+def colocated_by_default(cfg: AppConfig, device: str) -> bool:
+    """`colocated` left unset: on for one CPU engine replica behind one ingress. There the Serve processes'
+    CPU comes out of the forward's cores, and the engine hop is what colocation removes: embedded model, 2-core
+    VM, `bench/bench_serve.py --mode path`: 267 against 161 tok/s at 1 stream, 1161 against 688 at 16, 1407
+    against 966 at 64 (README "Serving path"). Off on a GPU (the serving CPU is spare there and the split app
+    keeps its retry of a request whose engine died before its first token), and wherever the config asks for
+    something only the split app has: several or autoscaled replicas, ingress scaling or placement, pipeline or
+    tensor parallelism, or an engine_transport of its own choosing."""
+    return device == "cpu" and not cfg.autoscaling and (cfg.num_replicas or 1) == 1 and \
+        cfg.ingress_replicas == 1 and cfg.ingress_max_replicas is None and not cfg.ingress_resources and \
+        cfg.engine_transport == "auto" and int(cfg.engine.get("pipeline_parallel_size", 1)) == 1 and \
+        int(cfg.engine.get("tensor_parallel_size", 1)) == 1
+
+
+def app_is_colocated(args: dict | None = None) -> bool:
+    """Whether build_app(args) builds the colocated app (one deployment, COLOCATED_DEPLOYMENT), resolving
+    device "auto" as build_app does."""
+    cfg = AppConfig(**(args or {}))
+    return cfg.colocated_on(_resolve_device(cfg.device))
+
 
 def engine_transport(choice: str, device: str) -> str:
     """AppConfig.engine_transport resolved for a device: "auto" is grpc on CPU, ray elsewhere."""
@@ -231,7 +258,7 @@ def build_app(args: dict | None = None) -> serve.Application:
                     cfg.api_keys, cfg.limits.model_dump())
     ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
                           tool_parser=cfg.tool_parser)
-    if cfg.colocated:
+    if cfg.colocated_on(device):
         max_in_flight = None if cfg.max_queued_requests < 0 else \
             _engine_max_ongoing(cfg, engine_cfg) + cfg.max_queued_requests
         return _colocated_deployment(cfg, engine_cfg, device).bind(

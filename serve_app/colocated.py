@@ -9,7 +9,8 @@ process fewer per chunk, nothing serialized between the two.
 
 What it gives up: the engine-side request router (prefix and LoRA affinity across replicas; Serve's proxy
 picks among colocated replicas by ongoing requests), ingress replicas scaled apart from engines, and the
-retry of a request whose engine replica died before its first token (the ingress dies with it).
+retry of a request whose engine replica died before its first token (the ingress dies with it). It is the
+default for an app of one CPU engine replica behind one ingress (serve_app.builder.colocated_by_default).
 """
 
 from __future__ import annotations

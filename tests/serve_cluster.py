@@ -38,12 +38,13 @@ class ServeCluster:
     def api_url(self) -> str:
         return f"{self.base_url}/v1"
 
-    def deployment_status(self, deployment: str = ENGINE_DEPLOYMENT):
+    def deployment_status(self, deployment: str | None = None):
+        """`deployment`'s Serve status; by default the deployment holding the engines."""
         from ray import serve
 
-        return serve.status().applications[self.app_name].deployments[deployment]
+        return serve.status().applications[self.app_name].deployments[deployment or self.engine_deployment]
 
-    def running_replicas(self, deployment: str = ENGINE_DEPLOYMENT) -> int:
+    def running_replicas(self, deployment: str | None = None) -> int:
         states = self.deployment_status(deployment).replica_states
         return sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
 
@@ -122,19 +123,20 @@ def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> I
     from ray import serve
 
     from serve_app import build_app
-    from serve_app.builder import COLOCATED_DEPLOYMENT, apply_cluster_env
+    from serve_app.builder import COLOCATED_DEPLOYMENT, app_is_colocated, apply_cluster_env
 
     apply_cluster_env()  # the cluster scripts/serve.sh starts: Serve's proxy on gRPC
 
     temp_dir = tempfile.mkdtemp(prefix="tdr", dir="/tmp")  # short: Ray puts unix sockets under it
     cluster = ServeCluster(app_name=f"tandem{uuid.uuid4().hex[:6]}", port=free_port(), temp_dir=temp_dir,
-                           metrics_port=free_port() if metrics else None,
-                           engine_deployment=COLOCATED_DEPLOYMENT if app_args.get("colocated") else ENGINE_DEPLOYMENT)
+                           metrics_port=free_port() if metrics else None)
     extra = dict(_metrics_export_port=cluster.metrics_port, include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=free_port()) if metrics else dict(include_dashboard=False)
     try:
         ray.init(num_cpus=num_cpus, _temp_dir=temp_dir, namespace=f"tandem-test-{uuid.uuid4().hex[:8]}",
                  log_to_driver=False, **extra)
+        if app_is_colocated(app_args):  # as build_app resolves it, device "auto" included (Ray is up)
+            cluster.engine_deployment = COLOCATED_DEPLOYMENT
         serve.start(http_options={"host": "127.0.0.1", "port": cluster.port})
         serve.run(build_app(app_args), name=cluster.app_name, route_prefix="/")
         yield cluster

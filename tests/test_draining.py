@@ -18,7 +18,8 @@ from ray import serve
 from serve_app import build_app
 from serve_cluster import serve_cluster, wait_for
 
-APP = {"num_replicas": 2, "graceful_shutdown_timeout_s": 120, "graceful_shutdown_wait_loop_s": 0.5,
+# colocated: false: scaled down to one replica the app would otherwise turn colocated (another deployment)
+APP = {"num_replicas": 2, "colocated": False, "graceful_shutdown_timeout_s": 120, "graceful_shutdown_wait_loop_s": 0.5,
        "router": "pow2", "grammar_compile_timeout_s": 120, "limits": {"max_schema_bytes": 4 * 1024**2}}
 ENUM_VALUES = 40_000  # a schema whose grammar compiles for seconds: the request has no output meanwhile
 TOKENS = 250

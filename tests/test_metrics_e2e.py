@@ -42,7 +42,9 @@ ENGINE = "EngineReplica"
 
 @pytest.fixture(scope="module")
 def cluster():
-    with serve_cluster({"num_replicas": 1}, metrics=True) as c:
+    # the split app: ingress and engine metrics from their own deployments (the colocated app's, from its one
+    # replica: tests/test_colocated.py)
+    with serve_cluster({"num_replicas": 1, "colocated": False}, metrics=True) as c:
         yield c
 
 

@@ -269,7 +269,7 @@ def test_the_placement_keys_reach_serve():
     assert engine.name == ENGINE_DEPLOYMENT and engine._replica_config.max_replicas_per_node == 1
     assert ingress._replica_config.max_replicas_per_node is None
     assert ingress.ray_actor_options["resources"] == {"node_a": 0.01} and "resources" not in engine.ray_actor_options
-    ingress, engine = deployments(build_app({}))
+    ingress, engine = deployments(build_app({"colocated": False}))
     assert engine._replica_config.max_replicas_per_node is None and "resources" not in ingress.ray_actor_options
 
 

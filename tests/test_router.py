@@ -23,6 +23,7 @@ from engine import LLM, SamplingParams, cpu_alloc
 from engine.block_manager import prefix_hashes
 from engine.lora import LoRARequest
 from serve_app import AppConfig, build_app
+from serve_app.builder import COLOCATED_DEPLOYMENT, app_is_colocated
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="app")
 BS = 16
@@ -285,13 +286,40 @@ def test_default_target_is_a_quarter_of_max_ongoing():
 
 # ---- app config / builder --------------------------------------------------------------------------------
 
+SPLIT = {"device": "cpu", "colocated": False}  # the ingress and engine deployments apart
+
+
 def engine_deployment(app):
-    return app._bound_deployment.init_args[0]._bound_deployment
+    """The deployment whose replicas hold the engines: the ingress's bound engine deployment, or the colocated
+    one itself (both take the engine config, then whether it takes every core, as their first init args)."""
+    dep = app._bound_deployment
+    return dep if dep.name == COLOCATED_DEPLOYMENT else dep.init_args[0]._bound_deployment
+
+
+def test_one_cpu_engine_replica_is_colocated_with_its_ingress_unless_the_config_needs_them_apart():
+    """`colocated` unset: on for one CPU engine replica behind one ingress, off on a GPU or the simulated one
+    and wherever the config asks for something only the split app has; an explicit value wins."""
+    def deployments(args: dict) -> set[str]:
+        app = build_app(args)
+        dep = app._bound_deployment
+        names = {dep.name} | ({dep.init_args[0]._bound_deployment.name} if dep.name != COLOCATED_DEPLOYMENT else set())
+        assert app_is_colocated(args) == (names == {COLOCATED_DEPLOYMENT}), args
+        return names
+
+    assert deployments({"device": "cpu"}) == {COLOCATED_DEPLOYMENT}
+    assert deployments({"device": "cpu", "num_replicas": 1, "cpu_threads": 1}) == {COLOCATED_DEPLOYMENT}
+    assert deployments({"device": "sim"}) == {"OpenAIIngress", "EngineReplica"}
+    for args in ({"num_replicas": 2}, {"min_replicas": 1, "max_replicas": 2}, {"ingress_replicas": 2},
+                 {"ingress_replicas": 1, "ingress_max_replicas": 2}, {"ingress_resources": {"head": 0.01}},
+                 {"engine_transport": "grpc"}, {"tensor_parallel_size": 2},
+                 {"engine": {"pipeline_parallel_size": 2}}, {"colocated": False}):
+        assert deployments({"device": "cpu", **args}) == {"OpenAIIngress", "EngineReplica"}, args
+    assert deployments({"device": "sim", "colocated": True}) == {COLOCATED_DEPLOYMENT}
 
 
 def test_cli_strings_are_coerced_like_serve_run_args():
     """`serve run serve_app:build_app num_replicas=2 ...` passes every value as a string."""
-    app = build_app({"num_replicas": "2", "max_ongoing_requests": "64", "device": "cpu"})
+    app = build_app({"num_replicas": "2", "max_ongoing_requests": "64", "device": "cpu"})  # split: 2
     dep = engine_deployment(app)
     assert dep.num_replicas == 2 and dep.max_ongoing_requests == 64
     cfg = AppConfig(num_replicas="3", upscale_delay_s="2.5", routing_stats_period_s="0.5")
@@ -307,10 +335,13 @@ def test_cli_strings_are_coerced_for_engine_fields():
 
 
 def test_engine_fields_at_top_level_or_nested():
-    app = build_app({"block_size": 32, "engine": {"max_num_seqs": 8}, "device": "cpu"})
+    app = build_app({"block_size": 32, "engine": {"max_num_seqs": 8}, **SPLIT})
     engine_args = engine_deployment(app).init_args[0]
     assert engine_args["block_size"] == 32 and engine_args["max_num_seqs"] == 8
     assert engine_deployment(app).max_ongoing_requests == 8  # defaults to what one engine batches
+    # colocated: the replica keeps generation requests to that plus the queue (max_queued_requests, 512)
+    assert build_app({"block_size": 32, "engine": {"max_num_seqs": 8}, "device": "cpu"}
+                     )._bound_deployment.init_args[2] == 8 + 512
 
 
 def test_the_only_cpu_engine_replica_takes_every_core_unless_told_otherwise():
@@ -379,11 +410,11 @@ def test_ingress_autoscales_between_ingress_replicas_and_ingress_max_replicas():
 
 def test_replica_env_reaches_both_deployments_over_the_defaults(monkeypatch):
     monkeypatch.setattr(cpu_alloc, "tcmalloc_path", lambda: None)  # the machine's tcmalloc: the next test
-    app = build_app({"device": "cpu", "replica_env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}})
+    app = build_app({**SPLIT, "replica_env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}})
     for dep in (app._bound_deployment, engine_deployment(app)):
         assert dep.ray_actor_options["runtime_env"]["env_vars"] == {
             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}
-    default = build_app({"device": "cpu"})
+    default = build_app(SPLIT)
     for dep in (default._bound_deployment, engine_deployment(default)):
         assert dep.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
@@ -393,11 +424,13 @@ def test_cpu_engine_replicas_preload_tcmalloc_and_nothing_else_does(monkeypatch,
     monkeypatch.setattr(cpu_alloc, "tcmalloc_path", lambda: str(lib))
     monkeypatch.setenv("LD_PRELOAD", f"/opt/a.so {lib}:/opt/b.so")
     serve_env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
-    app = build_app({"device": "cpu"})
+    app = build_app(SPLIT)
     env = engine_deployment(app).ray_actor_options["runtime_env"]["env_vars"]
     assert env == {**serve_env, "LD_PRELOAD": f"{lib}:/opt/a.so:/opt/b.so",
                    "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
     assert app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == serve_env  # not the ingress
+    colocated = build_app({"device": "cpu"})._bound_deployment  # the one replica runs the engine: preloaded
+    assert colocated.name == COLOCATED_DEPLOYMENT and colocated.ray_actor_options["runtime_env"]["env_vars"] == env
     sim = build_app({"device": "sim"})
     assert engine_deployment(sim).ray_actor_options["runtime_env"]["env_vars"] == serve_env  # not off CPU
     off = build_app({"device": "cpu", "replica_env": {"LD_PRELOAD": ""}})  # the user's word wins
