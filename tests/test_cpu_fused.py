@@ -1,6 +1,7 @@
 """The fused CPU elementwise kernels (engine/models/cpu_fused.cpp) against the eager PyTorch ops they replace:
-RoPE in place (partial rotary included) and SiLU(gate) * up bit for bit in fp32 and bf16; bf16 residual add
-+ RMSNorm (HF Llama's arithmetic) with the stream exact and the norm off only at rare rounding boundaries.
+RoPE in place (partial rotary included) and SiLU(gate) * up bit for bit in fp32 and bf16; residual add + RMSNorm
+(HF Llama's arithmetic) bit for bit in fp32, and in bf16 with the stream exact and the norm off only at rare
+rounding boundaries.
 Then whole models with the kernels against the same models without them (the extension hidden from the
 loader): fp32 identical down to the logprobs, bf16 the same greedy tokens. bf16 against HF's own
 bf16 model is tests/test_moe.py::test_bf16_greedy_matches_hf_bf16 (Phi-3 and the MoE families, kernels on)."""
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.attention import cpu_native
 from engine.models import loader
-from engine.models.decoder import RMSNorm, apply_rope
+from engine.models.decoder import RMSNorm, apply_rope, fp32_norm_lanes
 from tiny_models import build
 
 kernels = cpu_native.load()
@@ -74,7 +75,38 @@ def test_rope_in_place_equals_apply_rope(dtype, heads, kv_heads, head_dim, half)
     assert torch.equal(out[:, width:], qkv[:, width:])
 
 
+FP32_DIMS = [1, 7, 16, 17, 64, 100, 576, 896, 960, 2048, 2304, 4096, 65536]
+
+
+@pytest.mark.parametrize("dim", FP32_DIMS)
+def test_fp32_rms_norm_and_residual_add_equal_torch_bit_for_bit(dim):
+    """Oracle: F.rms_norm itself (what RMSNorm runs in fp32, and HF's arithmetic). The kernel sums the squares
+    in PyTorch's order at the vector width fp32_norm_lanes found; every output bit must match, at scales where
+    the sum's rounding decides many bits, across row widths that take every branch of PyTorch's cascade
+    (no whole vector, a tail, remainders of the 4-vector rows, several cascade levels)."""
+    lanes = fp32_norm_lanes(kernels, 576, 1e-5)
+    assert lanes in (8, 16), "neither lane count reproduces this PyTorch's fp32 RMSNorm"
+    g = torch.Generator().manual_seed(dim)
+    for scale in (1e-3, 1.0, 30.0):
+        x, residual = torch.randn(65, dim, generator=g) * scale, torch.randn(65, dim, generator=g) * scale
+        w = torch.randn(dim, generator=g)
+        [out] = kernels.rms_norm_f32(x, None, w, 1e-6, lanes)
+        assert torch.equal(out, F.rms_norm(x, (dim,), w, 1e-6))
+        out, stream = kernels.rms_norm_f32(x, residual, w, 1e-5, lanes)
+        assert torch.equal(stream, x + residual)
+        assert torch.equal(out, F.rms_norm(x + residual, (dim,), w, 1e-5))
+    other = 24 - lanes  # the other width sums in another order: the check above can tell the two apart
+    x = torch.randn(65, max(dim, 64), generator=g)
+    w = torch.ones(x.shape[1])
+    if dim >= 16:
+        assert not torch.equal(kernels.rms_norm_f32(x, None, w, 1e-6, other)[0], F.rms_norm(x, (x.shape[1],), w, 1e-6))
+
+
 def test_bad_inputs_are_refused_with_the_reason():
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.rms_norm_f32(bf16(4, 8), None, bf16(8), 1e-6, 8)
+    with pytest.raises(RuntimeError, match="lanes"):
+        kernels.rms_norm_f32(torch.randn(4, 8), None, torch.randn(8), 1e-6, 4)
     with pytest.raises(RuntimeError, match="must be bfloat16"):
         kernels.rms_norm(torch.randn(4, 8), None, torch.randn(8), 1e-6)
     with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
@@ -105,7 +137,7 @@ def test_model_with_kernels_equals_model_without(family, dtype, tmp_path, monkey
     Phi-3's tiny checkpoint has random norm weights and partial rotary dims."""
     path, _ = build(family, tmp_path)
     used, fused = generate(path, dtype, monkeypatch, fused=True)
-    assert used == (True, dtype == "bfloat16", True)
+    assert used == (True, True, True)
     unused, eager = generate(path, dtype, monkeypatch, fused=False)
     assert unused == (False, False, False)
     if dtype == "float32":

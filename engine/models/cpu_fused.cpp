@@ -1,5 +1,5 @@
-// Fused elementwise ops for the CPU decoder: residual add + RMSNorm in bf16, SiLU(gate) * up and the rotary
-// embedding (in place) in fp32 and bf16.
+// Fused elementwise ops for the CPU decoder: residual add + RMSNorm, SiLU(gate) * up and the rotary
+// embedding (in place), in fp32 and bf16.
 //
 // Why by hand: in eager PyTorch each of these is 3-8 separate ops (RoPE: 4 multiplies, a subtract, an add and a
 // cat; the bf16 RMSNorm: upcast, pow, mean, add, rsqrt, two multiplies, downcast), each a pass over memory and a
@@ -15,15 +15,18 @@
 // fp32 and bf16 (SiLU for widths of whole 16-lane vectors: PyTorch finishes a row's tail with a scalar exp).
 // The norm's fp32 sum of squares is summed in another order than PyTorch's cascade, so where the normalised
 // value sits on a bf16 rounding boundary it can round the other way (1 ulp; <= 2 in the output after the
-// weight's multiply) on ~1e-5 of the outputs (157 of 2.1M at 512 x 4096; tests/test_cpu_fused.py). That is
-// why the fp32 norm stays PyTorch's: there such a last bit would break exact fp32 equality with HF.
+// weight's multiply) on ~1e-5 of the outputs (157 of 2.1M at 512 x 4096; tests/test_cpu_fused.py). In fp32
+// such a last bit would break exact equality with HF, so the fp32 norm (rms_norm_f32, below) sums in
+// PyTorch's own order instead.
 
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -152,6 +155,137 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Te
   return {out, res_out};
 }
 
+// ---- fp32 RMSNorm, PyTorch's arithmetic bit for bit ----------------------------------------------------------
+// F.rms_norm in fp32 on CPU is six eager ops (pow, sum, div, add eps, rsqrt, two multiplies) plus the residual
+// add before it: ~110 us a call at 125 rows of 576, ~8 ms of a 170 ms single-prompt prefill and more of a decode
+// step, nearly all of it dispatch and passes over memory. Here it is one pass per row with the same roundings:
+// x * x; the row's sum in the exact order of PyTorch's vectorized inner sum (ATen/native/cpu/SumKernel.cpp:
+// Vectorized<float> accumulators of `W` lanes, the row read as (-1, 4) vectors, a cascade of 4 levels in steps
+// of 2^max(4, ceil(log2(n)) / 4), then the 4 partials, then the scalar tail and the W lanes in order; a row
+// under one vector as scalars, (-1, 4) likewise); / d; + eps;
+// 1 / sqrt (Vectorized<float>::rsqrt); x * that; * weight. W is the lane count of the kernels PyTorch
+// dispatches to on this CPU (16 for AVX-512, 8 for AVX2), passed in by the caller; tests/test_cpu_fused.py
+// compares the outputs bit for bit against F.rms_norm. Compiled without reassociation or contraction, so every
+// add and multiply is the one written.
+
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")  // -fassociative-math (cpu_native's flags) would reorder the sums
+
+inline int64_t ceil_log2(int64_t x) {  // ATen/native/cpu/utils.h CeilLog2
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t v = static_cast<uint64_t>(x) - 1; v; v >>= 1) ++bits;
+  return bits;
+}
+
+// One Vectorized<float> of W lanes as a GCC vector: +, * are lane-wise, each lane's sum in its own order.
+template <int W>
+struct LaneVec;
+template <>
+struct LaneVec<16> {
+  typedef float type __attribute__((vector_size(64)));
+};
+template <>
+struct LaneVec<8> {
+  typedef float type __attribute__((vector_size(32)));
+};
+
+template <int W>
+float torch_sum_of_squares(const float* h, int64_t d) {
+  constexpr int64_t levels = 4, rows = 4;  // multi_row_sum's num_levels; row_sum's ilp_factor
+  if (d < W) {  // under one vector PyTorch sums scalars (scalar_inner_sum): the row as (-1, 4), tail, partials
+    float p[rows] = {};
+    const int64_t size_ilp = d / rows;  // < 4: one cascade level
+    for (int64_t i = 0; i < size_ilp; ++i)
+      for (int64_t k = 0; k < rows; ++k) p[k] += h[i * rows + k] * h[i * rows + k];
+    for (int64_t e = size_ilp * rows; e < d; ++e) p[0] += h[e] * h[e];
+    for (int64_t k = 1; k < rows; ++k) p[0] += p[k];
+    return p[0];
+  }
+  using V = typename LaneVec<W>::type;
+  auto sq = [h](int64_t v) {
+    V x;
+    std::memcpy(&x, h + v * W, sizeof(V));
+    return x * x;
+  };
+  const int64_t vec_size = d / W, size_ilp = vec_size / rows;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / levels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  V acc[levels][rows] = {};
+  int64_t i = 0;
+  for (; i + level_step <= size_ilp;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int64_t k = 0; k < rows; ++k) acc[0][k] += sq(i * rows + k);
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < rows; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = V{};
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i)
+    for (int64_t k = 0; k < rows; ++k) acc[0][k] += sq(i * rows + k);
+  for (int64_t j = 1; j < levels; ++j)
+    for (int64_t k = 0; k < rows; ++k) acc[0][k] += acc[j][k];
+  V partial = acc[0][0];
+  for (int64_t v = size_ilp * rows; v < vec_size; ++v) partial += sq(v);
+  for (int64_t k = 1; k < rows; ++k) partial += acc[0][k];
+  float total = 0.f;
+  for (int64_t e = vec_size * W; e < d; ++e) total += h[e] * h[e];
+  for (int l = 0; l < W; ++l) total += partial[l];
+  return total;
+}
+
+template <int W>
+void rms_norm_f32_impl(const float* xp, const float* rp, float* hp, const float* wp, float* op, int64_t rows,
+                       int64_t d, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = xp + r * d;
+      const float* h = x;
+      if (rp) {  // the residual stream: x + residual, as eager's add (alpha 1: one rounding)
+        float* hr = hp + r * d;
+        const float* res = rp + r * d;
+        for (int64_t e = 0; e < d; ++e) hr[e] = x[e] + res[e];
+        h = hr;
+      }
+      const float var = torch_sum_of_squares<W>(h, d) / static_cast<float>(d);
+      const float inv = 1.f / std::sqrt(var + eps);
+      float* o = op + r * d;
+      for (int64_t e = 0; e < d; ++e) o[e] = (h[e] * inv) * wp[e];
+    }
+  });
+}
+
+// fp32 F.rms_norm(x [+ residual]) bit for bit on a CPU whose PyTorch kernels are `lanes` wide (16 or 8).
+// Returns [out] or [out, x + residual].
+std::vector<at::Tensor> rms_norm_f32(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                     const at::Tensor& w, double eps, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "x must be a contiguous float32 [rows, dim] tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "weight must be a contiguous float32 [dim] tensor");
+  TORCH_CHECK(lanes == 16 || lanes == 8, "lanes must be 16 (AVX-512) or 8 (AVX2), got ", lanes);
+  const float* rp = nullptr;
+  at::Tensor h;
+  if (residual.has_value()) {
+    const at::Tensor& res = *residual;
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == at::kFloat && res.is_contiguous(),
+                "residual must be a contiguous float32 tensor shaped like x");
+    rp = res.data_ptr<float>();
+    h = at::empty_like(x);
+  }
+  auto out = at::empty_like(x);
+  auto run = lanes == 16 ? &rms_norm_f32_impl<16> : &rms_norm_f32_impl<8>;
+  run(x.data_ptr<float>(), rp, rp ? h.data_ptr<float>() : nullptr, w.data_ptr<float>(), out.data_ptr<float>(),
+      x.size(0), x.size(1), static_cast<float>(eps));
+  if (rp) return {out, h};
+  return {out};
+}
+
+#pragma GCC pop_options
+
 template <typename T>
 void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1);
@@ -241,6 +375,9 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 void register_fused(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm (CPU)", pybind11::arg("x"), pybind11::arg("residual"),
         pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("rms_norm_f32", &rms_norm_f32, "[residual add +] RMSNorm, fp32, PyTorch's arithmetic (CPU)",
+        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::arg("lanes"));
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)", pybind11::arg("gate_up"));
   m.def("rope_", &rope_, "rotary embedding in place (CPU)", pybind11::arg("x"), pybind11::arg("cos"),
         pybind11::arg("sin"), pybind11::arg("heads"), pybind11::arg("head_dim"));

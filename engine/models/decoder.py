@@ -245,6 +245,34 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class Fp32Norm:
+    """cpu_fused's fp32 residual add + RMSNorm (PyTorch's arithmetic bit for bit: same products, same sum
+    order), bound to the vector width PyTorch's own sum kernel uses on this CPU; `rms_norm` as the bf16 one."""
+
+    def __init__(self, kernels, lanes: int):
+        self.kernels, self.lanes = kernels, lanes
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        return self.kernels.rms_norm_f32(x, residual, weight, eps, self.lanes)
+
+
+@functools.cache
+def fp32_norm_lanes(kernels, dim: int, eps: float) -> int | None:
+    """The lane count (8 or 16) at which cpu_fused's rms_norm_f32 gives exactly this PyTorch's fp32
+    F.rms_norm(x + residual) on rows of `dim`, checked here on random rows; None if neither does (another
+    PyTorch build summing in another order): the eager norm stays. On the dev VM's AVX-512 build PyTorch's sum
+    runs 8-lane vectors."""
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(64, dim, generator=g), torch.randn(64, dim, generator=g) * 8
+    w = torch.randn(dim, generator=g)
+    want = F.rms_norm(x + res, (dim,), w, eps)
+    for lanes in (8, 16):
+        out, stream = kernels.rms_norm_f32(x, res, w, eps, lanes)
+        if torch.equal(out, want) and torch.equal(stream, x + res):
+            return lanes
+    return None
+
+
 def add_rms_norm(kernel, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None):
     """(norm(h + residual), h + residual), or (norm(h), h) when residual is None."""
     if residual is None:
@@ -280,7 +308,7 @@ class DecoderLM(nn.Module):
         self.lm_head = (nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
                         if self.is_last and not spec.tie_word_embeddings else None)
         self.head_packed: torch.Tensor | None = None  # the LM head in oneDNN's layout (pack_for_cpu)
-        self.norm_kernel = None  # CPU bf16 pre-norm models: fused residual add + RMSNorm (use_cpu_kernels)
+        self.norm_kernel = None  # CPU pre-norm models: fused residual add + RMSNorm (use_cpu_kernels)
         # Tensor parallelism (engine/models/tp.py): gathers the head's vocabulary shards to rank 0; None = whole head.
         self.vocab_gather = None
 
@@ -295,10 +323,11 @@ class DecoderLM(nn.Module):
 
     def use_cpu_kernels(self, kernels, dtype: torch.dtype) -> None:
         """CPU model: the fused ops of engine/models/cpu_fused.cpp: RoPE in place (not after Qwen3/Gemma 3's
-        q/k norms) and SiLU * up, both exactly the eager arithmetic, and in bf16 for pre-norm models residual add
-        + RMSNorm (its output can differ from eager by a bf16 ulp at a rounding boundary; see the .cpp; fp32
-        keeps PyTorch's norm, so fp32 stays exactly HF's arithmetic). `kernels` None (the extension does not
-        build here) keeps every op eager."""
+        q/k norms) and SiLU * up, both exactly the eager arithmetic, and for pre-norm models residual add +
+        RMSNorm: in bf16 its output can differ from eager by a bf16 ulp at a rounding boundary (see the .cpp);
+        in fp32 it is PyTorch's arithmetic bit for bit (fp32_norm_lanes checks that on this machine, else the
+        eager norm stays), so fp32 stays exactly HF's arithmetic. `kernels` None (the extension does not build
+        here) keeps every op eager."""
         if kernels is None:
             return
         bf16 = dtype == torch.bfloat16
@@ -309,8 +338,13 @@ class DecoderLM(nn.Module):
             # finishes rows with a scalar exp).
             if isinstance(layer.mlp, MLP) and self.spec.hidden_act == "silu" and self.spec.intermediate_size % 16 == 0:
                 layer.mlp.kernel = kernels
-        if bf16 and not self.spec.sandwich_norms and not self.spec.norm_unit_offset:
+        if self.spec.sandwich_norms or self.spec.norm_unit_offset:
+            return
+        if bf16:
             self.norm_kernel = kernels
+        elif dtype == torch.float32 and (lanes := fp32_norm_lanes(kernels, self.spec.hidden_size,
+                                                                    self.spec.rms_norm_eps)):
+            self.norm_kernel = Fp32Norm(kernels, lanes)
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
