@@ -458,11 +458,16 @@ def test_tp_x_pp_stage_groups_span_the_nodes_and_serve_the_single_engine_text(cl
     name = cluster.app_name + "tppp"
     serve.run(build_app(TPPP_APP), name=name, route_prefix=TPPP_ROUTE)
     try:
-        groups: dict[str, dict[str, str]] = {}  # tandem-pp-<id> -> actor suffix -> node id
-        for a in alive_named("tandem-pp-"):
-            group, _, rank = a["Name"].rpartition("-stage")
-            groups.setdefault(group, {})["stage" + rank] = a["Address"]["NodeID"]
-        [ranks] = [g for g in groups.values() if "stage0-tp1" in g]  # the TP x PP app's group
+        def tppp_ranks() -> dict[str, str] | None:
+            groups: dict[str, dict[str, str]] = {}  # tandem-pp-<id> -> actor suffix -> node id
+            for a in alive_named("tandem-pp-"):
+                group, _, rank = a["Name"].rpartition("-stage")
+                groups.setdefault(group, {})["stage" + rank] = a["Address"]["NodeID"]
+            found = [g for g in groups.values() if "stage0-tp1" in g]  # the TP x PP app's group
+            return found[0] if found and len(found[0]) == 4 else None
+
+        # the GCS actor table can list a rank a moment after the app reports ready (one CI run saw three)
+        ranks = wait_for(tppp_ranks, 60, what="the TP x PP app's four ranks alive in the actor table")
         assert sorted(ranks) == ["stage0", "stage0-tp1", "stage1", "stage1-tp1"], ranks
         assert ranks["stage0"] == ranks["stage0-tp1"] and ranks["stage1"] == ranks["stage1-tp1"], ranks
         assert ranks["stage0"] != ranks["stage1"], ranks
