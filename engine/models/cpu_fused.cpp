@@ -163,9 +163,9 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Te
 // Vectorized<float> accumulators of `W` lanes, the row read as (-1, 4) vectors, a cascade of 4 levels in steps
 // of 2^max(4, ceil(log2(n)) / 4), then the 4 partials, then the scalar tail and the W lanes in order; a row
 // under one vector as scalars, (-1, 4) likewise); / d; + eps;
-// 1 / sqrt (Vectorized<float>::rsqrt); x * that; * weight. W is the lane count of the kernels PyTorch
-// dispatches to on this CPU (16 for AVX-512, 8 for AVX2), passed in by the caller; tests/test_cpu_fused.py
-// compares the outputs bit for bit against F.rms_norm. Compiled without reassociation or contraction, so every
+// 1 / sqrt (Vectorized<float>::rsqrt); x * that; * weight. W is the lane count of PyTorch's float sum on this
+// CPU, 8 or 16: 8 on the dev VM's AVX-512 build, found by trying both against F.rms_norm at load
+// (engine/models/decoder.py fp32_norm_lanes); tests/test_cpu_fused.py compares the outputs bit for bit. Compiled without reassociation or contraction, so every
 // add and multiply is the one written.
 
 #pragma GCC push_options
