@@ -26,6 +26,9 @@ from serve_app.ingress import OpenAIIngress
 from serve_app.limits import Limits
 from serve_app.tool_parsers import get_tool_parser
 
+INGRESS_MAX_ONGOING = 4096  # per ingress replica: the engines' limits apply behind it
+COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deployment, ingress and engine
+
 # Serve runs a replica's user code in a thread of its own by default. Here it runs on Serve's own loop: the
 # engine replica's stream generator is then asked for its next chunk only once Ray has taken the last one,
 # so whatever the engine committed in between leaves as one chunk (streams coalesce by themselves under
@@ -46,8 +49,6 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # the GCS, taken from the engine; SmolLM2 bf16 over HTTP, 64 requests 16 at a time: controller 1.13-1.37 ->
 # 0.56-0.61 CPU s, GCS 0.54-0.71 -> 0.27-0.28 s. Serve then notices replica starts, deaths and scaling
 # decisions up to 0.4 s later; health checks and autoscaling keep their own periods.
-INGRESS_MAX_ONGOING = 4096  # per ingress replica: the engines' limits apply behind it
-COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deployment, ingress and engine
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 
 
@@ -188,17 +189,19 @@ class AppConfig(BaseModel):
             raise ValueError("min_replicas must be <= max_replicas")
         if self.ingress_max_replicas is not None and self.ingress_max_replicas < self.ingress_replicas:
             raise ValueError("ingress_max_replicas must be >= ingress_replicas")
-        if self.colocated:
-            split_only = [name for name, on in (
-                ("min_replicas/max_replicas (autoscaling)", self.autoscaling),
-                ("ingress_replicas > 1", self.ingress_replicas > 1),
-                ("ingress_max_replicas", self.ingress_max_replicas is not None),
-                ("pipeline_parallel_size > 1", int(self.engine.get("pipeline_parallel_size", 1)) > 1),
-                ("tensor_parallel_size > 1", int(self.engine.get("tensor_parallel_size", 1)) > 1)) if on]
-            if split_only:
-                raise ValueError(f"colocated runs one engine inside each ingress replica; {', '.join(split_only)} "
-                                 "needs the ingress and engine deployments apart (colocated: false)")
+        if self.colocated and (split_only := self.split_only()):
+            raise ValueError(f"colocated runs one engine inside each ingress replica; {', '.join(split_only)} "
+                             "needs the ingress and engine deployments apart (colocated: false)")
         return self
+
+    def split_only(self) -> list[str]:
+        """What this config asks for that only the split app (ingress and engine deployments apart) has."""
+        return [name for name, on in (
+            ("min_replicas/max_replicas (autoscaling)", self.autoscaling),
+            ("ingress_replicas > 1", self.ingress_replicas > 1),
+            ("ingress_max_replicas", self.ingress_max_replicas is not None),
+            ("pipeline_parallel_size > 1", int(self.engine.get("pipeline_parallel_size", 1)) > 1),
+            ("tensor_parallel_size > 1", int(self.engine.get("tensor_parallel_size", 1)) > 1)) if on]
 
     @property
     def autoscaling(self) -> bool:
@@ -217,10 +220,8 @@ def colocated_by_default(cfg: AppConfig, device: str) -> bool:
     keeps its retry of a request whose engine died before its first token), and wherever the config asks for
     something only the split app has: several or autoscaled replicas, ingress scaling or placement, pipeline or
     tensor parallelism, or an engine_transport of its own choosing."""
-    return device == "cpu" and not cfg.autoscaling and (cfg.num_replicas or 1) == 1 and \
-        cfg.ingress_replicas == 1 and cfg.ingress_max_replicas is None and not cfg.ingress_resources and \
-        cfg.engine_transport == "auto" and int(cfg.engine.get("pipeline_parallel_size", 1)) == 1 and \
-        int(cfg.engine.get("tensor_parallel_size", 1)) == 1
+    return device == "cpu" and (cfg.num_replicas or 1) == 1 and not cfg.split_only() and \
+        not cfg.ingress_resources and cfg.engine_transport == "auto"
 
 
 def app_is_colocated(args: dict | None = None) -> bool:
