@@ -325,11 +325,13 @@ def test_losing_the_worker_node_ends_its_streams_and_the_head_replica_serves_on(
         return False
 
     wait_for(served, RECOVERY_BOUND_S, 1.0, what="a completion served after the worker node died")
-    assert [a["Address"]["NodeID"] for a in cluster.alive_actors(ENGINE_DEPLOYMENT)] == [head_id]
-    # The GCS declares the node dead on its own schedule (missed health checks), possibly after the above.
+    # The GCS declares the node dead on its own schedule (missed health checks), possibly after the above, and
+    # only then marks the actors that lived there dead: until it does, node_b's replica is still listed alive.
     wait_for(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == worker_id), 60,
              what="the GCS to mark the worker node dead")
     dead_at = time.monotonic()
+    wait_for(lambda: [a["Address"]["NodeID"] for a in cluster.alive_actors(ENGINE_DEPLOYMENT)] == [head_id], 30,
+             what="the only live engine replica to be the head's")
     for _ in range(3):
         assert greedy(cluster) == expected
     print(f"streams per node {counts}; {len(failed)} failed, the last {max(r['ended'] for r in failed) - killed_at:.1f}"
@@ -515,7 +517,9 @@ def test_losing_a_stage_node_ends_the_pipeline_streams_and_a_new_group_on_the_he
         return False
 
     wait_for(served, RECOVERY_BOUND_S, 1.0, what="the PP app to serve again after the stage node died")
-    [new] = cluster.alive_actors(ENGINE_DEPLOYMENT, pp_app)
+    # The GCS lists the dead replica alive until it has declared its node dead: wait for one live replica.
+    [new] = wait_for(lambda: len(live := cluster.alive_actors(ENGINE_DEPLOYMENT, pp_app)) == 1 and live, 60,
+                     what="one live PP replica")
     assert new["ActorID"] != replica["ActorID"] and new["Address"]["NodeID"] == head_id
     assert stage_nodes() == [head_id, head_id]
     print(f"PP replica was on the {'worker' if replica_on_worker else 'head'}; streams failed "
