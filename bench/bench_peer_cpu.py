@@ -31,7 +31,9 @@ TPOT ((end - first) / (tokens - 1)) medians, output tok/s. `--http-rounds N` sta
 turn (each alone, restarted every round) and takes medians over every run, so the machine's drift falls on
 all of them alike; with 1 (the default) each server runs once per dtype. `--http-direct-ingress` adds a
 Tandem row with Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: no proxy, clients on the ingress
-replica's own port).
+replica's own port). `--http-haproxy` adds the colocated app behind Serve's HAProxy ingress
+(RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy on the app's port forwards to the replica's direct-ingress port; not
+Tandem's default, README "Serving path").
 """
 
 from __future__ import annotations
@@ -229,7 +231,8 @@ DIRECT_INGRESS_PORT = 30000  # Serve's RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT: t
 def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> tuple[subprocess.Popen, int]:
     """The server and the port its clients use: `port`, except for tandem[_colocated]_direct_ingress (Serve's
     direct ingress: no proxy, the ingress replica serves HTTP itself on a port of its own). tandem_colocated*:
-    the app's `colocated: true` (the engine inside the ingress replica)."""
+    the app's `colocated: true` (the engine inside the ingress replica); *_haproxy: Serve's HAProxy ingress on
+    `port` in front of the replica's direct-ingress port."""
     log_file = open(Path(args.log_dir) / f"http_{name}_{dtype}.log", "w")
     # Tandem: the app preloads tcmalloc into its engine replica itself, not into every process of the cluster
     env = worker_env(name, args) if name == "vllm" else dict(os.environ)
@@ -242,6 +245,8 @@ def start_server(name: str, dtype: str, args, model_dir: str, port: int) -> tupl
         from serve_app.builder import CLUSTER_ENV
 
         env = {**CLUSTER_ENV, **env}  # the cluster scripts/serve.sh starts
+        if name.endswith("_haproxy"):
+            env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         if name.endswith("direct_ingress"):
             env.update(RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
                        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(DIRECT_INGRESS_PORT))
@@ -277,6 +282,12 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    # Whatever of its session left the process group and outlives it: Serve's HAProxy keeps the app's port
+    # (and its own stats and metrics ports) even through `ray stop --force`.
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == proc.pid:
+                p.kill()
 
 
 def wait_port_free(port: int, timeout_s: float = 120) -> None:
@@ -325,8 +336,11 @@ async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concur
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - t0
+    # At 16 streams the TTFTs are bimodal (a wave of 16 arrivals is prefilled in two ~2 s steps of ~8 prompts,
+    # 2048 tokens each), so the p50 can jump between the two modes from run to run: the mean is reported too.
     return {"concurrency": concurrency, "requests": len(prompts), "output_tok_s": tokens / wall,
-            "ttft_p50_ms": statistics.median(ttft), "tpot_p50_ms": statistics.median(tpot)}
+            "ttft_p50_ms": statistics.median(ttft), "ttft_mean_ms": statistics.mean(ttft),
+            "tpot_p50_ms": statistics.median(tpot)}
 
 
 def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) -> dict:
@@ -335,6 +349,7 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
     if "tandem" in names:
         names += [f"tandem{c}{d}" for c in ("", "_colocated") for d in ("", "_direct_ingress")
                   if (c or d) and (args.http_colocated or not c) and (args.http_direct_ingress or not d)]
+        names += ["tandem_colocated_haproxy"] if args.http_haproxy else []
     runs: dict[str, dict[str, list]] = {name: {"c1": [], "c16": []} for name in names}
     for rnd in range(args.http_rounds):  # each server alone, in turn, restarted every round: the VM's drift
         for name in names:              # falls on all of them alike
@@ -360,6 +375,7 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
         rows[f"{name}_vs_vllm (>1: Tandem better)"] = {
             c: {"output_tok_s": t[c]["output_tok_s"] / v[c]["output_tok_s"],
                 "ttft_p50": v[c]["ttft_p50_ms"] / t[c]["ttft_p50_ms"],
+                "ttft_mean": v[c]["ttft_mean_ms"] / t[c]["ttft_mean_ms"],
                 "tpot_p50": v[c]["tpot_p50_ms"] / t[c]["tpot_p50_ms"]} for c in ("c1", "c16")}
     return rows
 
@@ -428,6 +444,8 @@ def parse_args() -> argparse.Namespace:
                    help="also serve Tandem with Serve's direct ingress (no proxy; clients on port 30000)")
     p.add_argument("--http-colocated", action="store_true",
                    help="also serve Tandem with the app's colocated: true (the engine inside the ingress replica)")
+    p.add_argument("--http-haproxy", action="store_true",
+                   help="also serve Tandem colocated behind Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: every core)")
     p.add_argument("--tandem-stream-interval", type=int, default=1,
