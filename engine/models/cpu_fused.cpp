@@ -22,6 +22,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
+#include <ATen/native/cpu/utils.h>  // CeilLog2: the cascade's level step, as PyTorch's sum computes it
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -162,21 +163,14 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Te
 // x * x; the row's sum in the exact order of PyTorch's vectorized inner sum (ATen/native/cpu/SumKernel.cpp:
 // Vectorized<float> accumulators of `W` lanes, the row read as (-1, 4) vectors, a cascade of 4 levels in steps
 // of 2^max(4, ceil(log2(n)) / 4), then the 4 partials, then the scalar tail and the W lanes in order; a row
-// under one vector as scalars, (-1, 4) likewise); / d; + eps;
-// 1 / sqrt (Vectorized<float>::rsqrt); x * that; * weight. W is the lane count of PyTorch's float sum on this
-// CPU, 8 or 16: 8 on the dev VM's AVX-512 build, found by trying both against F.rms_norm at load
-// (engine/models/decoder.py fp32_norm_lanes); tests/test_cpu_fused.py compares the outputs bit for bit. Compiled without reassociation or contraction, so every
-// add and multiply is the one written.
+// under one vector as scalars, (-1, 4) likewise); / d; + eps; 1 / sqrt (Vectorized<float>::rsqrt); x * that;
+// * weight. W is the lane count of PyTorch's float sum on this CPU, 8 or 16: 8 on the dev VM's AVX-512 build,
+// found by trying both against F.rms_norm at load (engine/models/decoder.py fp32_norm_lanes);
+// tests/test_cpu_fused.py compares the outputs bit for bit. Compiled without reassociation or contraction, so
+// every add and multiply is the one written.
 
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")  // -fassociative-math (cpu_native's flags) would reorder the sums
-
-inline int64_t ceil_log2(int64_t x) {  // ATen/native/cpu/utils.h CeilLog2
-  if (x <= 2) return 1;
-  int64_t bits = 0;
-  for (uint64_t v = static_cast<uint64_t>(x) - 1; v; v >>= 1) ++bits;
-  return bits;
-}
 
 // One Vectorized<float> of W lanes as a GCC vector: +, * are lane-wise, each lane's sum in its own order.
 template <int W>
@@ -209,7 +203,7 @@ float torch_sum_of_squares(const float* h, int64_t d) {
     return x * x;
   };
   const int64_t vec_size = d / W, size_ilp = vec_size / rows;
-  const int64_t level_power = std::max<int64_t>(4, ceil_log2(size_ilp) / levels);
+  const int64_t level_power = std::max<int64_t>(4, at::native::utils::CeilLog2(size_ilp) / levels);
   const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
   V acc[levels][rows] = {};
   int64_t i = 0;
