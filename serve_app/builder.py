@@ -36,8 +36,9 @@ COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deploymen
 # the streamed tok/s at 16-256 streams, and a lower TTFT at equal offered load. The handle's router stays on
 # its own loop: running it on the ingress's loop too (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no
 # throughput that survived the noise, and TTFT p50 at 256 streams was 5.1 vs 3.3 s in its runs.
-# bench/bench_serve.py --mode path; README "Serving path".
-SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# bench/bench_serve.py --mode path; README "Serving path". Set here, since replicas inherit the cluster's
+# environment and CLUSTER_ENV puts the proxy's router on the proxy's loop.
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 # Environment for the whole Ray cluster (scripts/serve.sh exports it; with `ray start`, set it there): Serve's
 # HTTP proxy hands requests and their SSE events to the ingress over gRPC instead of Ray actor calls with a
 # streaming generator. Serve reads it in the proxy process, which no app option reaches. With the engine
@@ -49,7 +50,13 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 # the GCS, taken from the engine; SmolLM2 bf16 over HTTP, 64 requests 16 at a time: controller 1.13-1.37 ->
 # 0.56-0.61 CPU s, GCS 0.54-0.71 -> 0.27-0.28 s. Serve then notices replica starts, deaths and scaling
 # decisions up to 0.4 s later; health checks and autoscaling keep their own periods.
-CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+# The proxy's router runs on the proxy's own loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0, as Serve's
+# RAY_SERVE_THROUGHPUT_OPTIMIZED preset sets it) instead of a loop in a thread of its own, so an SSE event no
+# longer crosses threads inside the proxy: its CPU per streamed token fell ~20-25% (fp32 SmolLM2, 16 streams, 2
+# pairs of runs: 2.96-2.98 -> 2.08-2.37 CPU s per run; the simulated H100 at 1-256 streams lower in 5 of 6
+# cells). Replicas keep the separate loop (SERVE_ENV), as measured above for the ingress's handle.
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def apply_cluster_env() -> None:

@@ -413,17 +413,19 @@ def test_replica_env_reaches_both_deployments_over_the_defaults(monkeypatch):
     app = build_app({**SPLIT, "replica_env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}})
     for dep in (app._bound_deployment, engine_deployment(app)):
         assert dep.ray_actor_options["runtime_env"]["env_vars"] == {
-            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "X": "y"}
+            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", "X": "y"}
     default = build_app(SPLIT)
     for dep in (default._bound_deployment, engine_deployment(default)):
-        assert dep.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+        # user code on Serve's loop; the handle's router on its own, whatever the cluster gives the proxy
+        assert dep.ray_actor_options["runtime_env"]["env_vars"] == {
+            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
 
 def test_cpu_engine_replicas_preload_tcmalloc_and_nothing_else_does(monkeypatch, tmp_path):
     lib = tmp_path / "libtcmalloc_minimal.so.4"
     monkeypatch.setattr(cpu_alloc, "tcmalloc_path", lambda: str(lib))
     monkeypatch.setenv("LD_PRELOAD", f"/opt/a.so {lib}:/opt/b.so")
-    serve_env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+    serve_env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
     app = build_app(SPLIT)
     env = engine_deployment(app).ray_actor_options["runtime_env"]["env_vars"]
     assert env == {**serve_env, "LD_PRELOAD": f"{lib}:/opt/a.so:/opt/b.so",

@@ -121,6 +121,10 @@ def test_serve_controller_and_proxy_run_with_the_cluster_env(cluster):
                 assert {k: env.get(k) for k in CLUSTER_ENV} == CLUSTER_ENV, title
                 seen += 1
     assert seen == 2
+    # the proxy routes on its own loop (CLUSTER_ENV); the ingress's handle keeps a loop of its own
+    assert CLUSTER_ENV["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    [ingress] = _ray_processes(f"ray::ServeReplica:{cluster.app_name}:OpenAIIngress")
+    assert ingress.environ()["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "1"
 
 
 # ---- greedy results equal the offline engine -------------------------------------------------------------
