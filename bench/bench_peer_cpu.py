@@ -130,7 +130,8 @@ def timed_call(w: Worker, workers: list[Worker], **cmd) -> dict:
 def worker_env(name: str, args) -> dict:
     env = dict(os.environ)
     if name == "vllm":
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib)), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+        bind = getattr(args, "vllm_omp_bind", None) or f"0-{os.cpu_count() - 1}"
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib)), VLLM_CPU_OMP_THREADS_BIND=bind,
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if (tcmalloc := cpu_alloc.find_tcmalloc()) is not None:  # whatever Tandem's TANDEM_TCMALLOC says
             env["LD_PRELOAD"] = tcmalloc
@@ -448,6 +449,8 @@ def parse_args() -> argparse.Namespace:
                    help="also serve Tandem colocated behind Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: every core)")
+    p.add_argument("--vllm-omp-bind", help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N); with "
+                   "--tandem-cpu-threads, e.g. 0 and 1 leave the other core to the serving processes")
     p.add_argument("--tandem-stream-interval", type=int, default=1,
                    help="the Tandem replica's stream_interval (tokens per streamed event; default 1, vLLM's)")
     p.add_argument("--json", type=Path)
@@ -467,7 +470,9 @@ def main() -> None:
                           f"{args.max_new_tokens} greedy tokens each, prefix caching off, KV {args.kv_gib} GiB",
               "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
               "http_runs": f"{args.http_rounds} rounds of the servers in turn x {args.http_repeats} runs each; medians",
-              "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats), "dtypes": {}}
+              "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats), "dtypes": {},
+              "forward_threads": {"vllm_omp_bind": args.vllm_omp_bind or f"0-{os.cpu_count() - 1}",
+                                  "tandem_cpu_threads": args.tandem_cpu_threads or "every core"}}
     if args.vllm_python:
         report["vllm_version"] = vllm_version(args.vllm_python)
     for dtype in args.dtypes.split(","):
