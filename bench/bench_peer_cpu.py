@@ -127,11 +127,15 @@ def timed_call(w: Worker, workers: list[Worker], **cmd) -> dict:
     return result
 
 
+def vllm_omp_bind(args) -> str:
+    """The cores vLLM's forward threads are bound to: --vllm-omp-bind, else every core."""
+    return args.vllm_omp_bind or f"0-{os.cpu_count() - 1}"
+
+
 def worker_env(name: str, args) -> dict:
     env = dict(os.environ)
     if name == "vllm":
-        bind = getattr(args, "vllm_omp_bind", None) or f"0-{os.cpu_count() - 1}"
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib)), VLLM_CPU_OMP_THREADS_BIND=bind,
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(int(args.kv_gib)), VLLM_CPU_OMP_THREADS_BIND=vllm_omp_bind(args),
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if (tcmalloc := cpu_alloc.find_tcmalloc()) is not None:  # whatever Tandem's TANDEM_TCMALLOC says
             env["LD_PRELOAD"] = tcmalloc
@@ -471,7 +475,7 @@ def main() -> None:
               "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
               "http_runs": f"{args.http_rounds} rounds of the servers in turn x {args.http_repeats} runs each; medians",
               "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats), "dtypes": {},
-              "forward_threads": {"vllm_omp_bind": args.vllm_omp_bind or f"0-{os.cpu_count() - 1}",
+              "forward_threads": {"vllm_omp_bind": vllm_omp_bind(args),
                                   "tandem_cpu_threads": args.tandem_cpu_threads or "every core"}}
     if args.vllm_python:
         report["vllm_version"] = vllm_version(args.vllm_python)
