@@ -194,22 +194,31 @@ class ModelRunner(StepRunner):
             if step.graph_size is not None:
                 self.graphs.replay(step.slot, step.graph_size)
             else:
-                hidden = self._eager_forward(step.slot)
+                hidden = self._eager_forward(step.slot, every_row=step.prompt_logprobs is not None)
                 if step.prompt_logprobs is not None:
                     prompt_logprobs.compute(step.prompt_logprobs, hidden, self.model.logits)
         ex.mark(step.id, FWD_END)
 
-    def _eager_forward(self, slot: DecodeSlot) -> torch.Tensor:
-        """The step's forward, its sampling rows' logits into the slot; returns the hidden states."""
+    def _eager_forward(self, slot: DecodeSlot, every_row: bool = False) -> torch.Tensor:
+        """The step's forward, its sampling rows' logits into the slot; returns the hidden states: every
+        token's when `every_row` (prompt scoring reads them), else possibly only the sampled rows'.
+
+        A step with positions it does not sample (prefill chunks) runs the last layer past its attention on
+        the sampled rows alone (DecoderLM.forward's `keep`), except under an adapter (LoRA's per-token
+        scales are laid out for every token). Decided from the staged inputs only, so tensor-parallel ranks,
+        which get those, decide alike."""
         b = slot.inputs
         meta = b.metadata(self.block_size)
         self.backend.prepare(meta)
+        lora = self.lora is not None and b.lora_active
         if self.lora is not None:
             self.lora.prepare(b.dev["lora_slots"][:b.num_tokens], b.lora_active)
+        sampled = b.dev["logits_indices"][:b.num_rows]
+        keep = sampled if b.num_rows < b.num_tokens and not every_row and not lora else None
         hidden = self.model(b.dev["input_ids"][:b.num_tokens], b.dev["positions"][:b.num_tokens],
-                            self.kv_caches, meta)
+                            self.kv_caches, meta, keep=keep)
         if b.num_rows:
-            rows = hidden.index_select(0, b.dev["logits_indices"][:b.num_rows])
+            rows = hidden if keep is not None else hidden.index_select(0, sampled)
             self.model.logits(rows, out=slot.logits[:b.num_rows])
         return hidden
 

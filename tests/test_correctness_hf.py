@@ -167,3 +167,57 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_model_factory, tmp_pat
     prompts = make_prompts(seed=9, lengths=(5, 21))
     for prompt, ours in zip(prompts, run(LLM(str(tmp_path), block_size=4), prompts)):
         assert_matches_hf(hf, prompt, ours)
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
+                                          ("qwen3", torch.float32), ("gemma2", torch.float32)],
+                         ids=["llama-fp32", "llama-bf16", "qwen3-fp32", "gemma2-fp32"])
+def test_last_layer_on_sampled_rows_only(tiny_model_factory, family, dtype):
+    """DecoderLM.forward's `keep` (the engine passes a step's sampled rows): the last layer caches every row's
+    K/V but goes past its attention on the kept rows alone. The kept rows equal HF's final hidden states at
+    those positions, and the full forward's; the cache is the full forward's bit for bit; repeats keep their
+    order; an empty keep (a mid-prompt chunk) returns no rows. Llama and Qwen3 run the CPU fused-norm path in
+    fp32 (and bf16), Gemma 2 the sandwich norms."""
+    from engine.attention import AttentionMetadata, get_backend
+    from engine.models import model_spec
+    from engine.models.loader import build_model, load_hf_config
+
+    path, hf = tiny_model_factory(family)
+    config = load_hf_config(str(path))
+    spec = model_spec(config)
+    model = build_model(str(path), config, spec, 128, get_backend("cpu", sliding_window=spec.sliding_window),
+                        dtype, torch.device("cpu"))
+    prompts = make_prompts(seed=5, lengths=(7, 19))
+    bs, blocks = 4, 16
+    ids = torch.tensor(prompts[0] + prompts[1])
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    tables = [list(range(0, 2)), list(range(2, 7))]  # 7 and 19 positions in blocks of 4
+    slots = [tables[s][p // bs] * bs + p % bs for s, prompt in enumerate(prompts) for p in range(len(prompt))]
+
+    def forward(keep):
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 7, 26], dtype=torch.int32),
+            seq_lens=torch.tensor([7, 19], dtype=torch.int32),
+            block_tables=torch.tensor([t + [0] * (5 - len(t)) for t in tables], dtype=torch.int32),
+            block_size=bs, query_lens_host=[7, 19], seq_lens_host=[7, 19])
+        model.layers[0].self_attn.backend.prepare(meta)
+        caches = [(torch.zeros(blocks, bs, spec.num_kv_heads, spec.head_dim, dtype=dtype),
+                   torch.zeros(blocks, bs, spec.num_kv_heads, spec.head_dim, dtype=dtype)) for _ in model.layers]
+        with torch.inference_mode():
+            return model(ids, positions, caches, meta, keep=keep), caches
+
+    full, full_caches = forward(None)
+    keep = torch.tensor([25, 6, 25])
+    kept, kept_caches = forward(keep)
+    assert kept.shape == (3, spec.hidden_size)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(kept, full.index_select(0, keep), **tol)
+    assert torch.equal(kept[0], kept[2])
+    for (k1, v1), (k2, v2) in zip(full_caches, kept_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    with torch.no_grad():  # HF's final hidden states (after its final norm) at each prompt's last position
+        ref = [hf(torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0, -1] for p in prompts]
+    torch.testing.assert_close(kept[:2].float(), torch.stack([ref[1], ref[0]]).float(), **tol)
+    empty, empty_caches = forward(torch.tensor([], dtype=torch.long))
+    assert empty.shape == (0, spec.hidden_size)
+    assert all(torch.equal(k1, k2) for (k1, _), (k2, _) in zip(full_caches, empty_caches))

@@ -274,7 +274,7 @@ std::vector<at::Tensor> rms_norm_f32(const at::Tensor& x, const c10::optional<at
   auto run = lanes == 16 ? &rms_norm_f32_impl<16> : &rms_norm_f32_impl<8>;
   run(x.data_ptr<float>(), rp, rp ? h.data_ptr<float>() : nullptr, w.data_ptr<float>(), out.data_ptr<float>(),
       x.size(0), x.size(1), static_cast<float>(eps));
-  if (rp) return {out, h};
+  if (h.defined()) return {out, h};  // not `rp`: an empty residual (zero rows) has no data pointer
   return {out};
 }
 

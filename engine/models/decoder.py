@@ -167,6 +167,11 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(x, rope, kv, meta))
+
+    def attend(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Every row's K/V into the cache and its attention output before o_proj, [T, heads * head_dim]."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)  # [T, H + Hkv, D]: q heads, then k heads
@@ -180,7 +185,7 @@ class Attention(nn.Module):
             q, k = apply_rope(self.q_norm(qk[:, :h]), *rope), apply_rope(self.k_norm(qk[:, h:]), *rope)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, d)
         o = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.layer)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -229,19 +234,28 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         self.local_rope = spec.local_rope and spec.is_sliding(layer)  # reads DecoderLM's local table
 
-    def forward(self, x, rope, kv, meta):
+    def forward(self, x, rope, kv, meta, keep: torch.Tensor | None = None):
+        """`keep` (row indices): every row's K/V is cached, but only these rows go on past the attention, and
+        come out in keep's order (DecoderLM.forward)."""
+        a = self.self_attn.attend(self.input_layernorm(x), rope, kv, meta)
+        if keep is not None:
+            a, x = a.index_select(0, keep), x.index_select(0, keep)
         if not self.sandwich:
-            x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+            x = x + self.self_attn.o_proj(a)
             return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv, meta))
+        x = x + self.post_attention_layernorm(self.self_attn.o_proj(a))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
-    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, rope, kv, meta, kernel):
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, rope, kv, meta, kernel,
+                      keep: torch.Tensor | None = None):
         """The pre-norm layer with each residual add fused into the norm after it (cpu_fused's bf16 rms_norm):
-        takes and returns (h, residual), the stream being h + residual; residual None = h is the stream."""
+        takes and returns (h, residual), the stream being h + residual; residual None = h is the stream.
+        `keep` as in forward."""
         h, residual = add_rms_norm(kernel, self.input_layernorm, h, residual)
-        h = self.self_attn(h, rope, kv, meta)
-        h, residual = add_rms_norm(kernel, self.post_attention_layernorm, h, residual)
+        a = self.self_attn.attend(h, rope, kv, meta)
+        if keep is not None:
+            a, residual = a.index_select(0, keep), residual.index_select(0, keep)
+        h, residual = add_rms_norm(kernel, self.post_attention_layernorm, self.self_attn.o_proj(a), residual)
         return self.mlp(h), residual
 
 
@@ -351,21 +365,31 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """The first stage embeds `input_ids`; later stages continue from the previous one's `hidden`."""
+                hidden: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage embeds `input_ids`; later stages continue from the previous one's `hidden`.
+
+        keep (last stage only): the rows whose hidden states the caller reads (the step's sampled positions,
+        repeats allowed). The last layer still caches every row's K/V, but runs o_proj, the MLP and the final
+        norm on these rows only, and the result is [len(keep), hidden] in keep's order: a prefill chunk
+        samples from its last position alone, so the rest of the last layer's work on a 300-token prompt was
+        thrown away (SmolLM2-135M: ~3% of a prefill's FLOPs, one layer of 30)."""
         x = self.embed(input_ids) if self.is_first else hidden  # [T, hidden]
         rope = self.rotary.tables(positions, x.dtype)
         rope_local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope
+        if keep is not None and not self.is_last:
+            raise ValueError("keep selects rows of the final hidden states: only the last stage takes it")
+        last = len(self.layers) - 1
         if self.norm_kernel is not None:
-            return self._forward_fused(x, rope, kv_caches, meta)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope_local if layer.local_rope else rope, kv, meta)
+            return self._forward_fused(x, rope, kv_caches, meta, keep)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, rope_local if layer.local_rope else rope, kv, meta, keep if i == last else None)
         return self.norm(x) if self.is_last else x
 
-    def _forward_fused(self, x, rope, kv_caches, meta) -> torch.Tensor:
-        h, residual = x, None
-        for layer, kv in zip(self.layers, kv_caches):
-            h, residual = layer.forward_fused(h, residual, rope, kv, meta, self.norm_kernel)
+    def _forward_fused(self, x, rope, kv_caches, meta, keep) -> torch.Tensor:
+        h, residual, last = x, None, len(self.layers) - 1
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            h, residual = layer.forward_fused(h, residual, rope, kv, meta, self.norm_kernel,
+                                              keep if i == last else None)
         if self.is_last:
             return add_rms_norm(self.norm_kernel, self.norm, h, residual)[0]
         return h + residual

@@ -177,16 +177,23 @@ class StageWorker:
         if self.tp is not None:  # the stage's other TP ranks run the same step
             self.tp.send(bufs, hidden)
         x = self._layers(bufs, hidden)
-        out = self._last_stage_output(x, bufs, version) if self.spec.is_last else self._send(x, version)
+        out = self._last_stage_output(x, version) if self.spec.is_last else self._send(x, version)
         self.busy_s += _now() - t0
         return out
 
     def _layers(self, bufs: StepBuffers, hidden: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers over the step: their hidden states, or on the last stage the sampled rows' only
+        (its last layer runs past the attention on those alone, as engine.model_runner's eager forward)."""
         meta = bufs.metadata(self.spec.block_size)
         self.backend.prepare(meta)
         t = bufs.num_tokens
         ids = bufs.dev["input_ids"][:t] if self.spec.is_first else None
-        return self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden)
+        if not self.spec.is_last:
+            return self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden)
+        sampled = bufs.dev["logits_indices"][:bufs.num_rows]
+        keep = sampled if bufs.num_rows < t else None
+        x = self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden, keep=keep)
+        return x if keep is not None else x.index_select(0, sampled)
 
     def follow(self) -> int:
         """A TP rank > 0 of this stage: run rank 0's steps (engine/tp/stage.py) until it stops the group."""
@@ -200,7 +207,7 @@ class StageWorker:
                     return steps
                 x = self._layers(bufs, hidden)
                 if self.spec.is_last:  # this rank's vocabulary shard of the logits, gathered to rank 0
-                    self.model.logits(x.index_select(0, bufs.dev["logits_indices"][:bufs.num_rows]))
+                    self.model.logits(x)
             steps += 1
 
     def stop_followers(self) -> None:
@@ -220,9 +227,8 @@ class StageWorker:
         buf[:x.shape[0]].copy_(x)
         return buf  # [max_tokens, hidden]: always the same shape and dtype
 
-    def _last_stage_output(self, x: torch.Tensor, bufs: StepBuffers, version: int) -> torch.Tensor:
-        rows = x.index_select(0, bufs.dev["logits_indices"][:bufs.num_rows])
-        out = self.model.logits(rows)  # [rows, vocab] float32
+    def _last_stage_output(self, rows: torch.Tensor, version: int) -> torch.Tensor:
+        out = self.model.logits(rows)  # [rows, vocab] float32: `rows` are the sampled rows' hidden states
         if self.sampler is not None:
             batch = self.sampling[version]  # None for a step with no sampling rows (a mid-prompt chunk)
             out = self.sampler(out, batch.to(self.device)).tokens if batch is not None else \

@@ -82,10 +82,10 @@ class TPModelRunner(ModelRunner):
             self.error = exc
             raise TensorParallelError(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
 
-    def _eager_forward(self, slot):
+    def _eager_forward(self, slot, every_row: bool = False):
         if self.is_driver:
             self._send_step(slot.inputs)
-        return super()._eager_forward(slot)
+        return super()._eager_forward(slot, every_row)
 
     def _send_step(self, b) -> None:
         """The step's final inputs to every rank (engine/tp/channel.py), then its copy-on-write pairs."""
