@@ -205,8 +205,9 @@ class ModelRunner(StepRunner):
 
         A step with positions it does not sample (prefill chunks) runs the last layer past its attention on
         the sampled rows alone (DecoderLM.forward's `keep`), except under an adapter (LoRA's per-token
-        scales are laid out for every token). Decided from the staged inputs only, so tensor-parallel ranks,
-        which get those, decide alike."""
+        scales are laid out for every token). Tensor-parallel ranks decide alike (their row-parallel
+        all-reduce needs it): they get the staged inputs, and a TP group runs neither prompt scoring nor
+        adapters."""
         b = slot.inputs
         meta = b.metadata(self.block_size)
         self.backend.prepare(meta)
