@@ -184,7 +184,7 @@ def bench_dtype(dtype: str, engines: list[str], args, model_dir: str, prompts, s
                 offline[w.name].append(res)
                 log(f"{dtype} {w.name} offline #{r + 1}: {res['seconds']:.2f} s")
         singles = {w.name: [] for w in workers}
-        for r in range(args.repeats):
+        for r in range(args.single_repeats or args.repeats):
             for w in workers:
                 singles[w.name].append(timed_call(w, workers, op="single", prompt=single,
                                                   max_tokens=args.single_tokens))
@@ -437,6 +437,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--single-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hf-repeats", type=int, default=3, help="HF generate_batch is slow: fewer passes for it")
+    p.add_argument("--single-repeats", type=int,
+                   help="single requests per engine (default: --repeats); each is one prompt, so on a VM whose speed "
+                        "drifts, more than the offline passes need (3 put a bf16 TTFT ratio at 0.78x, 10 at 1.12x)")
     p.add_argument("--kv-gib", type=int, default=2, help="KV pool in GiB (vLLM takes whole GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="/tmp/tandem_peer_logs")
@@ -474,7 +477,8 @@ def main() -> None:
                           f"{args.max_new_tokens} greedy tokens each, prefix caching off, KV {args.kv_gib} GiB",
               "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
               "http_runs": f"{args.http_rounds} rounds of the servers in turn x {args.http_repeats} runs each; medians",
-              "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats), "dtypes": {},
+              "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats),
+              "single_repeats": args.single_repeats or args.repeats, "dtypes": {},
               "forward_threads": {"vllm_omp_bind": vllm_omp_bind(args),
                                   "tandem_cpu_threads": args.tandem_cpu_threads or "every core"}}
     if args.vllm_python:
