@@ -159,6 +159,7 @@ class ModelCost:
     layer_weight_bytes: float  # one decoder layer
     head_weight_bytes: float  # the LM head (the tied embedding when tied)
     layer_params: float
+    qkv_params: float  # of layer_params, the q/k/v projection: the part of the last layer every row runs
     kv_bytes_per_token: float  # K and V of one position, every layer
     dtype_bytes: int
     layer_kernels: int  # per layer: PyTorch kernels, then the attention backend's Triton launches
@@ -180,8 +181,8 @@ class ModelCost:
             from engine.models.tp import local_spec
             spec = local_spec(spec, tp)  # ValueError naming what does not divide
         h, i = spec.hidden_size, spec.intermediate_size
-        attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + spec.num_heads * spec.head_dim * h
-        layer_params = attn + 3 * h * i
+        qkv = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        layer_params = qkv + spec.num_heads * spec.head_dim * h + 3 * h * i
         if kernels_per_layer is None:  # this engine's decoder, as counted
             kernels, triton, views = LAYER_KERNELS + (QK_NORM_KERNELS if spec.qk_norm else 0), LAYER_TRITON, \
                 LAYER_VIEWS
@@ -189,7 +190,7 @@ class ModelCost:
             kernels, triton, views = kernels_per_layer - 1, 1, 0
         return cls(layers=spec.num_layers, hidden=h, vocab=spec.vocab_size, heads=spec.num_heads,
                    head_dim=spec.head_dim, layer_weight_bytes=layer_params * dtype_bytes,
-                   head_weight_bytes=spec.vocab_size * h * dtype_bytes, layer_params=layer_params,
+                   head_weight_bytes=spec.vocab_size * h * dtype_bytes, layer_params=layer_params, qkv_params=qkv,
                    kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes,
                    dtype_bytes=dtype_bytes, layer_kernels=kernels + (2 if tp > 1 else 0), layer_triton=triton,
                    layer_views=views, tp=tp)
@@ -257,7 +258,9 @@ class CostModel:
         head = m.head_weight_bytes if r else 0.0
         nbytes = (m.layers * m.layer_weight_bytes + head + t * m.hidden * m.dtype_bytes * ACT_PASSES_PER_LAYER
                   * m.layers + r * m.vocab * 4)
-        flops = 2.0 * m.layer_params * m.layers * t + 2.0 * m.hidden * m.vocab * r
+        # The last layer runs past its attention on the sampled rows only (engine.models.decoder's `keep`).
+        last = m.qkv_params * t + (m.layer_params - m.qkv_params) * min(r, t)
+        flops = 2.0 * (m.layer_params * (m.layers - 1) * t + last) + 2.0 * m.hidden * m.vocab * r
         return max(nbytes / self._bw, flops / self._flops)
 
     def attention_s(self, shape: StepShape) -> float:
