@@ -121,7 +121,7 @@ def test_cost_grows_with_context_and_rows_and_prefill_is_compute_bound():
     assert cost.gemm_s(prefill) == pytest.approx(flops / (989e12 * 0.6), rel=0.05)  # compute bound
     assert cost.forward_s(prefill, graph=False) > cost.forward_s(StepShape([1], [2048], 1), graph=True)
     # scoring every position (what the last layer did before it ran on the sampled rows only) costs more:
-    # by the last layer's o_proj and MLP, less the LM head on the extra rows
+    # by the last layer's o_proj and MLP and the LM head, on the 2047 other rows
     every = StepShape([2048], [2048], 2048)
     extra = 2 * ((m.layer_params - m.qkv_params) * 2047 + m.hidden * m.vocab * 2047)
     assert cost.gemm_s(every) - cost.gemm_s(prefill) == pytest.approx(extra / (989e12 * 0.6), rel=1e-3)
