@@ -184,7 +184,7 @@ def bench_dtype(dtype: str, engines: list[str], args, model_dir: str, prompts, s
                 offline[w.name].append(res)
                 log(f"{dtype} {w.name} offline #{r + 1}: {res['seconds']:.2f} s")
         singles = {w.name: [] for w in workers}
-        for r in range(args.single_repeats or args.repeats):
+        for r in range(args.single_repeats):
             for w in workers:
                 singles[w.name].append(timed_call(w, workers, op="single", prompt=single,
                                                   max_tokens=args.single_tokens))
@@ -461,7 +461,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tandem-stream-interval", type=int, default=1,
                    help="the Tandem replica's stream_interval (tokens per streamed event; default 1, vLLM's)")
     p.add_argument("--json", type=Path)
-    return p.parse_args()
+    args = p.parse_args()
+    args.single_repeats = args.single_repeats or args.repeats
+    return args
 
 
 def main() -> None:
@@ -478,7 +480,7 @@ def main() -> None:
               "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
               "http_runs": f"{args.http_rounds} rounds of the servers in turn x {args.http_repeats} runs each; medians",
               "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats),
-              "single_repeats": args.single_repeats or args.repeats, "dtypes": {},
+              "single_repeats": args.single_repeats, "dtypes": {},
               "forward_threads": {"vllm_omp_bind": vllm_omp_bind(args),
                                   "tandem_cpu_threads": args.tandem_cpu_threads or "every core"}}
     if args.vllm_python:

@@ -201,25 +201,26 @@ class ModelRunner(StepRunner):
 
     def _eager_forward(self, slot: DecodeSlot, every_row: bool = False) -> torch.Tensor:
         """The step's forward, its sampling rows' logits into the slot; returns the hidden states: every
-        token's when `every_row` (prompt scoring reads them), else possibly only the sampled rows'.
+        token's when `every_row` (prompt scoring reads them), else the sampled rows' only.
 
-        A step with positions it does not sample (prefill chunks) runs the last layer past its attention on
-        the sampled rows alone (DecoderLM.forward's `keep`), except under an adapter (LoRA's per-token
-        scales are laid out for every token). Tensor-parallel ranks decide alike (their row-parallel
-        all-reduce needs it): they get the staged inputs, and a TP group runs neither prompt scoring nor
-        adapters."""
+        The last layer runs on the sampled rows alone past its attention (DecoderLM.sampled_hidden), except
+        under an adapter (LoRA's per-token scales are laid out for every token). Tensor-parallel ranks decide
+        alike (their row-parallel all-reduce needs it): they get the staged inputs, and a TP group runs neither
+        prompt scoring nor adapters."""
         b = slot.inputs
         meta = b.metadata(self.block_size)
         self.backend.prepare(meta)
-        lora = self.lora is not None and b.lora_active
         if self.lora is not None:
             self.lora.prepare(b.dev["lora_slots"][:b.num_tokens], b.lora_active)
+        ids, positions = b.dev["input_ids"][:b.num_tokens], b.dev["positions"][:b.num_tokens]
         sampled = b.dev["logits_indices"][:b.num_rows]
-        keep = sampled if b.num_rows < b.num_tokens and not every_row and not lora else None
-        hidden = self.model(b.dev["input_ids"][:b.num_tokens], b.dev["positions"][:b.num_tokens],
-                            self.kv_caches, meta, keep=keep)
+        if every_row:
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            rows = hidden.index_select(0, sampled)
+        else:
+            lora = self.lora is not None and b.lora_active
+            hidden = rows = self.model.sampled_hidden(ids, positions, self.kv_caches, meta, sampled, prune=not lora)
         if b.num_rows:
-            rows = hidden if keep is not None else hidden.index_select(0, sampled)
             self.model.logits(rows, out=slot.logits[:b.num_rows])
         return hidden
 

@@ -385,6 +385,17 @@ class DecoderLM(nn.Module):
             x = layer(x, rope_local if layer.local_rope else rope, kv, meta, keep if i == last else None)
         return self.norm(x) if self.is_last else x
 
+    def sampled_hidden(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                       sampled: torch.Tensor, hidden: torch.Tensor | None = None,
+                       prune: bool = True) -> torch.Tensor:
+        """The final hidden states of the `sampled` rows, [len(sampled), hidden] in their order (last stage). A
+        step with rows it does not sample (prefill chunks) runs its last layer past the attention on these alone
+        (`keep`), unless `prune` is off; otherwise every row is computed and these selected."""
+        keep = sampled if prune and sampled.shape[0] < positions.shape[0] else None
+        x = self(input_ids, positions, kv_caches, meta, hidden=hidden, keep=keep)
+        return x if keep is not None else x.index_select(0, sampled)
+
     def _forward_fused(self, x, rope, kv_caches, meta, keep) -> torch.Tensor:
         h, residual, last = x, None, len(self.layers) - 1
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):

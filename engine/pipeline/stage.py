@@ -188,12 +188,11 @@ class StageWorker:
         self.backend.prepare(meta)
         t = bufs.num_tokens
         ids = bufs.dev["input_ids"][:t] if self.spec.is_first else None
+        positions = bufs.dev["positions"][:t]
         if not self.spec.is_last:
-            return self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden)
-        sampled = bufs.dev["logits_indices"][:bufs.num_rows]
-        keep = sampled if bufs.num_rows < t else None
-        x = self.model(ids, bufs.dev["positions"][:t], self.kv_caches, meta, hidden=hidden, keep=keep)
-        return x if keep is not None else x.index_select(0, sampled)
+            return self.model(ids, positions, self.kv_caches, meta, hidden=hidden)
+        return self.model.sampled_hidden(ids, positions, self.kv_caches, meta,
+                                         bufs.dev["logits_indices"][:bufs.num_rows], hidden=hidden)
 
     def follow(self) -> int:
         """A TP rank > 0 of this stage: run rank 0's steps (engine/tp/stage.py) until it stops the group."""
