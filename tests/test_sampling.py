@@ -228,6 +228,71 @@ def test_top_k_applies_per_row_and_leaves_rows_without_it_alone():
     assert len(seen[1] - set(ranks[1, :5].tolist())) > 5  # the row without top_k samples the whole vocabulary
 
 
+def _reference_probs(logits: torch.Tensor, temperature: float, top_p: float, min_p: float) -> list[float]:
+    """The distribution a row should be drawn from, computed apart from the sampler: float64 softmax of
+    logits / temperature, the top-p nucleus by a Python walk down the sorted tokens, then min-p, renormalized."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    floor = min_p * max(probs)
+    out = [p if i in kept and p >= floor else 0.0 for i, p in enumerate(probs)]
+    return [p / sum(out) for p in out]
+
+
+@pytest.mark.parametrize("top_p,min_p,spread", [(1.0, 0.0, 2.0), (0.9, 0.0, 2.0), (0.95, 0.0, 0.3),
+                                                (1.0, 0.05, 2.0)])
+def test_random_draws_follow_the_distribution(top_p, min_p, spread):
+    """Draw counts against the reference distribution (one row repeated 6,000 times in one batch, fixed
+    seed): every token within 5 standard deviations of its expected count, no token outside the support,
+    and the chi-square statistic over tokens expected 5+ times under df + 6 sqrt(2 df). spread 0.3 makes a
+    flat row whose nucleus is wider than the CPU top-p's candidates (engine.sampler.TOP_P_CANDIDATES), so
+    the fallback sort is drawn from too."""
+    vocab, rows, temperature = 1000, 6000, 0.8
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * spread
+    want = _reference_probs(logits, temperature, top_p, min_p)
+    params = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p)
+    seqs = [Sequence(f"r{i}", None, [1], params, frozenset(), 32, vocab) for i in range(rows)]
+    batch = SamplingBatch.build(seqs, torch.device("cpu"))
+    tokens = Sampler(0, torch.device("cpu"))(logits.expand(rows, vocab).contiguous(), batch).tokens
+    counts = torch.bincount(tokens, minlength=vocab).tolist()
+    support = sum(p > 0 for p in want)
+    if spread < 1:
+        assert support > 300, "the flat row must reach past the top-p candidates"
+    chi2, df = 0.0, -1
+    for t, (c, p) in enumerate(zip(counts, want)):
+        expected = rows * p
+        if p == 0:
+            assert c == 0, f"token {t} drawn {c} times outside the support"
+            continue
+        assert abs(c - expected) <= 5 * (expected * (1 - p)) ** 0.5 + 1, \
+            f"token {t}: {c} draws, {expected:.1f} expected"
+        if expected >= 5:
+            chi2 += (c - expected) ** 2 / expected
+            df += 1
+    assert df > 0 and chi2 < df + 6 * (2 * df) ** 0.5, f"chi-square {chi2:.1f} over {df} degrees of freedom"
+
+
+def test_cpu_top_p_keeps_exactly_what_a_full_sort_keeps():
+    """The CPU top-p searches a row's nucleus among its k + 1 most likely tokens for growing k before sorting
+    the row: rows whose nucleus ends in each tier (and past the last one) in one batch, a SmolLM2-sized
+    vocabulary; the kept probabilities are bit-identical to a sort of every row."""
+    from engine.sampler import TOP_P_CANDIDATES, _top_p, _top_p_sorted
+    gen = torch.Generator().manual_seed(3)
+    spreads = (6.0, 3.0, 1.5, 1.0, 0.2)
+    probs = torch.cat([(torch.randn(2, 49152, generator=gen) * s).softmax(-1) for s in spreads])
+    top_p = torch.tensor([0.9, 0.5, 0.9, 0.99, 0.9, 0.95, 0.5, 0.8, 0.9, 0.3])
+    want = _top_p_sorted(probs, top_p)
+    sizes = (want > 0).sum(-1).tolist()
+    tiers = [sum(n > k for k in TOP_P_CANDIDATES) for n in sizes]
+    assert set(tiers) == set(range(len(TOP_P_CANDIDATES) + 1)), f"nucleus sizes {sizes} miss a tier"
+    assert torch.equal(_top_p(probs, top_p), want)
+
+
 def test_sampled_tokens_respect_hf_min_p(llm2, llama):
     for tokens, logits in _sampled_runs(llm2, llama[1], temperature=1.0, top_p=1.0, min_p=0.3):
         probs = torch.softmax(logits, dim=-1)
