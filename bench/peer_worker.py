@@ -10,8 +10,9 @@ runs in Tandem's venv and in a vLLM venv.
 Commands:
   {"op": "offline", "prompts": [[ids]], "max_tokens": N}  -> {"seconds": s, "tokens": [[ids]]}
   {"op": "single", "prompt": [ids], "max_tokens": N}     -> {"ttft_s": s, "ms_per_token": ms}
-Greedy, EOS ignored. "single" times one request alone: a 1-token generation (prefill + first token), then
-a (1 + N)-token one; time per output token = (t(1 + N) - t(1)) / N.
+Greedy unless the options carry "sampling" ({"temperature": t, "top_p": p}: every engine samples with
+those, from its own random stream); EOS ignored. "single" times one request alone: a 1-token generation
+(prefill + first token), then a (1 + N)-token one; time per output token = (t(1 + N) - t(1)) / N.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ class Tandem:
         sys.path.insert(0, str(REPO))
         from engine import LLM, SamplingParams
 
-        self.params = SamplingParams
+        self.params, self.sampling = SamplingParams, sampling(opts)
         self.llm = LLM(model_dir, device="cpu", dtype=dtype, enable_prefix_caching=False, seed=0,
                        cpu_kv_cache_bytes=int(opts["kv_gib"] * 1024**3), max_model_len=opts["max_model_len"])
 
     def generate(self, prompts, max_tokens):
-        outs = self.llm.generate(prompts, self.params(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        outs = self.llm.generate(prompts, self.params(max_tokens=max_tokens, ignore_eos=True, **self.sampling))
         return [o.token_ids for o in outs]
 
 
@@ -44,13 +45,13 @@ class VLLM:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.params, self.prompt = SamplingParams, TokensPrompt
+        self.params, self.prompt, self.sampling = SamplingParams, TokensPrompt, sampling(opts)
         self.llm = LLM(model_dir, dtype=dtype, seed=0, enable_prefix_caching=False,
                        max_model_len=opts["max_model_len"], enforce_eager=opts.get("vllm_eager", False))
 
     def generate(self, prompts, max_tokens):
         outs = self.llm.generate([self.prompt(prompt_token_ids=p) for p in prompts],
-                                 self.params(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                 self.params(max_tokens=max_tokens, ignore_eos=True, **self.sampling),
                                  use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -69,7 +70,10 @@ class HF:
         self.opts = opts
 
     def generate(self, prompts, max_tokens):
-        cfg = self.gen_config_cls(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        t = sampling(self.opts)
+        cfg = self.gen_config_cls(max_new_tokens=max_tokens, do_sample=t["temperature"] > 0, eos_token_id=-1,
+                                  pad_token_id=0, **({"temperature": t["temperature"], "top_p": t["top_p"]}
+                                                     if t["temperature"] > 0 else {}))
         if len(prompts) == 1:
             with self.torch.inference_mode():
                 ids = self.torch.tensor(prompts)
@@ -83,6 +87,11 @@ class HF:
         outputs = [r.generated_tokens for r in results.values()]  # in request order (bench_engine_cpu.py)
         assert len(outputs) == len(prompts), f"HF returned {len(outputs)} of {len(prompts)} requests"
         return outputs
+
+
+def sampling(opts: dict) -> dict:
+    """The run's sampling parameters: greedy (temperature 0) unless the options say otherwise."""
+    return {"temperature": 0.0, "top_p": 1.0, **opts.get("sampling", {})}
 
 
 ENGINES = {"tandem": Tandem, "vllm": VLLM, "hf": HF}
