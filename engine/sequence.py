@@ -85,7 +85,7 @@ class Sequence:
         self.released = False
         self.generator: torch.Generator | None = None
         if params.seed is not None:
-            self.generator = torch.Generator(device=device)  # on the device whose noise it draws
+            self.generator = torch.Generator(device=device)  # on the device its draws are made on
             self.generator.manual_seed(params.seed)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # launch time of the first step that included it
