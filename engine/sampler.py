@@ -55,6 +55,7 @@ class SamplingBatch:
     bitmask: torch.Tensor | None
     bitmask_rows: list[int]  # rows the bitmask applies to; other rows are unconstrained
     top_k_max: int = 0  # the largest top_k a row asks for (host value: sizes the topk without a sync)
+    any_greedy: bool = True  # host value: a batch with no greedy row skips the argmax it would not read
 
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
@@ -77,11 +78,13 @@ class SamplingBatch:
         top_p = put("top_p", cols[ROW_TOP_P], n, torch.float32) if used(ROW_TOP_P, 1.0) else None
         min_p = put("min_p", cols[ROW_MIN_P], n, torch.float32) if used(ROW_MIN_P, 0.0) else None
         all_greedy = bool(cols[ROW_GREEDY]) if uniform else all(cols[ROW_GREEDY])
+        any_greedy = bool(cols[ROW_GREEDY]) if uniform else any(cols[ROW_GREEDY])
         special = (range(n) if first[ROW_SPECIAL] else ()) if uniform else [i for i, r in enumerate(rows)
                                                                            if r[ROW_SPECIAL]]
         if buffers is not None:
             buffers.upload_sampling()  # one copy for every field, in stream order before the sampling
-        batch = cls(temperature, greedy, top_k, top_p, min_p, [], [], {}, -1, all_greedy, [], None, [])
+        batch = cls(temperature, greedy, top_k, top_p, min_p, [], [], {}, -1, all_greedy, [], None, [],
+                    any_greedy=any_greedy)
         if top_k is not None:
             batch.top_k_max = cols[ROW_TOP_K] if uniform else max(v for v in cols[ROW_TOP_K] if v != TOP_K_OFF)
         if special:
@@ -121,7 +124,7 @@ class SamplingBatch:
         def full(value, dtype):
             return torch.full((rows,), value, dtype=dtype, device=device)
         return cls(full(1.0, torch.float32), full(False, torch.bool), full(50, torch.long), full(0.9, torch.float32),
-                   None, [], [], {}, MAX_LOGPROBS, False, [], None, [], top_k_max=min(50, vocab))
+                   None, [], [], {}, MAX_LOGPROBS, False, [], None, [], top_k_max=min(50, vocab), any_greedy=False)
 
     def to(self, device: torch.device) -> "SamplingBatch":
         """This batch with its per-row parameter tensors on `device` (for a batch of plain rows, as the
@@ -203,9 +206,12 @@ class Sampler:
         raw = logits  # [R, V] float32
         if batch.penalties or batch.banned or batch.logit_bias or batch.bitmask_rows:
             logits = self._edit_logits(logits.clone(), batch)
-        tokens = argmax(logits)
-        if not batch.all_greedy:
-            tokens = torch.where(batch.greedy, tokens, self._sample(logits, batch))
+        if batch.all_greedy:
+            tokens = argmax(logits)
+        elif batch.any_greedy:
+            tokens = torch.where(batch.greedy, argmax(logits), self._sample(logits, batch))
+        else:  # no row reads the argmax (0.3 ms for 16 rows of 49,152 on the 2-core AMD EPYC, 1.3 ms for 64)
+            tokens = self._sample(logits, batch)
         if batch.num_logprobs < 0:
             return SamplerOutput(tokens, None, None, None)
         lp = torch.log_softmax(raw, dim=-1)

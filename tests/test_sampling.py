@@ -228,6 +228,23 @@ def test_top_k_applies_per_row_and_leaves_rows_without_it_alone():
     assert len(seen[1] - set(ranks[1, :5].tolist())) > 5  # the row without top_k samples the whole vocabulary
 
 
+def test_greedy_rows_beside_sampled_rows_take_the_argmax():
+    """A batch mixing greedy and sampled rows (greedy rows take the argmax, sampled rows draw), one of only
+    sampled rows (no argmax computed) and one of only greedy rows: each row gets what it asks for."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 64)
+    sampler = Sampler(0, torch.device("cpu"))
+    for temps in ((0.0, 1.0, 0.0, 1.0), (1.0, 1.0, 1.0, 1.0), (0.0, 0.0, 0.0, 0.0)):
+        seqs = [Sequence(f"r{i}", None, [1], SamplingParams(temperature=t), frozenset(), 32, 64)
+                for i, t in enumerate(temps)]
+        batch = SamplingBatch.build(seqs, torch.device("cpu"))
+        assert (batch.all_greedy, batch.any_greedy) == (all(t == 0 for t in temps), any(t == 0 for t in temps))
+        draws = [sampler(logits.clone(), batch).tokens.tolist() for _ in range(200)]
+        for i, t in enumerate(temps):
+            seen = {d[i] for d in draws}
+            assert seen == {int(logits[i].argmax())} if t == 0 else len(seen) > 10, (temps, i, seen)
+
+
 def _reference_probs(logits: torch.Tensor, temperature: float, top_p: float, min_p: float) -> list[float]:
     """The distribution a row should be drawn from, computed apart from the sampler: float64 softmax of
     logits / temperature, the top-p nucleus by a Python walk down the sorted tokens, then min-p, renormalized."""
