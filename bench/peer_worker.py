@@ -67,13 +67,12 @@ class HF:
         self.torch, self.gen_config_cls, self.cb_cls = torch, GenerationConfig, ContinuousBatchingConfig
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
                                                           attn_implementation="sdpa").eval()
-        self.opts = opts
+        self.sampling = sampling(opts)
 
     def generate(self, prompts, max_tokens):
-        t = sampling(self.opts)
+        t = self.sampling
         cfg = self.gen_config_cls(max_new_tokens=max_tokens, do_sample=t["temperature"] > 0, eos_token_id=-1,
-                                  pad_token_id=0, **({"temperature": t["temperature"], "top_p": t["top_p"]}
-                                                     if t["temperature"] > 0 else {}))
+                                  pad_token_id=0, **(t if t["temperature"] > 0 else {}))
         if len(prompts) == 1:
             with self.torch.inference_mode():
                 ids = self.torch.tensor(prompts)

@@ -300,11 +300,11 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     for k in TOP_P_CANDIDATES:
         if k + 1 >= probs.shape[-1]:
             break
-        top, idx = probs[rows].topk(k + 1, dim=-1)  # sorted, descending
+        pending = probs if len(rows) == probs.shape[0] else probs[rows]  # no copy while every row is pending
+        top, idx = pending.topk(k + 1, dim=-1)  # sorted, descending
         kept = _nucleus(top, top_p[rows])
         fits = kept[:, -1] == 0  # host tensors: no device to wait on
-        out[rows[fits]] = probs.new_zeros((int(fits.sum()), probs.shape[-1])).scatter_(1, idx[fits, :-1],
-                                                                                        kept[fits, :-1])
+        out[rows[fits, None], idx[fits, :-1]] = kept[fits, :-1]
         rows = rows[~fits]
         if not len(rows):
             return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingBatch, argmax
+from engine.sampler import TOP_P_CANDIDATES, Sampler, SamplingBatch, _top_p, _top_p_sorted, argmax
 from engine.sequence import Sequence
 from tiny_models import EOS_ID, tokenizer
 
@@ -298,7 +298,6 @@ def test_cpu_top_p_keeps_exactly_what_a_full_sort_keeps():
     """The CPU top-p searches a row's nucleus among its k + 1 most likely tokens for growing k before sorting
     the row: rows whose nucleus ends in each tier (and past the last one) in one batch, a SmolLM2-sized
     vocabulary; the kept probabilities are bit-identical to a sort of every row."""
-    from engine.sampler import TOP_P_CANDIDATES, _top_p, _top_p_sorted
     gen = torch.Generator().manual_seed(3)
     spreads = (6.0, 3.0, 1.5, 1.0, 0.2)
     probs = torch.cat([(torch.randn(2, 49152, generator=gen) * s).softmax(-1) for s in spreads])
