@@ -181,6 +181,37 @@ def test_cpu_prefill_kernel_matches_dense(dtype, dim, heads, kv_heads, bs, windo
         torch.testing.assert_close(out[start:start + n].float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [0, 37])
+def test_cpu_prefill_kernel_same_result_however_k_is_packed(dtype, window):
+    """The kernel transposes each chunk's K once ahead of its work items, in groups of chunks up to
+    k_pack_bytes, and packs a chunk too large for that per item instead. The arithmetic is the same either way,
+    so every budget gives the same bits: the default (all chunks in one group), 0 (every chunk per item), and
+    200 KB, where chunks 0 and 1 share a group, 2 (540 KB of K) and 4 (384 KB) go per item and 3 is a group of
+    its own."""
+    kernel = cpu_native.load()
+    if "bfloat16" not in kernel.prefill_dtypes and dtype == torch.bfloat16:
+        pytest.skip("this CPU has no AVX512-BF16: bf16 prefill stays on SDPA")
+    torch.manual_seed(4)
+    heads, kv_heads, dim, bs, nblocks = 9, 3, 64, 16, 200
+    chunks = [(125, 125), (7, 40), (300, 700), (2, 2), (64, 511)]
+    k_cache = torch.randn(nblocks, bs, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(nblocks, bs, kv_heads, dim).to(dtype)
+    width = -(-max(n for _, n in chunks) // bs)
+    tables = torch.stack([torch.randperm(nblocks)[:width] for _ in chunks]).int()
+    starts = torch.tensor([sum(n for n, _ in chunks[:i]) for i in range(len(chunks))], dtype=torch.int32)
+    q = torch.randn(sum(n for n, _ in chunks), heads, dim).to(dtype)
+    lens = [torch.tensor(x, dtype=torch.int32) for x in zip(*chunks)]
+    outs = []
+    for budget in (8 << 20, 0, 200_000):
+        out = torch.full(q.shape, float("nan"), dtype=dtype)
+        kernel.paged_prefill(q, k_cache, v_cache, tables, starts, *lens, dim ** -0.5, window, 0.0, out,
+                             k_pack_bytes=budget)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+
+
 def test_cpu_attention_kernels_run_without_the_gil():
     """paged_prefill and paged_decode release the GIL for the call, as PyTorch's own ops do, so another Python
     thread (an engine replica's Serve loop shipping chunks) runs meanwhile. With the switch interval at 100 s,

@@ -5,13 +5,19 @@
 // 3 KV heads, 64 dims, 125-300 tokens) on a 2-core AMD EPYC with AVX512-BF16, about a fifth of what the cores
 // do in bf16, and needs each chunk's K/V gathered out of the cache first: 29% of a bf16 prefill there. vLLM's
 // CPU build has its own prefill kernel too. Here both products are register-blocked micro-kernels over a tile
-// of query rows: scores as 16 keys per vector (K packed transposed once per item, so a query value is one
-// broadcast), values as 16 dims per vector; bf16 by VDPBF16PS on pairs (bf16 probabilities, as torch's flash
-// kernel and the decode kernel use), fp32 by FMA. Accumulation is fp32 for both.
+// of query rows: scores as 16 keys per vector (K transposed in 16-key tiles, so a query value is one broadcast),
+// values as 16 dims per vector; bf16 by VDPBF16PS on pairs (bf16 probabilities, as torch's flash kernel and the
+// decode kernel use), fp32 by FMA. Accumulation is fp32 for both. Each micro-kernel reads its rows from one base
+// pointer at fixed strides (the item's queries copied together first), so the compiler keeps the addresses in
+// displacements instead of spilling a pointer per row.
 //
 // Work items are (chunk, KV head, tile of query positions), the G = H / Hkv query heads of the KV head
 // together (each K/V row packed once for all of them), handed out heaviest first from a shared counter
-// (causal tiles late in a sequence cost several times the early ones).
+// (causal tiles late in a sequence cost several times the early ones). K is transposed once per (chunk, KV
+// head) before the items run, not once per item: an item reads every key up to its last position, so per-item
+// packing repeated a sequence's early keys in each of its items (12-15% of the kernel's time at 118-1024
+// tokens). Chunks are packed in groups of at most k_pack_bytes; a chunk whose K alone is larger is packed per
+// item, KC keys at a time, as before.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -58,12 +64,13 @@ struct Prefill {
 
   // Per-thread buffers.
   struct Scratch {
-    std::vector<uint32_t> kp;  // [KC / 16][U][16]: K transposed in 16-key tiles (bf16 pairs as one unit)
+    std::vector<uint32_t> kp;  // [KC / 16][U][16]: per-item packed K (chunks too large to pack ahead)
     std::vector<uint32_t> vp;  // bf16: [KC / 2][DIM] rows 2i, 2i + 1 interleaved (unpack order); fp32: unused
     std::vector<const T*> vrow;  // fp32: each key's V row (padding keys: a zero row)
     std::vector<float> s, o, m, l;  // scores / probabilities [rows][KC], outputs [rows][DIM], max, sum
     std::vector<at::BFloat16> p;    // bf16 probabilities [rows][KC]
     std::vector<T> zero;            // a zero K/V/q row
+    std::vector<T> qb;              // the item's query rows, contiguous [rows_pad][DIM]
   };
 
   const T* cache_row(const T* cache, int64_t c, int64_t key, int64_t h) const {
@@ -71,14 +78,20 @@ struct Prefill {
     return cache + (block * block_size + key % block_size) * row_stride + h * DIM;
   }
 
-  // Keys [k0, k0 + 16 * tiles) of KV head h packed for the micro-kernels; keys from k1 on are zeros.
-  void pack(Scratch& w, int64_t c, int64_t h, int64_t k0, int64_t k1, int64_t tiles) const {
+  // One 16-key tile of KV head h's K, keys [k0, k0 + 16) (those from k1 on zeros), transposed for the score
+  // micro-kernel: dst[u][j] = unit u (a float, or a bf16 pair) of key k0 + j.
+  void pack_k(uint32_t* dst, int64_t c, int64_t h, int64_t k0, int64_t k1) const {
+    static const uint32_t zeros[128] = {};
+    for (int64_t j = 0; j < 16; ++j) {
+      const uint32_t* src = k0 + j < k1 ? reinterpret_cast<const uint32_t*>(cache_row(kc, c, k0 + j, h)) : zeros;
+      for (int u = 0; u < U; ++u) dst[u * 16 + j] = src[u];
+    }
+  }
+
+  // Keys [k0, k0 + 16 * tiles) of KV head h's V for the value micro-kernel; keys from k1 on are zeros.
+  void pack_v(Scratch& w, int64_t c, int64_t h, int64_t k0, int64_t k1, int64_t tiles) const {
     for (int64_t j = 0; j < 16 * tiles; ++j) {
-      const bool real = k0 + j < k1;
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(real ? cache_row(kc, c, k0 + j, h) : w.zero.data());
-      uint32_t* dst = w.kp.data() + (j / 16) * U * 16 + j % 16;
-      for (int u = 0; u < U; ++u) dst[u * 16] = src[u];
-      const T* v = real ? cache_row(vc, c, k0 + j, h) : w.zero.data();
+      const T* v = k0 + j < k1 ? cache_row(vc, c, k0 + j, h) : w.zero.data();
       if constexpr (kBf16<T>) {
         if (j % 2) {  // rows j - 1 and j, 16 bits at a time within each 128-bit lane
           const T* prev = w.vrow[j - 1];
@@ -94,77 +107,78 @@ struct Prefill {
     }
   }
 
-  // s[r][16 t ...] = q_r . k over the key tiles, for the rows r of one group of at most SR.
-  void scores(Scratch& w, const T* const* qr, float* const* sr, int64_t tiles) const {
+  // s[r][16 t ...] = q_r . k over the key tiles, for SR consecutive rows of the item's packed queries.
+  void scores(const uint32_t* kp, const T* qb, float* sb, int64_t tiles) const {
     for (int64_t t = 0; t < tiles; ++t) {
-      const uint32_t* kt = w.kp.data() + t * U * 16;
+      const uint32_t* kt = kp + t * U * 16;
+      const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qb);
       __m512 acc[SR];
       for (int i = 0; i < SR; ++i) acc[i] = _mm512_setzero_ps();
       for (int u = 0; u < U; ++u) {
         const __m512i kz = _mm512_loadu_si512(kt + u * 16);
         for (int i = 0; i < SR; ++i) {
-          int32_t qu;
-          std::memcpy(&qu, reinterpret_cast<const uint32_t*>(qr[i]) + u, 4);
+          const __m512i qz = _mm512_set1_epi32(int32_t(q32[i * U + u]));
 #ifdef __AVX512BF16__
           if constexpr (kBf16<T>)
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(qu), (__m512bh)kz);
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)qz, (__m512bh)kz);
           else
 #endif
-            acc[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_set1_epi32(qu)), _mm512_castsi512_ps(kz), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(qz), _mm512_castsi512_ps(kz), acc[i]);
         }
       }
-      for (int i = 0; i < SR; ++i)
-        if (sr[i]) _mm512_storeu_ps(sr[i] + 16 * t, acc[i]);
+      for (int i = 0; i < SR; ++i) _mm512_storeu_ps(sb + i * KC + 16 * t, acc[i]);
     }
   }
 
-  // o_r += p_r . V over the chunk's keys, for the rows r of one group of at most PR.
-  void values(Scratch& w, float* const* orow, const void* const* pr, int64_t tiles) const {
+  // o_r += p_r . V over the chunk's keys, for PR consecutive rows (outputs at ob, stride DIM; probabilities at
+  // pb, stride KC).
+  void values(Scratch& w, float* ob, const void* pb, int64_t tiles) const {
     __m512 acc[PR][DIM / 16];
     for (int i = 0; i < PR; ++i)
-      for (int c = 0; c < DIM / 16; ++c) acc[i][c] = _mm512_loadu_ps(orow[i] + 16 * c);
+      for (int c = 0; c < DIM / 16; ++c) acc[i][c] = _mm512_loadu_ps(ob + i * DIM + 16 * c);
 #ifdef __AVX512BF16__
     if constexpr (kBf16<T>) {
+      const uint32_t* p32 = static_cast<const uint32_t*>(pb);  // bf16 pairs, KC / 2 per row
       for (int64_t jp = 0; jp < 8 * tiles; ++jp) {
         const uint32_t* vj = w.vp.data() + jp * DIM;
-        __m512bh pb[PR];
+        __m512i vz[DIM / 16];
+        for (int c = 0; c < DIM / 16; ++c) vz[c] = _mm512_loadu_si512(vj + 16 * c);
         for (int i = 0; i < PR; ++i) {
-          int32_t pair;
-          std::memcpy(&pair, static_cast<const at::BFloat16*>(pr[i]) + 2 * jp, 4);
-          pb[i] = (__m512bh)_mm512_set1_epi32(pair);
-        }
-        for (int c = 0; c < DIM / 16; ++c) {
-          const __m512bh vz = (__m512bh)_mm512_loadu_si512(vj + 16 * c);
-          for (int i = 0; i < PR; ++i) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pb[i], vz);
+          const __m512bh pz = (__m512bh)_mm512_set1_epi32(int32_t(p32[i * (KC / 2) + jp]));
+          for (int c = 0; c < DIM / 16; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pz, (__m512bh)vz[c]);
         }
       }
     } else
 #endif
     {
+      const float* pf = static_cast<const float*>(pb);
       for (int64_t j = 0; j < 16 * tiles; ++j) {
         const float* vj = reinterpret_cast<const float*>(w.vrow[j]);
-        __m512 pj[PR];
-        for (int i = 0; i < PR; ++i) pj[i] = _mm512_set1_ps(static_cast<const float*>(pr[i])[j]);
-        for (int c = 0; c < DIM / 16; ++c) {
-          const __m512 vz = _mm512_loadu_ps(vj + 16 * c);
-          for (int i = 0; i < PR; ++i) acc[i][c] = _mm512_fmadd_ps(pj[i], vz, acc[i][c]);
+        __m512 vz[DIM / 16];
+        for (int c = 0; c < DIM / 16; ++c) vz[c] = _mm512_loadu_ps(vj + 16 * c);
+        for (int i = 0; i < PR; ++i) {
+          const __m512 pz = _mm512_set1_ps(pf[i * KC + j]);
+          for (int c = 0; c < DIM / 16; ++c) acc[i][c] = _mm512_fmadd_ps(pz, vz[c], acc[i][c]);
         }
       }
     }
     for (int i = 0; i < PR; ++i)
-      for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(orow[i] + 16 * c, acc[i][c]);
+      for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(ob + i * DIM + 16 * c, acc[i][c]);
   }
 
-  // One item: chunk c, KV head h, query positions [p0, p1).
-  void run(Scratch& w, int64_t c, int64_t h, int64_t p0, int64_t p1) const {
+  // One item: chunk c, KV head h, query positions [p0, p1); kp: that chunk and head's packed K from key kbeg
+  // (nullptr: pack it here).
+  void run(Scratch& w, int64_t c, int64_t h, int64_t p0, int64_t p1, const uint32_t* kp, int64_t kbeg) const {
     const int64_t pos0 = seq_len[c] - q_len[c], rows = (p1 - p0) * group;
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+    // From a whole tile (K is packed in tiles from kbeg, a multiple of 16); keys below the window are masked.
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) / 16 * 16 : 0;
     const int64_t rows_pad = rows + SR;  // dummy rows past the end keep the micro-kernels branch-free
     w.s.resize(rows_pad * KC);
     w.o.assign(rows_pad * DIM, 0.f);
     w.m.assign(rows, -std::numeric_limits<float>::infinity());
     w.l.assign(rows, 0.f);
     if constexpr (kBf16<T>) w.p.resize(rows_pad * KC);
+    w.qb.resize(rows_pad * DIM);
     auto qrow = [&](int64_t r) {
       return q + (q_start[c] + p0 - pos0 + r / group) * q_stride + (h * group + r % group) * DIM;
     };
@@ -172,18 +186,17 @@ struct Prefill {
       if constexpr (kBf16<T>) return w.p.data() + r * KC;
       else return w.s.data() + r * KC;
     };
+    for (int64_t r = 0; r < rows_pad; ++r)  // rows past the end: zeros (their scores are never read)
+      std::memcpy(w.qb.data() + r * DIM, r < rows ? qrow(r) : w.zero.data(), DIM * sizeof(T));
     for (int64_t k0 = lo; k0 < p1; k0 += KC) {
       const int64_t k1 = std::min(p1, k0 + KC), tiles = (k1 - k0 + 15) / 16;
-      pack(w, c, h, k0, k1, tiles);
-      for (int64_t r0 = 0; r0 < rows; r0 += SR) {
-        const T* qr[SR];
-        float* sr[SR];
-        for (int i = 0; i < SR; ++i) {
-          qr[i] = r0 + i < rows ? qrow(r0 + i) : w.zero.data();
-          sr[i] = r0 + i < rows ? w.s.data() + (r0 + i) * KC : nullptr;
-        }
-        scores(w, qr, sr, tiles);
+      pack_v(w, c, h, k0, k1, tiles);
+      const uint32_t* kt = kp + (k0 - kbeg) * U;  // (k0 - kbeg) / 16 tiles of U * 16
+      if (kp == nullptr) {  // not packed ahead: this block's tiles now
+        for (int64_t t = 0; t < tiles; ++t) pack_k(w.kp.data() + t * U * 16, c, h, k0 + 16 * t, k1);
+        kt = w.kp.data();
       }
+      for (int64_t r0 = 0; r0 < rows; r0 += SR) scores(kt, w.qb.data() + r0 * DIM, w.s.data() + r0 * KC, tiles);
       for (int64_t r = 0; r < rows; ++r) {  // scale, cap, mask; the online softmax
         const int64_t pos = p0 + r / group;
         const int64_t a = window > 0 ? std::max(k0, pos - window + 1) : k0, b = std::min(pos, k1 - 1);
@@ -223,15 +236,7 @@ struct Prefill {
             _mm512_storeu_ps(w.o.data() + r * DIM + d, _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * DIM + d),
                                                                      _mm512_set1_ps(alpha)));
       }
-      for (int64_t r0 = 0; r0 < rows; r0 += PR) {
-        float* orow[PR];
-        const void* pr[PR];
-        for (int i = 0; i < PR; ++i) {  // rows past the end: the padding rows (their sums are never read)
-          orow[i] = w.o.data() + (r0 + i) * DIM;
-          pr[i] = prow(r0 + i < rows ? r0 + i : rows + i % SR);
-        }
-        values(w, orow, pr, tiles);
-      }
+      for (int64_t r0 = 0; r0 < rows; r0 += PR) values(w, w.o.data() + r0 * DIM, prow(r0), tiles);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
@@ -253,12 +258,32 @@ struct Prefill {
   }
 
   void operator()() const {
+    // K of each (chunk, KV head), keys [kbeg[c], seq_len[c]) in tiles; kept between calls (per calling thread):
+    // a fresh buffer of hundreds of KB costs page faults on every call.
+    thread_local std::vector<uint32_t> kpack;
+    std::vector<int64_t> kbeg(num_chunks);
+    for (int64_t c = 0; c < num_chunks; ++c)
+      kbeg[c] = window > 0 ? std::max<int64_t>(0, seq_len[c] - q_len[c] - window + 1) / 16 * 16 : 0;
+    auto units = [&](int64_t c) { return kv_heads * ((seq_len[c] - kbeg[c] + 15) / 16) * 16 * U; };
+    const int64_t budget = k_pack_bytes / 4;
+    for (int64_t c0 = 0, c1; c0 < num_chunks; c0 = c1) {
+      int64_t used = units(c0);
+      const bool ahead = used <= budget;  // else this chunk alone, packed per item
+      for (c1 = c0 + 1; ahead && c1 < num_chunks && used + units(c1) <= budget; ++c1) used += units(c1);
+      if (!ahead) used = 0;
+      if (kpack.size() < size_t(used)) kpack.resize(used);
+      run_chunks(c0, c1, ahead ? kpack.data() : nullptr, kbeg);
+    }
+  }
+
+  // Chunks [c0, c1): K packed ahead into kpk (nullptr: per item), then the items.
+  void run_chunks(int64_t c0, int64_t c1, uint32_t* kpk, const std::vector<int64_t>& kbeg) const {
     struct Item {
       int64_t cost, c, h, p0, p1;
     };
     std::vector<Item> items;
     const int64_t qp = 16 * std::max<int64_t>(1, (48 + 16 * group - 1) / (16 * group));  // >= 48 rows an item
-    for (int64_t c = 0; c < num_chunks; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
       const int64_t pos0 = seq_len[c] - q_len[c];
       for (int64_t p0 = pos0; p0 < seq_len[c]; p0 += qp) {
         const int64_t p1 = std::min<int64_t>(seq_len[c], p0 + qp);
@@ -267,21 +292,43 @@ struct Prefill {
       }
     }
     std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+    std::vector<int64_t> koff((c1 - c0) * kv_heads);  // each (chunk, KV head)'s offset in kpk
+    struct Tile {
+      int64_t c, h, k0;
+    };
+    std::vector<Tile> tiles;
+    if (kpk != nullptr)
+      for (int64_t c = c0, off = 0; c < c1; ++c)
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          koff[(c - c0) * kv_heads + h] = off;
+          for (int64_t k0 = kbeg[c]; k0 < seq_len[c]; k0 += 16, off += 16 * U) tiles.push_back({c, h, k0});
+        }
+    at::parallel_for(0, int64_t(tiles.size()), 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const Tile& t = tiles[i];
+        pack_k(kpk + koff[(t.c - c0) * kv_heads + t.h] + (t.k0 - kbeg[t.c]) * U, t.c, t.h, t.k0, seq_len[t.c]);
+      }
+    });
+
     std::atomic<int64_t> next{0};
     const int64_t n = int64_t(items.size());
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t begin, int64_t end) {
       Scratch w;
-      w.kp.resize(KC * U);
+      w.kp.resize(kpk == nullptr ? KC * U : 0);
       w.vp.resize(kBf16<T> ? KC / 2 * DIM : 0);
       w.vrow.resize(KC);
       w.zero.assign(DIM, T(0.f));
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
-          run(w, items[i].c, items[i].h, items[i].p0, items[i].p1);
+        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+          const Item& it = items[i];
+          const uint32_t* kp = kpk == nullptr ? nullptr : kpk + koff[(it.c - c0) * kv_heads + it.h];
+          run(w, it.c, it.h, it.p0, it.p1, kp, kbeg[it.c]);
+        }
     });
   }
 
-  int64_t num_chunks;
+  int64_t num_chunks, k_pack_bytes;
 };
 
 }  // namespace
@@ -292,7 +339,8 @@ struct Prefill {
 // [seq_len[c] - q_len[c], seq_len[c]) (its K/V already stored); window 0 = full context; softcap 0 = off.
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& q_start, const at::Tensor& q_len,
-                   const at::Tensor& seq_len, double scale, int64_t window, double softcap, at::Tensor& out) {
+                   const at::Tensor& seq_len, double scale, int64_t window, double softcap, at::Tensor& out,
+                   int64_t k_pack_bytes) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && out.sizes() == q.sizes(),
               "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
@@ -327,6 +375,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     p.softcap = float(softcap);
     p.window = window;
     p.num_chunks = q_start.size(0);
+    p.k_pack_bytes = k_pack_bytes;
     p();
   };
   const int64_t dim = q.size(2);
@@ -350,7 +399,7 @@ void register_prefill(pybind11::module& m) {
   m.def("paged_prefill", &paged_prefill, "paged prefill attention (CPU)", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("q_start"),
         pybind11::arg("q_len"), pybind11::arg("seq_len"), pybind11::arg("scale"), pybind11::arg("window"),
-        pybind11::arg("softcap"), pybind11::arg("out"),
+        pybind11::arg("softcap"), pybind11::arg("out"), pybind11::arg("k_pack_bytes") = int64_t(8) << 20,
         pybind11::call_guard<pybind11::gil_scoped_release>());  // as paged_decode (cpu_decode.cpp)
 #endif
 #if defined(TANDEM_PREFILL) && defined(__AVX512BF16__)
