@@ -280,24 +280,55 @@ std::vector<at::Tensor> rms_norm_f32(const at::Tensor& x, const c10::optional<at
 
 #pragma GCC pop_options
 
+#ifdef TANDEM_FUSED_AVX512
+// SiLU of 16 lanes as eager PyTorch computes it for a tensor of type T: x / (1 + exp(-x)) in fp32, stored as T.
+template <typename T>
+inline __m512 silu16(__m512 x) {
+  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), x);
+  return rnd<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(neg))));
+}
+
+// A bf16 gate has 65,536 possible values, so its SiLU (rounded to bf16 before the multiply by up, as eager's
+// bf16 silu stores it) is looked up: silu16 run once over every bit pattern, kept as fp32 (256 KB, in L2).
+// The same arithmetic, so the same bits; a gather instead of Sleef's exp and a division per 16 values.
+const float* silu_bf16_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; i += 16) {
+      const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(int32_t(i)), _mm512_setr_epi32(
+          0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      _mm512_storeu_ps(t.data() + i, silu16<at::BFloat16>(_mm512_castsi512_ps(_mm512_slli_epi32(bits, 16))));
+    }
+    return t;
+  }();
+  return table.data();
+}
+#endif
+
 template <typename T>
 void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
+#ifdef TANDEM_FUSED_AVX512
+  const float* table = std::is_same<T, at::BFloat16>::value ? silu_bf16_table() : nullptr;
+#endif
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gp + r * 2 * width;
       const T* u = g + width;
       T* o = op + r * width;
 #ifdef TANDEM_FUSED_AVX512
-      const __m512 one = _mm512_set1_ps(1.f);
       for (int64_t i = 0; i < width; i += 16) {
         const __mmask16 m = lanes(width - i);
-        const __m512 x = load(g + i, m);
-        const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), x);
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(neg)));
-        store(o + i, m, _mm512_mul_ps(rnd<T>(silu), load(u + i, m)));
+        __m512 silu;
+        if constexpr (std::is_same<T, at::BFloat16>::value) {
+          const __m512i idx = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + i));
+          silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, table, 4);
+        } else {
+          silu = silu16<T>(load(g + i, m));
+        }
+        store(o + i, m, _mm512_mul_ps(silu, load(u + i, m)));
       }
 #else
       for (int64_t i = 0; i < width; ++i) {
