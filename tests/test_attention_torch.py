@@ -147,35 +147,48 @@ def test_cpu_decode_kernel_fp32_equals_dense(dim, bs, num_seqs, window, softcap)
         torch.testing.assert_close(out[b:b + 1], ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("heads,kv_heads,bs", [(9, 3, 16), (4, 4, 32), (8, 1, 16)])
-@pytest.mark.parametrize("window,softcap", [(0, None), (37, None), (300, None), (0, 2.0)])
-def test_cpu_prefill_kernel_matches_dense(dtype, dim, heads, kv_heads, bs, window, softcap):
-    """All of a step's multi-token chunks in one call: whole prompts, chunks continuing a context (queries at
-    positions seq_len - n .. seq_len - 1, keys past the 256-key chunks of the online softmax), a 2-token chunk;
-    rows not in a chunk (the step's decode rows) are left alone. fp32 within 2e-5 of the fp64 dense reference,
-    bf16 within bf16 rounding."""
+# A step's multi-token chunks for the prefill kernel (query tokens, seq_len): whole prompts, chunks continuing a
+# context (queries at positions seq_len - n .. seq_len - 1, keys past the 256-key chunks of the online softmax)
+# and a 2-token chunk.
+PREFILL_CHUNKS = [(125, 125), (7, 40), (300, 700), (2, 2), (64, 511)]
+
+
+def prefill_case(dtype, dim, heads, kv_heads, bs, seed):
+    """The CPU kernels (skipping where this CPU has no bf16 prefill) and one step's inputs in `dtype` over
+    PREFILL_CHUNKS: q with a row before the chunks and two after them (the step's decode rows, which the kernel
+    must leave alone), paged caches in shuffled blocks, the per-chunk tables and q_start, then q_len, seq_len."""
     kernel = cpu_native.load()
     if dtype == torch.bfloat16 and "bfloat16" not in kernel.prefill_dtypes:
         pytest.skip("this CPU has no AVX512-BF16: bf16 prefill stays on SDPA")
-    torch.manual_seed(3)
-    nblocks, chunks = 200, [(125, 125), (7, 40), (300, 700), (2, 2), (64, 511)]  # (query tokens, seq_len)
+    torch.manual_seed(seed)
+    nblocks, chunks = 200, PREFILL_CHUNKS
     k_cache, v_cache = torch.randn(nblocks, bs, kv_heads, dim), torch.randn(nblocks, bs, kv_heads, dim)
     width = -(-max(n for _, n in chunks) // bs)
     tables = torch.stack([torch.randperm(nblocks)[:width] for _ in chunks]).int()
     starts = [1 + sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
     q = torch.randn(starts[-1] + chunks[-1][0] + 2, heads, dim)
-    out = torch.full(q.shape, float("nan"), dtype=dtype)
     lens = [torch.tensor(x, dtype=torch.int32) for x in zip(*chunks)]
-    kernel.paged_prefill(q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables,
-                         torch.tensor(starts, dtype=torch.int32), *lens, dim ** -0.5, window, softcap or 0.0, out)
+    return kernel, (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables,
+                    torch.tensor(starts, dtype=torch.int32), *lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads,bs", [(9, 3, 16), (4, 4, 32), (8, 1, 16)])
+@pytest.mark.parametrize("window,softcap", [(0, None), (37, None), (300, None), (0, 2.0)])
+def test_cpu_prefill_kernel_matches_dense(dtype, dim, heads, kv_heads, bs, window, softcap):
+    """All of a step's multi-token chunks in one call (PREFILL_CHUNKS); rows not in a chunk (the step's decode
+    rows) are left alone. fp32 within 2e-5 of the fp64 dense reference, bf16 within bf16 rounding."""
+    kernel, args = prefill_case(dtype, dim, heads, kv_heads, bs, seed=3)
+    q, k_cache, v_cache, tables, starts = args[:5]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    kernel.paged_prefill(*args, dim ** -0.5, window, softcap or 0.0, out)
     assert out[0].isnan().all() and out[-2:].isnan().all()
-    for c, ((n, seq_len), start) in enumerate(zip(chunks, starts)):
+    for c, ((n, seq_len), start) in enumerate(zip(PREFILL_CHUNKS, starts.tolist())):
         rows = tables[c].long()
-        k = k_cache[rows].to(dtype).double().flatten(0, 1)[:seq_len]
-        v = v_cache[rows].to(dtype).double().flatten(0, 1)[:seq_len]
-        ref = dense_reference(q[start:start + n].to(dtype).double(), k, v, torch.arange(seq_len - n, seq_len),
+        k = k_cache[rows].double().flatten(0, 1)[:seq_len]
+        v = v_cache[rows].double().flatten(0, 1)[:seq_len]
+        ref = dense_reference(q[start:start + n].double(), k, v, torch.arange(seq_len - n, seq_len),
                               dim ** -0.5, window or None, softcap)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[start:start + n].float(), ref, atol=tol, rtol=tol)
@@ -188,28 +201,16 @@ def test_cpu_prefill_kernel_same_result_however_k_is_packed(dtype, window):
     k_pack_bytes, and packs a chunk too large for that per item instead. The arithmetic is the same either way,
     so every budget gives the same bits: the default (all chunks in one group), 0 (every chunk per item), and
     200 KB, where chunks 0 and 1 share a group, 2 (540 KB of K) and 4 (384 KB) go per item and 3 is a group of
-    its own."""
-    kernel = cpu_native.load()
-    if "bfloat16" not in kernel.prefill_dtypes and dtype == torch.bfloat16:
-        pytest.skip("this CPU has no AVX512-BF16: bf16 prefill stays on SDPA")
-    torch.manual_seed(4)
-    heads, kv_heads, dim, bs, nblocks = 9, 3, 64, 16, 200
-    chunks = [(125, 125), (7, 40), (300, 700), (2, 2), (64, 511)]
-    k_cache = torch.randn(nblocks, bs, kv_heads, dim).to(dtype)
-    v_cache = torch.randn(nblocks, bs, kv_heads, dim).to(dtype)
-    width = -(-max(n for _, n in chunks) // bs)
-    tables = torch.stack([torch.randperm(nblocks)[:width] for _ in chunks]).int()
-    starts = torch.tensor([sum(n for n, _ in chunks[:i]) for i in range(len(chunks))], dtype=torch.int32)
-    q = torch.randn(sum(n for n, _ in chunks), heads, dim).to(dtype)
-    lens = [torch.tensor(x, dtype=torch.int32) for x in zip(*chunks)]
+    its own (9 heads over 3 KV heads of 64 fp32 dims)."""
+    kernel, args = prefill_case(dtype, 64, 9, 3, 16, seed=4)
     outs = []
     for budget in (8 << 20, 0, 200_000):
-        out = torch.full(q.shape, float("nan"), dtype=dtype)
-        kernel.paged_prefill(q, k_cache, v_cache, tables, starts, *lens, dim ** -0.5, window, 0.0, out,
-                             k_pack_bytes=budget)
+        out = torch.full(args[0].shape, float("nan"), dtype=dtype)
+        kernel.paged_prefill(*args, 64 ** -0.5, window, 0.0, out, k_pack_bytes=budget)
         outs.append(out)
-    assert not outs[0].isnan().any()
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    assert not outs[0][1:-2].isnan().any()  # the chunks' rows; the decode rows around them stay NaN
+    for out in outs:
+        assert out[0].isnan().all() and out[-2:].isnan().all() and torch.equal(out[1:-2], outs[0][1:-2])
 
 
 def test_cpu_attention_kernels_run_without_the_gil():

@@ -36,6 +36,9 @@
 #define TANDEM_PREFILL 1
 namespace {
 
+// A zero K/V/query row (bit pattern 0 is 0.0 in fp32 and bf16), as long as the longest: 128 dims of fp32.
+alignas(64) const uint32_t kZeroRow[128] = {};
+
 constexpr int64_t KC = 256;  // keys per chunk: the online softmax rescales the outputs once per chunk
 constexpr int SR = 8;        // query rows per score micro-kernel (8 accumulators + the K vector)
 
@@ -69,9 +72,13 @@ struct Prefill {
     std::vector<const T*> vrow;  // fp32: each key's V row (padding keys: a zero row)
     std::vector<float> s, o, m, l;  // scores / probabilities [rows][KC], outputs [rows][DIM], max, sum
     std::vector<at::BFloat16> p;    // bf16 probabilities [rows][KC]
-    std::vector<T> zero;            // a zero K/V/q row
     std::vector<T> qb;              // the item's query rows, contiguous [rows_pad][DIM]
   };
+
+  const T* zero_row() const { return reinterpret_cast<const T*>(kZeroRow); }
+
+  // The first key a query at position `pos` sees: 0, or the start of its sliding window.
+  int64_t window_start(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
   const T* cache_row(const T* cache, int64_t c, int64_t key, int64_t h) const {
     const int64_t block = tables[c * table_width + key / block_size];
@@ -81,9 +88,8 @@ struct Prefill {
   // One 16-key tile of KV head h's K, keys [k0, k0 + 16) (those from k1 on zeros), transposed for the score
   // micro-kernel: dst[u][j] = unit u (a float, or a bf16 pair) of key k0 + j.
   void pack_k(uint32_t* dst, int64_t c, int64_t h, int64_t k0, int64_t k1) const {
-    static const uint32_t zeros[128] = {};
     for (int64_t j = 0; j < 16; ++j) {
-      const uint32_t* src = k0 + j < k1 ? reinterpret_cast<const uint32_t*>(cache_row(kc, c, k0 + j, h)) : zeros;
+      const uint32_t* src = k0 + j < k1 ? reinterpret_cast<const uint32_t*>(cache_row(kc, c, k0 + j, h)) : kZeroRow;
       for (int u = 0; u < U; ++u) dst[u * 16 + j] = src[u];
     }
   }
@@ -91,7 +97,7 @@ struct Prefill {
   // Keys [k0, k0 + 16 * tiles) of KV head h's V for the value micro-kernel; keys from k1 on are zeros.
   void pack_v(Scratch& w, int64_t c, int64_t h, int64_t k0, int64_t k1, int64_t tiles) const {
     for (int64_t j = 0; j < 16 * tiles; ++j) {
-      const T* v = k0 + j < k1 ? cache_row(vc, c, k0 + j, h) : w.zero.data();
+      const T* v = k0 + j < k1 ? cache_row(vc, c, k0 + j, h) : zero_row();
       if constexpr (kBf16<T>) {
         if (j % 2) {  // rows j - 1 and j, 16 bits at a time within each 128-bit lane
           const T* prev = w.vrow[j - 1];
@@ -171,7 +177,7 @@ struct Prefill {
   void run(Scratch& w, int64_t c, int64_t h, int64_t p0, int64_t p1, const uint32_t* kp, int64_t kbeg) const {
     const int64_t pos0 = seq_len[c] - q_len[c], rows = (p1 - p0) * group;
     // From a whole tile (K is packed in tiles from kbeg, a multiple of 16); keys below the window are masked.
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) / 16 * 16 : 0;
+    const int64_t lo = window_start(p0) / 16 * 16;
     const int64_t rows_pad = rows + SR;  // dummy rows past the end keep the micro-kernels branch-free
     w.s.resize(rows_pad * KC);
     w.o.assign(rows_pad * DIM, 0.f);
@@ -187,7 +193,7 @@ struct Prefill {
       else return w.s.data() + r * KC;
     };
     for (int64_t r = 0; r < rows_pad; ++r)  // rows past the end: zeros (their scores are never read)
-      std::memcpy(w.qb.data() + r * DIM, r < rows ? qrow(r) : w.zero.data(), DIM * sizeof(T));
+      std::memcpy(w.qb.data() + r * DIM, r < rows ? qrow(r) : zero_row(), DIM * sizeof(T));
     for (int64_t k0 = lo; k0 < p1; k0 += KC) {
       const int64_t k1 = std::min(p1, k0 + KC), tiles = (k1 - k0 + 15) / 16;
       pack_v(w, c, h, k0, k1, tiles);
@@ -263,7 +269,7 @@ struct Prefill {
     thread_local std::vector<uint32_t> kpack;
     std::vector<int64_t> kbeg(num_chunks);
     for (int64_t c = 0; c < num_chunks; ++c)
-      kbeg[c] = window > 0 ? std::max<int64_t>(0, seq_len[c] - q_len[c] - window + 1) / 16 * 16 : 0;
+      kbeg[c] = window_start(seq_len[c] - q_len[c]) / 16 * 16;
     auto units = [&](int64_t c) { return kv_heads * ((seq_len[c] - kbeg[c] + 15) / 16) * 16 * U; };
     const int64_t budget = k_pack_bytes / 4;
     for (int64_t c0 = 0, c1; c0 < num_chunks; c0 = c1) {
@@ -287,7 +293,7 @@ struct Prefill {
       const int64_t pos0 = seq_len[c] - q_len[c];
       for (int64_t p0 = pos0; p0 < seq_len[c]; p0 += qp) {
         const int64_t p1 = std::min<int64_t>(seq_len[c], p0 + qp);
-        const int64_t keys = p1 - (window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0);
+        const int64_t keys = p1 - window_start(p0);
         for (int64_t h = 0; h < kv_heads; ++h) items.push_back({keys * (p1 - p0), c, h, p0, p1});
       }
     }
@@ -318,7 +324,6 @@ struct Prefill {
       w.kp.resize(kpk == nullptr ? KC * U : 0);
       w.vp.resize(kBf16<T> ? KC / 2 * DIM : 0);
       w.vrow.resize(KC);
-      w.zero.assign(DIM, T(0.f));
       for (int64_t t = begin; t < end; ++t)
         for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
           const Item& it = items[i];
