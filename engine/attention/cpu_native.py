@@ -1,6 +1,6 @@
 """The CPU kernels, compiled at first use and cached: paged decode and prefill attention (cpu_decode.cpp,
-cpu_prefill.cpp) and the
-decoder's fused elementwise ops (engine/models/cpu_fused.cpp: residual add + RMSNorm, SiLU * up, RoPE).
+cpu_prefill.cpp), the decoder's fused elementwise ops (engine/models/cpu_fused.cpp: residual add + RMSNorm,
+SiLU * up, RoPE) and the fp32 GEMM of its linears (engine/models/cpu_gemm.cpp, AVX-512 only).
 
 `load()` builds it with torch.utils.cpp_extension (g++ and ninja; -O3 -march=native, so the build is
 named after this CPU's feature flags and the sources' digest and paths, so checkouts with other kernel sources
@@ -25,7 +25,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = (Path(__file__).with_name("cpu_decode.cpp"), Path(__file__).with_name("cpu_prefill.cpp"),
-            Path(__file__).parents[1] / "models" / "cpu_fused.cpp")
+            Path(__file__).parents[1] / "models" / "cpu_fused.cpp",
+            Path(__file__).parents[1] / "models" / "cpu_gemm.cpp")
 _HEADERS = (Path(__file__).with_name("cpu_simd.h"),)  # in the digest: they are compiled into the sources
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one thread);
 # -fno-math-errno lets `omp simd` call glibc's vector expf; the reassociation flags let GCC vectorize the
@@ -36,9 +37,9 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative
 @functools.cache
 def load():
     """The compiled module (`paged_decode`, `paged_prefill` where the CPU has AVX-512 (`prefill_dtypes` says
-    which dtypes), `rms_norm`, `silu_mul`, `rope_`), or None if disabled or it does
-    not build here. Concurrent first calls may both reach the build; cpp_extension's lock file makes the
-    second wait and reuse it."""
+    which dtypes), `rms_norm`, `silu_mul`, `rope_`, `pack_f32` and `linear_f32` where `gemm_available()`), or
+    None if disabled or it does not build here. Concurrent first calls may both reach the build;
+    cpp_extension's lock file makes the second wait and reuse it."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     return _build()

@@ -1,20 +1,30 @@
-"""oneDNN linears for the CPU path: weights reordered once into oneDNN's blocked layout at load.
+"""Packed linears for the CPU path: weights reordered once at load into a layout made for the machine.
 
-torch's `F.linear` on CPU goes through MKL sgemm with the weight transposed on every call; oneDNN's matmul
-over a weight pre-packed for this machine's ISA (AVX-512, AVX512-BF16/AMX for bf16) runs the same GEMMs
-1.2-2.3x faster on the 2-core EPYC dev VM (fp32: 190-215 vs 100-165 GFLOP/s; the 576x49152 LM head at one
-row 4.6 vs 10.7 ms). vLLM's CPU build does the same (its `onednn_mm` with prepacked weights). The packed
-tensor is opaque: only `_linear_pointwise` reads it, so the plain weight is dropped to save the memory; a
-tied LM head keeps the embedding (the lookup needs it) and gets its own packed copy.
+fp32 on a CPU with AVX-512: Tandem's own GEMM (engine/models/cpu_gemm.cpp, column panels of 48), faster
+than oneDNN's packed matmul at every row count measured (SmolLM2-135M's shapes, 2-core AMD EPYC, each weight
+read once from DRAM as in a forward: 1 row 1.3-1.9x, 16 rows 1.2-1.5x, 346 rows 1.03-1.07x).
+TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0, or a CPU without AVX-512) keeps oneDNN for fp32.
 
-fp32 results differ from MKL's in rounding only (max |err| ~1e-4 on O(10) outputs); greedy equality with
-Hugging Face is what the real-model and tiny-model tests check.
+bf16, and fp32 without that kernel: oneDNN's matmul over a weight pre-packed for this machine's ISA
+(AVX-512, AVX512-BF16/AMX for bf16). torch's `F.linear` on CPU goes through MKL sgemm with the weight
+transposed on every call; oneDNN's packed path ran the same GEMMs 1.2-2.3x faster on the 2-core EPYC dev VM
+(fp32: 190-215 vs 100-165 GFLOP/s; the 576x49152 LM head at one row 4.6 vs 10.7 ms). vLLM's CPU build does
+the same (its `onednn_mm` with prepacked weights). The packed tensor is opaque: only `_linear_pointwise`
+reads it.
+
+Either way the plain weight is dropped to save the memory; a tied LM head keeps the embedding (the lookup
+needs it) and gets its own packed copy. fp32 results differ from MKL's in rounding only (max |err| ~1e-4 on
+O(10) outputs); greedy equality with Hugging Face is what the real-model and tiny-model tests check.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+from engine.attention import cpu_native
 
 # The batch-size hint oneDNN packs for; measured 1-2048 rows with packs made for 1, 64 and 2048: the 64- and
 # 2048-row packs are within noise of each other at every size, the 1-row pack is slower past one row.
@@ -26,12 +36,35 @@ def available(dtype: torch.dtype) -> bool:
     return torch.backends.mkldnn.is_available() and dtype in DTYPES
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def tandem_gemm():
+    """The kernel module when fp32 linears go through Tandem's GEMM (cpu_gemm.cpp) here, else None."""
+    if os.environ.get("TANDEM_CPU_GEMM", "1") == "0":
+        return None
+    kernels = cpu_native.load()
+    return kernels if kernels is not None and kernels.gemm_available() else None
+
+
+class Panels:
+    """An fp32 weight packed for cpu_gemm.cpp's linear_f32: [ceil(N / 48), K, 48] and its N."""
+
+    def __init__(self, weight: torch.Tensor, kernels):
+        self.kernels, self.out_features = kernels, weight.shape[0]
+        self.panels = kernels.pack_f32(weight.detach())
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.linear_f32(x, self.panels, bias, self.out_features)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels:
+    if weight.dtype == torch.float32 and (kernels := tandem_gemm()) is not None:
+        return Panels(weight, kernels)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T (+ bias) with W packed by `pack_weight`."""
+    if isinstance(packed, Panels):
+        return packed(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -48,7 +81,8 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn packed"
+        kind = "tandem gemm" if isinstance(self.packed, Panels) else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} packed"
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -321,15 +321,15 @@ class DecoderLM(nn.Module):
         self.rotary_local = rotary_local
         self.lm_head = (nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
                         if self.is_last and not spec.tie_word_embeddings else None)
-        self.head_packed: torch.Tensor | None = None  # the LM head in oneDNN's layout (pack_for_cpu)
+        self.head_packed = None  # the LM head packed for the CPU (pack_for_cpu)
         self.norm_kernel = None  # CPU pre-norm models: fused residual add + RMSNorm (use_cpu_kernels)
         # Tensor parallelism (engine/models/tp.py): gathers the head's vocabulary shards to rank 0; None = whole head.
         self.vocab_gather = None
 
     def pack_for_cpu(self) -> None:
-        """Loaded CPU model: every linear and the LM head into oneDNN's packed layout
-        (engine/models/cpu_linear.py). The untied head's plain weight is dropped; a tied one stays the
-        embedding."""
+        """Loaded CPU model: every linear and the LM head packed for the CPU's GEMM (engine/models/cpu_linear.py:
+        Tandem's for fp32 on AVX-512, oneDNN's otherwise). The untied head's plain weight is dropped; a tied one
+        stays the embedding."""
         pack_linears(self.layers)
         if self.is_last:
             self.head_packed = pack_weight(self._head_weight())

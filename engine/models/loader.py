@@ -132,8 +132,9 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
                 dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
                 cpu_onednn: bool = True, tp: tensor_parallel.TPShard | None = None) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
-    On CPU its linears are packed for oneDNN (engine/models/cpu_linear.py) unless `cpu_onednn` is off, and it
-    runs the fused elementwise kernels (engine/models/cpu_fused.cpp) unless TANDEM_CPU_KERNELS=0.
+    On CPU its linears are packed (engine/models/cpu_linear.py: Tandem's fp32 GEMM or oneDNN) unless
+    `cpu_onednn` is off, and it runs the fused elementwise kernels (engine/models/cpu_fused.cpp) unless
+    TANDEM_CPU_KERNELS=0.
     With `tp`, one tensor-parallel rank's shard (engine/models/tp.py): `spec` must then be its local_spec."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
