@@ -1,6 +1,7 @@
-// fp32 linears for the CPU engine on AVX-512: y[M, N] = x[M, K] @ W^T (+ bias), with W packed once at load
-// into column panels of 48: [ceil(N / 48), K, 48], each panel's K rows of 48 consecutive output columns
-// contiguous (zero-padded past N).
+// Linears for the CPU engine on AVX-512: y[M, N] = x[M, K] @ W^T (+ bias), with W packed once at load into
+// column panels of 48 output columns, each panel contiguous and zero-padded past N: fp32 as [ceil(N / 48), K,
+// 48]; bf16 (AVX512-BF16) as [ceil(N / 48), ceil(K / 2), 48, 2], the pairs (w[n, k], w[n, k + 1]) that one
+// VDPBF16PS multiplies and adds into an fp32 lane.
 //
 // Why by hand: oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise, what vLLM's CPU build runs too) is
 // slow at the row counts of decode. SmolLM2-135M's shapes on a 2-core AMD EPYC (Zen 4), each weight read
@@ -10,15 +11,18 @@
 // one panel's K x 48 weights sit in L2 while every 8-row block of x passes over it, so there is no K
 // blocking and no packing of x.
 //
-// Micro-kernel: 8 rows x 48 columns of fp32 sums in 24 zmm registers; per k, three weight vectors and one
-// broadcast x value per row, 24 FMAs. Each output is one fp32 FMA chain over k in order, then + bias, as a
-// plain dot product would; it differs from oneDNN's or MKL's order in rounding only (greedy equality with
-// Hugging Face is what the real-model tests check).
+// Micro-kernel: 8 rows x 48 columns of fp32 sums in 24 zmm registers; per k (bf16: per pair of k), three
+// weight vectors and one broadcast x value (pair) per row, 24 FMAs (VDPBF16PS). fp32: each output is one fp32
+// FMA chain over k in order, then + bias, as a plain dot product would; it differs from oneDNN's or MKL's
+// order in rounding only (greedy equality with Hugging Face is what the real-model tests check). bf16: exact
+// products summed in fp32 by pairs, + bias in fp32, rounded to bf16 once (nearest even), as oneDNN's bf16
+// matmul does (in another order).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -29,6 +33,18 @@ namespace {
 constexpr int64_t kPanel = 48;
 
 #if defined(__AVX512F__)
+// The 48 sums of one row (three vectors) + bias, stored in the first `cols` columns.
+inline __mmask16 cols_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+inline void store_row(const __m512* acc, const float* bias, float* y, int64_t cols) {
+  for (int c = 0; c < 3 && 16 * c < cols; ++c) {
+    const __mmask16 mask = cols_mask(cols - 16 * c);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y + 16 * c, mask, _mm512_add_ps(acc[c], b));
+  }
+}
+
 template <int MR>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
                   int64_t ldy, int64_t cols) {
@@ -45,42 +61,119 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, const 
       acc[m][2] = _mm512_fmadd_ps(b, w2, acc[m][2]);
     }
   }
-  for (int c = 0; c < 3 && 16 * c < cols; ++c) {
-    const __mmask16 mask = cols - 16 * c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (cols - 16 * c)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + 16 * c, mask, _mm512_add_ps(acc[m][c], b));
-  }
+  for (int m = 0; m < MR; ++m) store_row(acc[m], bias, y + m * ldy, cols);
 }
 
-using Micro = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr Micro kMicro[9] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>, micro<7>, micro<8>};
+#if defined(__AVX512BF16__)
+#define TANDEM_GEMM_BF16 1
+template <int MR>
+inline void micro(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K, const float* bias,
+                  at::BFloat16* y, int64_t ldy, int64_t cols) {
+  __m512 acc[MR][3];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 3; ++c) acc[m][c] = _mm512_setzero_ps();
+  auto step = [&](const at::BFloat16* wk, auto&& pair_of_row) {
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(wk), w1 = (__m512bh)_mm512_load_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_load_si512(wk + 64);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair_of_row(m));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], b, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], b, w1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], b, w2);
+    }
+  };
+  const int64_t pairs = K / 2;
+  for (int64_t k2 = 0; k2 < pairs; ++k2)
+    step(w + k2 * 2 * kPanel, [&](int m) {
+      int32_t pair;  // (x[m, 2 k2], x[m, 2 k2 + 1]); 16-bit aligned only when K is odd
+      std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
+      return pair;
+    });
+  if (K % 2)  // the last k alone: its partner is a zero weight in the pack and a zero here (nothing past x's row)
+    step(w + pairs * 2 * kPanel, [&](int m) {
+      uint16_t last;
+      std::memcpy(&last, x + m * ldx + K - 1, sizeof(last));
+      return int32_t(last);
+    });
+  for (int m = 0; m < MR; ++m) {
+    float sums[kPanel];
+    store_row(acc[m], bias, sums, cols);
+    for (int c = 0; c < 3 && 16 * c < cols; ++c) {
+      const __mmask16 mask = cols_mask(cols - 16 * c);
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, sums + 16 * c));
+      _mm256_mask_storeu_epi16(y + m * ldy + 16 * c, mask, h);
+    }
+  }
+}
 #endif
 
-// w [N, K] -> [ceil(N / 48), K, 48] float32, zero past N.
-at::Tensor pack_f32(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack_f32: a 2-D float32 weight");
+// y = x @ W^T (+ bias) over the packed panels, `panel_elems` elements apart: each thread takes a run of panels,
+// in groups of ~512 KB (in L2 together), each group passed over by every 8-row block of x.
+template <typename T>
+void run(const T* x, const T* w, int64_t panel_elems, const float* bias, T* y, int64_t M, int64_t K, int64_t n,
+         int64_t panels) {
+  using Micro = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, int64_t);
+  constexpr Micro table[9] = {nullptr,  micro<1>, micro<2>, micro<3>, micro<4>,
+                              micro<5>, micro<6>, micro<7>, micro<8>};
+  const int64_t group = std::max<int64_t>(1, (512 << 10) / (panel_elems * int64_t(sizeof(T))));
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t g = p0; g < p1; g += group) {
+      const int64_t g1 = std::min(p1, g + group);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const Micro f = table[std::min<int64_t>(8, M - m0)];
+        for (int64_t p = g; p < g1; ++p)
+          f(x + m0 * K, K, w + p * panel_elems, K, bias ? bias + p * kPanel : nullptr, y + m0 * n + p * kPanel, n,
+            std::min(kPanel, n - p * kPanel));
+      }
+    }
+  });
+}
+#endif
+
+// w [N, K] -> its panels (see the top), zero past N (and past K for bf16's last pair).
+at::Tensor gemm_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "gemm_pack: a 2-D weight");
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto out = at::zeros({panels, K, kPanel}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+  if (w.scalar_type() == at::kFloat) {
+    auto out = at::zeros({panels, K, kPanel}, w.options());
+    const float* src = w.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
+          for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = src[(p * kPanel + j) * K + k];
+    });
+    return out;
+  }
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemm_pack: float32 or bfloat16, got ", w.scalar_type());
+  const int64_t pairs = (K + 1) / 2;
+  auto out = at::zeros({panels, pairs, kPanel, 2}, w.options());
+  const at::BFloat16* src = w.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = src[(p * kPanel + j) * K + k];
+        for (int64_t k = 0; k < K; ++k)
+          dst[((p * pairs + k / 2) * kPanel + j) * 2 + k % 2] = src[(p * kPanel + j) * K + k];
   });
   return out;
 }
 
-// x [..., K] float32 @ the packed W^T (+ bias [N]) -> [..., N]; `n` is W's row count (N).
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t n) {
+// x [..., K] @ the packed W^T (+ bias [N]) -> [..., N], in x's dtype (the pack's); `n` is W's row count (N).
+at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t n) {
 #if defined(__AVX512F__)
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "linear_f32: float32 only");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(), "linear_f32: not a pack");
-  const int64_t K = packed.size(1), panels = packed.size(0);
-  TORCH_CHECK(x.size(-1) == K, "linear_f32: x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "linear_f32: n does not match the pack");
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.is_contiguous() && packed.size(-1) == (bf16 ? 2 : kPanel) && packed.dim() == (bf16 ? 4 : 3),
+              "gemm_linear: not a gemm_pack result");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "gemm_linear: x is ", x.scalar_type(), ", the weight ",
+              packed.scalar_type());
+  const int64_t panels = packed.size(0), K = x.size(-1);
+  TORCH_CHECK(bf16 ? (K + 1) / 2 == packed.size(1) : K == packed.size(1), "gemm_linear: x has ", K,
+              " features, the weight ", bf16 ? 2 * packed.size(1) - 1 : packed.size(1),
+              bf16 ? " or one more" : "");
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "gemm_linear: n does not match the pack");
   const auto xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
   auto out_shape = x.sizes().vec();
@@ -88,47 +181,40 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, const c10::
   auto y = at::empty({M, n}, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == n, "linear_f32: bias of ", n, " floats");
+    TORCH_CHECK(bias->numel() == n, "gemm_linear: bias of ", n, " values, got ", bias->numel());
+    b = bias->to(at::kFloat).contiguous();
   }
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // Panels in groups of ~512 KB (in L2 together) per thread, each group passed over by every 8-row block.
-  const int64_t group = std::max<int64_t>(1, (512 << 10) / (K * kPanel * int64_t(sizeof(float))));
-  if (M > 0)
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t g = p0; g < p1; g += group) {
-        const int64_t g1 = std::min(p1, g + group);
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-          const Micro f = kMicro[std::min<int64_t>(8, M - m0)];
-          for (int64_t p = g; p < g1; ++p)
-            f(xp + m0 * K, K, wp + p * K * kPanel, K, bp ? bp + p * kPanel : nullptr, yp + m0 * n + p * kPanel, n,
-              std::min(kPanel, n - p * kPanel));
-        }
-      }
-    });
+  if (M > 0) {
+    if (!bf16) {
+      run(xc.data_ptr<float>(), packed.data_ptr<float>(), K * kPanel, bp, y.data_ptr<float>(), M, K, n, panels);
+    } else {
+#ifdef TANDEM_GEMM_BF16
+      run(xc.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), packed.size(1) * 2 * kPanel, bp,
+          y.data_ptr<at::BFloat16>(), M, K, n, panels);
+#else
+      TORCH_CHECK(false, "gemm_linear: bfloat16 needs AVX512-BF16 (see gemm_dtypes)");
+#endif
+    }
+  }
   return y.view(out_shape);
 #else
-  TORCH_CHECK(false, "linear_f32 needs AVX-512 (gemm_available() is False here)");
-#endif
-}
-
-bool gemm_available() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
+  TORCH_CHECK(false, "gemm_linear needs AVX-512 (gemm_dtypes is empty here)");
 #endif
 }
 
 }  // namespace
 
 void register_gemm(pybind11::module& m) {
-  m.def("gemm_available", &gemm_available, "whether linear_f32 is built (AVX-512)");
-  m.def("pack_f32", &pack_f32, "fp32 weight [N, K] into linear_f32's panels", pybind11::arg("weight"));
-  m.def("linear_f32", &linear_f32, "x @ W^T (+ bias) with W packed by pack_f32 (CPU, fp32)", pybind11::arg("x"),
+  m.def("gemm_pack", &gemm_pack, "a weight [N, K] into gemm_linear's panels", pybind11::arg("weight"));
+  m.def("gemm_linear", &gemm_linear, "x @ W^T (+ bias) with W packed by gemm_pack (CPU)", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("n"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
+#if defined(TANDEM_GEMM_BF16)
+  m.attr("gemm_dtypes") = pybind11::make_tuple("float32", "bfloat16");
+#elif defined(__AVX512F__)
+  m.attr("gemm_dtypes") = pybind11::make_tuple("float32");
+#else
+  m.attr("gemm_dtypes") = pybind11::make_tuple();
+#endif
 }

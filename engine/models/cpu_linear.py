@@ -1,11 +1,11 @@
 """Packed linears for the CPU path: weights reordered once at load into a layout made for the machine.
 
-fp32 on a CPU with AVX-512: Tandem's own GEMM (engine/models/cpu_gemm.cpp, column panels of 48), faster
-than oneDNN's packed matmul at every row count measured (SmolLM2-135M's shapes, 2-core AMD EPYC, each weight
-read once from DRAM as in a forward: 1 row 1.3-1.9x, 16 rows 1.2-1.5x, 346 rows 1.03-1.07x).
-TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0, or a CPU without AVX-512) keeps oneDNN for fp32.
+On a CPU with AVX-512 (bf16: AVX512-BF16 too): Tandem's own GEMM (engine/models/cpu_gemm.cpp, column
+panels of 48), faster than oneDNN's packed matmul at every row count measured (SmolLM2-135M's shapes, 2-core
+AMD EPYC, each weight read once from DRAM as in a forward, fp32: 1 row 1.3-1.9x, 16 rows 1.2-1.5x, 346 rows
+1.03-1.07x). TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0, or a CPU without AVX-512) keeps oneDNN.
 
-bf16, and fp32 without that kernel: oneDNN's matmul over a weight pre-packed for this machine's ISA
+Otherwise: oneDNN's matmul over a weight pre-packed for this machine's ISA
 (AVX-512, AVX512-BF16/AMX for bf16). torch's `F.linear` on CPU goes through MKL sgemm with the weight
 transposed on every call; oneDNN's packed path ran the same GEMMs 1.2-2.3x faster on the 2-core EPYC dev VM
 (fp32: 190-215 vs 100-165 GFLOP/s; the 576x49152 LM head at one row 4.6 vs 10.7 ms). vLLM's CPU build does
@@ -36,27 +36,28 @@ def available(dtype: torch.dtype) -> bool:
     return torch.backends.mkldnn.is_available() and dtype in DTYPES
 
 
-def tandem_gemm():
-    """The kernel module when fp32 linears go through Tandem's GEMM (cpu_gemm.cpp) here, else None."""
+def tandem_gemm(dtype: torch.dtype):
+    """The kernel module when linears of `dtype` go through Tandem's GEMM (cpu_gemm.cpp) here, else None."""
     if os.environ.get("TANDEM_CPU_GEMM", "1") == "0":
         return None
     kernels = cpu_native.load()
-    return kernels if kernels is not None and kernels.gemm_available() else None
+    dtypes = getattr(kernels, "gemm_dtypes", ())
+    return kernels if str(dtype).removeprefix("torch.") in dtypes else None
 
 
 class Panels:
-    """An fp32 weight packed for cpu_gemm.cpp's linear_f32: [ceil(N / 48), K, 48] and its N."""
+    """A weight packed for cpu_gemm.cpp's gemm_linear (its 48-column panels) and its N."""
 
     def __init__(self, weight: torch.Tensor, kernels):
         self.kernels, self.out_features = kernels, weight.shape[0]
-        self.panels = kernels.pack_f32(weight.detach())
+        self.panels = kernels.gemm_pack(weight.detach())
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.kernels.linear_f32(x, self.panels, bias, self.out_features)
+        return self.kernels.gemm_linear(x, self.panels, bias, self.out_features)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels:
-    if weight.dtype == torch.float32 and (kernels := tandem_gemm()) is not None:
+    if (kernels := tandem_gemm(weight.dtype)) is not None:
         return Panels(weight, kernels)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
 
