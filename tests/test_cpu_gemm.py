@@ -65,6 +65,23 @@ def test_linear_leading_dims_strided_input_and_no_rows(dtype):
     xt = randn(65, 7, seed=4, dtype=dtype).t()  # not contiguous
     within_bound(kernels.gemm_linear(xt, packed, None, 100), xt, w, None)
     assert kernels.gemm_linear(torch.empty(0, 65, dtype=dtype), packed, None, 100).shape == (0, 100)
+    assert kernels.gemm_linear(x, kernels.gemm_pack(torch.empty(0, 65, dtype=dtype)), None, 0).shape == (2, 5, 0)
+
+
+@dtypes
+def test_same_bits_however_the_work_is_split(dtype):
+    """12 panels (576 columns, a model's o_proj) on 1-8 threads: by panels alone, or by panels and rows."""
+    w, x = randn(576, 64, seed=1, dtype=dtype), randn(70, 64, seed=2, dtype=dtype)
+    packed, threads = kernels.gemm_pack(w), torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 7, 8):
+            torch.set_num_threads(n)
+            outs.append(kernels.gemm_linear(x, packed, None, 576))
+    finally:
+        torch.set_num_threads(threads)
+    within_bound(outs[0], x, w, None)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
 @dtypes

@@ -107,26 +107,38 @@ inline void micro(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int
 }
 #endif
 
-// y = x @ W^T (+ bias) over the packed panels, `panel_elems` elements apart: each thread takes a run of panels,
-// in groups of ~512 KB (in L2 together), each group passed over by every 8-row block of x.
+// y = x @ W^T (+ bias) over the packed panels, `panel_elems` elements apart. With panels enough for every
+// thread, each takes a run of them, in groups of ~512 KB (in L2 together), each group passed over by every
+// 8-row block of x. A matrix of few panels (576 columns: 12) on more cores splits the rows too, so it still
+// fills them. Every output is the same chain of sums however the work is split.
 template <typename T>
 void run(const T* x, const T* w, int64_t panel_elems, const float* bias, T* y, int64_t M, int64_t K, int64_t n,
          int64_t panels) {
   using Micro = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, int64_t);
   constexpr Micro table[9] = {nullptr,  micro<1>, micro<2>, micro<3>, micro<4>,
                               micro<5>, micro<6>, micro<7>, micro<8>};
-  const int64_t group = std::max<int64_t>(1, (512 << 10) / (panel_elems * int64_t(sizeof(T))));
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t g = p0; g < p1; g += group) {
-      const int64_t g1 = std::min(p1, g + group);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const Micro f = table[std::min<int64_t>(8, M - m0)];
-        for (int64_t p = g; p < g1; ++p)
-          f(x + m0 * K, K, w + p * panel_elems, K, bias ? bias + p * kPanel : nullptr, y + m0 * n + p * kPanel, n,
-            std::min(kPanel, n - p * kPanel));
+  auto block = [&](int64_t p, int64_t m0) {  // rows [m0, m0 + 8) of panel p
+    table[std::min<int64_t>(8, M - m0)](x + m0 * K, K, w + p * panel_elems, K, bias ? bias + p * kPanel : nullptr,
+                                        y + m0 * n + p * kPanel, n, std::min(kPanel, n - p * kPanel));
+  };
+  const int64_t threads = at::get_num_threads(), blocks = (M + 7) / 8;
+  const int64_t splits = panels >= 2 * threads ? 1 : std::min(blocks, (2 * threads + panels - 1) / panels);
+  if (splits == 1) {
+    const int64_t group = std::max<int64_t>(1, (512 << 10) / (panel_elems * int64_t(sizeof(T))));
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t g = p0; g < p1; g += group)
+        for (int64_t m0 = 0; m0 < M; m0 += 8)
+          for (int64_t p = g; p < std::min(p1, g + group); ++p) block(p, m0);
+    });
+  } else {
+    const int64_t per = (blocks + splits - 1) / splits;  // 8-row blocks per work item (one panel each)
+    at::parallel_for(0, panels * splits, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t p = i / splits, b1 = std::min(blocks, (i % splits + 1) * per);
+        for (int64_t b = (i % splits) * per; b < b1; ++b) block(p, 8 * b);
       }
-    }
-  });
+    });
+  }
 }
 #endif
 
@@ -185,7 +197,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
     b = bias->to(at::kFloat).contiguous();
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  if (M > 0) {
+  if (M > 0 && n > 0) {
     if (!bf16) {
       run(xc.data_ptr<float>(), packed.data_ptr<float>(), K * kPanel, bp, y.data_ptr<float>(), M, K, n, panels);
     } else {
