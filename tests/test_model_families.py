@@ -11,6 +11,7 @@ weights and biases are random. The HF helpers (near-tie tolerance included) are 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -163,13 +164,15 @@ def test_gemma_norm_and_embedding_scale_are_bitwise_hf(tiny_model_factory, dtype
     norm = RMSNorm(hf_norm.weight.shape[0], hf_norm.eps, unit_offset=True)
     norm.weight.data.copy_(hf_norm.weight)
     x = torch.randn(7, hf_norm.weight.shape[0], generator=torch.Generator().manual_seed(0)) * 3
+    # Copies: `.to` casts a module in place, and a bf16 round trip would leave the session-cached fp32 reference
+    # rounded for every later test that compares against it.
+    hf_norm = copy.deepcopy(hf_norm).to(dtype)
     with torch.no_grad():
-        assert torch.equal(norm.to(dtype)(x.to(dtype)), hf_norm.to(dtype)(x.to(dtype)))
+        assert torch.equal(norm.to(dtype)(x.to(dtype)), hf_norm(x.to(dtype)))
         ids = torch.tensor([1, 5, 300, 511])
-        hf_embed = hf.model.embed_tokens.to(dtype)
+        hf_embed = copy.deepcopy(hf.model.embed_tokens).to(dtype)
         ours = hf_embed.weight[ids] * rounded(hf.config.hidden_size ** 0.5, dtype)
         assert torch.equal(ours, hf_embed(ids))
-    hf.float()  # the session-cached reference stays fp32
     assert rounded(3072 ** 0.5, torch.bfloat16) == 55.5
 
 
