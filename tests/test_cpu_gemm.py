@@ -50,7 +50,7 @@ def randn(*shape, seed, dtype=torch.float32):
 def test_linear_within_the_summation_bound(rows, out_features, in_features, with_bias, dtype):
     w, x = randn(out_features, in_features, seed=1, dtype=dtype), randn(rows, in_features, seed=2, dtype=dtype)
     bias = randn(out_features, seed=3, dtype=dtype) if with_bias else None
-    y = kernels.gemm_linear(x, kernels.gemm_pack(w), bias, out_features)
+    y = kernels.gemm_linear(x, kernels.gemm_pack(w), None if bias is None else bias.float(), out_features)
     within_bound(y, x, w, bias)
 
 
@@ -108,8 +108,10 @@ def test_bad_inputs_are_refused_with_the_reason():
         kernels.gemm_linear(randn(2, 8, seed=2).bfloat16(), packed, None, 10)
     with pytest.raises(RuntimeError, match="n does not match"):
         kernels.gemm_linear(randn(2, 8, seed=2), packed, None, 60)
-    with pytest.raises(RuntimeError, match="bias of 10 values, got 9"):
+    with pytest.raises(RuntimeError, match="float32 bias of 10 values, got Float of 9"):
         kernels.gemm_linear(randn(2, 8, seed=2), packed, randn(9, seed=3), 10)
+    with pytest.raises(RuntimeError, match="float32 bias of 10 values, got BFloat16 of 10"):
+        kernels.gemm_linear(randn(2, 8, seed=2), packed, randn(10, seed=3).bfloat16(), 10)
     with pytest.raises(RuntimeError, match="not a gemm_pack result"):
         kernels.gemm_linear(randn(2, 8, seed=2), randn(10, 8, seed=1), None, 10)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):

@@ -142,37 +142,34 @@ void run(const T* x, const T* w, int64_t panel_elems, const float* bias, T* y, i
 }
 #endif
 
-// w [N, K] -> its panels (see the top), zero past N (and past K for bf16's last pair).
-at::Tensor gemm_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2, "gemm_pack: a 2-D weight");
-  const auto w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
-  if (w.scalar_type() == at::kFloat) {
-    auto out = at::zeros({panels, K, kPanel}, w.options());
-    const float* src = w.data_ptr<float>();
-    float* dst = out.data_ptr<float>();
-    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p)
-        for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
-          for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = src[(p * kPanel + j) * K + k];
-    });
-    return out;
-  }
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemm_pack: float32 or bfloat16, got ", w.scalar_type());
-  const int64_t pairs = (K + 1) / 2;
-  auto out = at::zeros({panels, pairs, kPanel, 2}, w.options());
-  const at::BFloat16* src = w.data_ptr<at::BFloat16>();
-  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+// w [N, K] -> its panels (see the top), zero past N (and past K for bf16's last pair): element (n, k) of panel
+// n / 48 at [k / PAIR][n % 48][k % PAIR].
+template <typename T, int64_t PAIR>
+at::Tensor pack_panels(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel, rows = (K + PAIR - 1) / PAIR;
+  auto out = PAIR == 1 ? at::zeros({panels, K, kPanel}, w.options())
+                       : at::zeros({panels, rows, kPanel, PAIR}, w.options());
+  const T* src = w.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t j = 0; j < kPanel && p * kPanel + j < N; ++j)
         for (int64_t k = 0; k < K; ++k)
-          dst[((p * pairs + k / 2) * kPanel + j) * 2 + k % 2] = src[(p * kPanel + j) * K + k];
+          dst[((p * rows + k / PAIR) * kPanel + j) * PAIR + k % PAIR] = src[(p * kPanel + j) * K + k];
   });
   return out;
 }
 
-// x [..., K] @ the packed W^T (+ bias [N]) -> [..., N], in x's dtype (the pack's); `n` is W's row count (N).
+at::Tensor gemm_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "gemm_pack: a 2-D weight");
+  const auto w = weight.contiguous();
+  if (w.scalar_type() == at::kFloat) return pack_panels<float, 1>(w);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemm_pack: float32 or bfloat16, got ", w.scalar_type());
+  return pack_panels<at::BFloat16, 2>(w);
+}
+
+// x [..., K] @ the packed W^T (+ bias [N], float32 whatever the dtype: it is added to the fp32 sums) -> [..., N],
+// in x's dtype (the pack's); `n` is W's row count (N).
 at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t n) {
 #if defined(__AVX512F__)
@@ -193,8 +190,9 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   auto y = at::empty({M, n}, x.options());
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "gemm_linear: bias of ", n, " values, got ", bias->numel());
-    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == n, "gemm_linear: a float32 bias of ", n,
+                " values, got ", bias->scalar_type(), " of ", bias->numel());
+    b = bias->contiguous();
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (M > 0 && n > 0) {

@@ -53,6 +53,7 @@ class Panels:
         self.panels = kernels.gemm_pack(weight.detach())
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """bias: float32 (PackedLinear converts it once)."""
         return self.kernels.gemm_linear(x, self.panels, bias, self.out_features)
 
 
@@ -77,6 +78,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        if self.bias is not None and isinstance(self.packed, Panels):
+            self.bias = self.bias.float()  # gemm_linear adds it to its fp32 sums: converted once, not every call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias)
