@@ -130,3 +130,91 @@ def test_packed_linear_picks_tandem_gemm_and_onednn_without_it(dtype, monkeypatc
     onednn = cpu_linear.PackedLinear(linear)
     assert not isinstance(onednn.packed, cpu_linear.Panels) and "onednn" in onednn.extra_repr()
     within_bound(onednn(x), x, weight, bias)
+
+
+# ---- gate/up with SiLU(gate) * up in the GEMM's epilogue (gemm_silu_mul, cpu_linear.FusedGateUp) ----------------
+needs_silu = pytest.mark.skipif(not getattr(kernels, "gemm_silu", False), reason="no gemm_silu_mul on this CPU")
+
+
+def eager_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """What the eager MLP computes from a [gate, up] output: SiLU in the tensor's dtype, then the multiply."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@needs_silu
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 70])
+@pytest.mark.parametrize("inter,in_features", [(32, 5), (64, 576), (96, 33), (1536, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@dtypes
+def test_fused_silu_mul_is_eager_silu_on_the_gemm_output(rows, inter, in_features, with_bias, dtype):
+    """Widths of whole 32-element chunks (a model's: SmolLM2's 1536), where eager SiLU is all vector arithmetic:
+    bit for bit eager PyTorch's SiLU(gate) * up on gemm_linear's [gate, up] output (itself within the fp64
+    bound), with panels of 24 gates and 24 ups (96 and 1536 split evenly, 32 and 64 leave zero rows)."""
+    linear = nn.Linear(in_features, 2 * inter, bias=with_bias).to(dtype)
+    weight = linear.weight.detach()
+    bias = None if linear.bias is None else linear.bias.detach()
+    x = randn(rows, in_features, seed=2, dtype=dtype)
+    gate_up = kernels.gemm_linear(x, kernels.gemm_pack(weight), None if bias is None else bias.float(), 2 * inter)
+    within_bound(gate_up, x, weight, bias)
+    fused = cpu_linear.fused_gate_up(linear)
+    assert isinstance(fused, cpu_linear.FusedGateUp)
+    y = fused.silu_mul(x)
+    assert y.dtype == dtype and y.shape == (rows, inter)
+    assert torch.equal(y, eager_silu_mul(gate_up))
+    assert torch.equal(fused(x), gate_up)  # the plain output, put back in [gate, up] order
+
+
+@needs_silu
+@pytest.mark.parametrize("inter", [1, 23, 25, 40, 48, 100])
+@dtypes
+def test_fused_silu_mul_on_any_width_is_the_unfused_kernel(inter, dtype):
+    """Other widths (eager SiLU finishes a row's last < 32 values with a scalar exp, so a model of such a width
+    keeps eager SiLU): still the same bits as cpu_fused's silu_mul on the unfused output, and the plain output."""
+    linear = nn.Linear(33, 2 * inter).to(dtype)
+    x = randn(2, 9, 33, seed=2, dtype=dtype)  # leading dims
+    gate_up = kernels.gemm_linear(x, kernels.gemm_pack(linear.weight.detach()), linear.bias.detach().float(),
+                                  2 * inter)
+    fused = cpu_linear.fused_gate_up(linear)
+    y = fused.silu_mul(x)
+    assert y.shape == (2, 9, inter)
+    assert torch.equal(y.view(18, inter), kernels.silu_mul(gate_up.view(18, 2 * inter)))
+    assert torch.equal(fused(x), gate_up)
+    assert fused.silu_mul(torch.empty(0, 33, dtype=dtype)).shape == (0, inter)
+    assert fused(torch.empty(0, 33, dtype=dtype)).shape == (0, 2 * inter)
+
+
+@needs_silu
+def test_fused_silu_mul_refuses_a_mismatched_pack_or_bias():
+    fused = cpu_linear.fused_gate_up(nn.Linear(8, 2 * 30))  # 2 panels: n in (24, 48]
+    x = randn(2, 8, seed=2)
+    with pytest.raises(RuntimeError, match="gemm_silu_mul: n does not match"):
+        kernels.gemm_silu_mul(x, fused.packed.panels, None, 60)
+    with pytest.raises(RuntimeError, match="gemm_silu_mul: a float32 bias of 96 values, got Float of 60"):
+        kernels.gemm_silu_mul(x, fused.packed.panels, randn(60, seed=3), 30)
+
+
+@needs_silu
+def test_decoder_mlp_takes_the_fused_path_unless_a_wrapper_needs_gate_and_up(monkeypatch):
+    """A loaded CPU model's MLPs: gate_up_proj is a FusedGateUp and forward goes through silu_mul (what
+    test_real_model's HF equality runs); wrapped (as LoRA wraps it) the MLP calls it plainly and gets the same
+    output; with TANDEM_CPU_GEMM=0 nothing is fused."""
+    from engine.models.decoder import MLP
+
+    spec = type("Spec", (), {"hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96, "mlp_bias": False})
+    mlp = MLP(spec).eval()
+    x = randn(5, 64, seed=2)
+    with torch.no_grad():
+        expected = mlp(x)
+        mlp.gate_up_proj, mlp.kernel = cpu_linear.fused_gate_up(mlp.gate_up_proj), kernels
+        calls = []
+        monkeypatch.setattr(cpu_linear.FusedGateUp, "silu_mul",
+                            lambda self, x: calls.append(x) or cpu_linear.GateUpPanels.silu_mul(self.packed, x, None))
+        fused = mlp(x)
+        assert len(calls) == 1
+        torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6)  # MKL's and Tandem's sums differ
+        wrapped = nn.Sequential(mlp.gate_up_proj)
+        mlp.gate_up_proj = wrapped
+        assert torch.equal(mlp(x), fused) and len(calls) == 1
+    monkeypatch.setenv("TANDEM_CPU_GEMM", "0")
+    assert cpu_linear.fused_gate_up(nn.Linear(64, 192)) is None

@@ -397,6 +397,32 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 
 }  // namespace
 
+#ifdef TANDEM_FUSED_AVX512
+namespace tandem_fused {
+// The fused gate/up GEMM's epilogue (engine/models/cpu_gemm.cpp): `rows` rows of `cols` (<= 24) gate sums at
+// gate[r * ld] and up sums at up[r * ld], fp32 with the bias added -> SiLU(gate) * up in out[r * ldo], T's type.
+// What silu_mul computes from the same sums stored by the unfused GEMM: in bf16 gate and up are rounded to bf16
+// first, as that GEMM's output is, and the SiLU is the same table; so the bits are the same either way.
+template <typename T>
+void silu_mul_rows(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols, T* out,
+                   int64_t ldo) {
+  constexpr bool bf16 = std::is_same<T, at::BFloat16>::value;
+  const float* table = bf16 ? silu_bf16_table() : nullptr;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < cols; i += 16) {
+      const __mmask16 m = lanes(cols - i);
+      const __m512 g = load(gate + r * ld + i, m), u = load(up + r * ld + i, m);
+      const __m512 silu = bf16 ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, bf16_bits(g), table, 4)
+                               : silu16<float>(g);
+      store(out + r * ldo + i, m, _mm512_mul_ps(silu, rnd<T>(u)));
+    }
+}
+template void silu_mul_rows<float>(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+template void silu_mul_rows<at::BFloat16>(const float*, const float*, int64_t, int64_t, int64_t, at::BFloat16*,
+                                          int64_t);
+}  // namespace tandem_fused
+#endif
+
 void register_fused(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm (CPU)", pybind11::arg("x"), pybind11::arg("residual"),
         pybind11::arg("weight"), pybind11::arg("eps"));

@@ -5,6 +5,9 @@ panels of 48), faster than oneDNN's packed matmul at every row count measured (S
 AMD EPYC, each weight read once from DRAM as in a forward, fp32: 1 row 1.3-1.9x, 16 rows 1.2-1.5x, 346 rows
 1.03-1.07x). TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0, or a CPU without AVX-512) keeps oneDNN.
 
+A decoder MLP's gate_up_proj becomes a FusedGateUp there: its GEMM computes SiLU(gate) * up in the epilogue
+(cpu_gemm.cpp's gemm_silu_mul), so the 2x wider gate/up output never goes through memory.
+
 Otherwise: oneDNN's matmul over a weight pre-packed for this machine's ISA
 (AVX-512, AVX512-BF16/AMX for bf16). torch's `F.linear` on CPU goes through MKL sgemm with the weight
 transposed on every call; oneDNN's packed path ran the same GEMMs 1.2-2.3x faster on the 2-core EPYC dev VM
@@ -70,6 +73,40 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels, bias: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class GateUpPanels(Panels):
+    """A gate/up weight [2 I, K] ([gate; up] rows, the decoder's gate_up_proj) packed for cpu_gemm.cpp's
+    gemm_silu_mul: panel p holds gate rows [24 p, 24 p + 24) then the matching up rows (zero rows past I), so
+    one 8 x 48 block of sums is 24 gates and their 24 ups, turned into SiLU(gate) * up before it leaves L1."""
+
+    def __init__(self, weight: torch.Tensor, kernels):
+        inter = weight.shape[0] // 2
+        self.kernels, self.out_features, self.inter = kernels, weight.shape[0], inter
+        self.panels = kernels.gemm_pack(self.interleave(weight.detach()))
+
+    def interleave(self, t: torch.Tensor) -> torch.Tensor:
+        """[2 I, ...] gate rows then up rows -> the pack's row order, [48 * panels, ...]."""
+        half, blocks = _HALF_PANEL, -(-self.inter // _HALF_PANEL)
+        gate, up = (torch.nn.functional.pad(part, (0, 0) * (t.dim() - 1) + (0, blocks * half - self.inter))
+                    for part in t.view(2, self.inter, *t.shape[1:]).unbind(0))
+        return torch.stack((gate.view(blocks, half, *t.shape[1:]), up.view(blocks, half, *t.shape[1:])), 1) \
+            .reshape(blocks * 2 * half, *t.shape[1:])
+
+    def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """SiLU(gate) * up [..., I]; bias: interleaved float32 (FusedGateUp holds it so)."""
+        return self.kernels.gemm_silu_mul(x, self.panels, bias, self.inter)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The plain [..., 2 I] gate/up output (gate columns, then up), for whoever needs both halves (a LoRA
+        wrapper adds its deltas to them): the panels' interleaved columns put back in order."""
+        blocks, lead = self.panels.shape[0], x.shape[:-1]
+        y = self.kernels.gemm_linear(x, self.panels, bias, blocks * 2 * _HALF_PANEL)
+        y = y.view(*lead, blocks, 2, _HALF_PANEL).transpose(-3, -2).reshape(*lead, 2, blocks * _HALF_PANEL)
+        return y[..., :self.inter].reshape(*lead, self.out_features)
+
+
+_HALF_PANEL = 24  # cpu_gemm.cpp's kHalf: gate (and up) columns a panel
+
+
 class PackedLinear(nn.Module):
     """Drop-in for an inference-only nn.Linear on CPU."""
 
@@ -87,6 +124,33 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = "tandem gemm" if isinstance(self.packed, Panels) else "onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind} packed"
+
+
+class FusedGateUp(PackedLinear):
+    """A decoder MLP's gate_up_proj packed as GateUpPanels: `silu_mul(x)` is SiLU(gate) * up in one GEMM pass
+    (MLP.forward takes it when the layer runs the CPU kernels), `forward(x)` the plain [gate, up] output."""
+
+    def __init__(self, linear: nn.Linear, kernels):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = GateUpPanels(linear.weight, kernels)
+        self.bias = None  # the panels' order, in both calls: fused_bias
+        self.fused_bias = None if linear.bias is None else self.packed.interleave(linear.bias.detach().float())
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.silu_mul(x, self.fused_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed(x, self.fused_bias)
+
+
+def fused_gate_up(linear: nn.Linear) -> FusedGateUp | None:
+    """`linear` (a gate_up_proj followed by SiLU(gate) * up) as a FusedGateUp where Tandem's GEMM runs its dtype
+    and the extension has gemm_silu_mul; else None."""
+    kernels = tandem_gemm(linear.weight.dtype)
+    if kernels is None or not getattr(kernels, "gemm_silu", False) or linear.out_features % 2:
+        return None
+    return FusedGateUp(linear, kernels)
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata, LayerAttention
-from engine.models.cpu_linear import pack_linears, pack_weight, packed_linear
+from engine.models.cpu_linear import FusedGateUp, fused_gate_up, pack_linears, pack_weight, packed_linear
 from engine.models.moe import MoESpec, SparseMoeBlock
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
@@ -201,6 +201,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
+            if isinstance(self.gate_up_proj, FusedGateUp):  # not when a LoRA wrapper needs gate and up
+                return self.down_proj(self.gate_up_proj.silu_mul(x))
             return self.down_proj(self.kernel.silu_mul(self.gate_up_proj(x).contiguous()))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate).mul_(up))
@@ -330,6 +332,10 @@ class DecoderLM(nn.Module):
         """Loaded CPU model: every linear and the LM head packed for the CPU's GEMM (engine/models/cpu_linear.py:
         Tandem's for fp32 on AVX-512, oneDNN's otherwise). The untied head's plain weight is dropped; a tied one
         stays the embedding."""
+        for layer in self.layers:  # SiLU(gate) * up in the gate/up GEMM's epilogue where use_cpu_kernels allows
+            mlp = layer.mlp
+            if isinstance(mlp, MLP) and self._cpu_silu_mul() and type(mlp.gate_up_proj) is nn.Linear:
+                mlp.gate_up_proj = fused_gate_up(mlp.gate_up_proj) or mlp.gate_up_proj
         pack_linears(self.layers)
         if self.is_last:
             self.head_packed = pack_weight(self._head_weight())
@@ -348,9 +354,7 @@ class DecoderLM(nn.Module):
         for layer in self.layers:
             if layer.self_attn.q_norm is None:
                 layer.self_attn.rope_kernel = kernels
-            # SiLU on whole 16-lane vectors is PyTorch's own arithmetic (a width with a tail is not: PyTorch
-            # finishes rows with a scalar exp).
-            if isinstance(layer.mlp, MLP) and self.spec.hidden_act == "silu" and self.spec.intermediate_size % 16 == 0:
+            if isinstance(layer.mlp, MLP) and self._cpu_silu_mul():
                 layer.mlp.kernel = kernels
         if self.spec.sandwich_norms or self.spec.norm_unit_offset:
             return
@@ -359,6 +363,13 @@ class DecoderLM(nn.Module):
         elif dtype == torch.float32 and (lanes := fp32_norm_lanes(kernels, self.spec.hidden_size,
                                                                     self.spec.rms_norm_eps)):
             self.norm_kernel = Fp32Norm(kernels, lanes)
+
+    def _cpu_silu_mul(self) -> bool:
+        """Whether the dense MLPs' SiLU(gate) * up runs cpu_fused's silu_mul (or the GEMM epilogue that computes
+        the same): that is PyTorch's own vector arithmetic, which eager SiLU runs on whole chunks of two vectors
+        (32 values with AVX-512) and finishes a row's tail with a scalar exp: a width of 48 differs in fp32
+        (tests/test_cpu_gemm.py)."""
+        return self.spec.hidden_act == "silu" and self.spec.intermediate_size % 32 == 0
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
