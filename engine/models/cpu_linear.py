@@ -73,6 +73,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels, bias: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+_HALF_PANEL = 24  # cpu_gemm.cpp's kHalf: gate (and up) columns a panel
+
+
 class GateUpPanels(Panels):
     """A gate/up weight [2 I, K] ([gate; up] rows, the decoder's gate_up_proj) packed for cpu_gemm.cpp's
     gemm_silu_mul: panel p holds gate rows [24 p, 24 p + 24) then the matching up rows (zero rows past I), so
@@ -102,9 +105,6 @@ class GateUpPanels(Panels):
         y = self.kernels.gemm_linear(x, self.panels, bias, blocks * 2 * _HALF_PANEL)
         y = y.view(*lead, blocks, 2, _HALF_PANEL).transpose(-3, -2).reshape(*lead, 2, blocks * _HALF_PANEL)
         return y[..., :self.inter].reshape(*lead, self.out_features)
-
-
-_HALF_PANEL = 24  # cpu_gemm.cpp's kHalf: gate (and up) columns a panel
 
 
 class PackedLinear(nn.Module):
