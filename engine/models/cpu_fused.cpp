@@ -303,6 +303,23 @@ const float* silu_bf16_table() {
   }();
   return table.data();
 }
+
+// One row: SiLU(g) * u over `width` values into o (T's type), from gate and up of type Tin (T, or the fused
+// GEMM's fp32 sums): bf16 rounds them to bf16 first, as a stored bf16 gate/up output is (exact when Tin is T),
+// and looks the SiLU up in `table`.
+template <typename T, typename Tin>
+inline void silu_mul_row(const Tin* g, const Tin* u, int64_t width, T* o, const float* table) {
+  for (int64_t i = 0; i < width; i += 16) {
+    const __mmask16 m = lanes(width - i);
+    const __m512 gv = load(g + i, m);
+    __m512 silu;
+    if constexpr (std::is_same<T, at::BFloat16>::value)
+      silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, bf16_bits(gv), table, 4);
+    else
+      silu = silu16<T>(gv);
+    store(o + i, m, _mm512_mul_ps(silu, rnd<T>(load(u + i, m))));
+  }
+}
 #endif
 
 template <typename T>
@@ -319,17 +336,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       const T* u = g + width;
       T* o = op + r * width;
 #ifdef TANDEM_FUSED_AVX512
-      for (int64_t i = 0; i < width; i += 16) {
-        const __mmask16 m = lanes(width - i);
-        __m512 silu;
-        if constexpr (std::is_same<T, at::BFloat16>::value) {
-          const __m512i idx = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, g + i));
-          silu = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, table, 4);
-        } else {
-          silu = silu16<T>(load(g + i, m));
-        }
-        store(o + i, m, _mm512_mul_ps(silu, load(u + i, m)));
-      }
+      silu_mul_row(g, u, width, o, table);
 #else
       for (int64_t i = 0; i < width; ++i) {
         const float x = f32(g[i]);
@@ -406,16 +413,8 @@ namespace tandem_fused {
 template <typename T>
 void silu_mul_rows(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols, T* out,
                    int64_t ldo) {
-  constexpr bool bf16 = std::is_same<T, at::BFloat16>::value;
-  const float* table = bf16 ? silu_bf16_table() : nullptr;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < cols; i += 16) {
-      const __mmask16 m = lanes(cols - i);
-      const __m512 g = load(gate + r * ld + i, m), u = load(up + r * ld + i, m);
-      const __m512 silu = bf16 ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, bf16_bits(g), table, 4)
-                               : silu16<float>(g);
-      store(out + r * ldo + i, m, _mm512_mul_ps(silu, rnd<T>(u)));
-    }
+  const float* table = std::is_same<T, at::BFloat16>::value ? silu_bf16_table() : nullptr;
+  for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate + r * ld, up + r * ld, cols, out + r * ldo, table);
 }
 template void silu_mul_rows<float>(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t);
 template void silu_mul_rows<at::BFloat16>(const float*, const float*, int64_t, int64_t, int64_t, at::BFloat16*,

@@ -53,10 +53,14 @@ class Panels:
 
     def __init__(self, weight: torch.Tensor, kernels):
         self.kernels, self.out_features = kernels, weight.shape[0]
-        self.panels = kernels.gemm_pack(weight.detach())
+        self.panels = kernels.gemm_pack(self.order(weight.detach()))
+
+    def order(self, t: torch.Tensor) -> torch.Tensor:
+        """The weight's rows (or the bias's values) in the order the pack holds them: as they are."""
+        return t
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """bias: float32 (PackedLinear converts it once)."""
+        """bias: float32, in `order` (PackedLinear converts it once)."""
         return self.kernels.gemm_linear(x, self.panels, bias, self.out_features)
 
 
@@ -82,11 +86,10 @@ class GateUpPanels(Panels):
     one 8 x 48 block of sums is 24 gates and their 24 ups, turned into SiLU(gate) * up before it leaves L1."""
 
     def __init__(self, weight: torch.Tensor, kernels):
-        inter = weight.shape[0] // 2
-        self.kernels, self.out_features, self.inter = kernels, weight.shape[0], inter
-        self.panels = kernels.gemm_pack(self.interleave(weight.detach()))
+        self.inter = weight.shape[0] // 2
+        super().__init__(weight, kernels)
 
-    def interleave(self, t: torch.Tensor) -> torch.Tensor:
+    def order(self, t: torch.Tensor) -> torch.Tensor:
         """[2 I, ...] gate rows then up rows -> the pack's row order, [48 * panels, ...]."""
         half, blocks = _HALF_PANEL, -(-self.inter // _HALF_PANEL)
         gate, up = (torch.nn.functional.pad(part, (0, 0) * (t.dim() - 1) + (0, blocks * half - self.inter))
@@ -95,7 +98,7 @@ class GateUpPanels(Panels):
             .reshape(blocks * 2 * half, *t.shape[1:])
 
     def silu_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """SiLU(gate) * up [..., I]; bias: interleaved float32 (FusedGateUp holds it so)."""
+        """SiLU(gate) * up [..., I]; bias: float32, in `order`."""
         return self.kernels.gemm_silu_mul(x, self.panels, bias, self.inter)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -113,10 +116,14 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight)
+        self.packed = self.pack(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
         if self.bias is not None and isinstance(self.packed, Panels):
-            self.bias = self.bias.float()  # gemm_linear adds it to its fp32 sums: converted once, not every call
+            # gemm_linear adds it to its fp32 sums: converted (and ordered as the panels) once, not every call
+            self.bias = self.packed.order(self.bias.float())
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | Panels:
+        return pack_weight(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.bias)
@@ -130,18 +137,11 @@ class FusedGateUp(PackedLinear):
     """A decoder MLP's gate_up_proj packed as GateUpPanels: `silu_mul(x)` is SiLU(gate) * up in one GEMM pass
     (MLP.forward takes it when the layer runs the CPU kernels), `forward(x)` the plain [gate, up] output."""
 
-    def __init__(self, linear: nn.Linear, kernels):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = GateUpPanels(linear.weight, kernels)
-        self.bias = None  # the panels' order, in both calls: fused_bias
-        self.fused_bias = None if linear.bias is None else self.packed.interleave(linear.bias.detach().float())
+    def pack(self, weight: torch.Tensor) -> GateUpPanels:
+        return GateUpPanels(weight, tandem_gemm(weight.dtype))
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed.silu_mul(x, self.fused_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed(x, self.fused_bias)
+        return self.packed.silu_mul(x, self.bias)
 
 
 def fused_gate_up(linear: nn.Linear) -> FusedGateUp | None:
@@ -150,7 +150,7 @@ def fused_gate_up(linear: nn.Linear) -> FusedGateUp | None:
     kernels = tandem_gemm(linear.weight.dtype)
     if kernels is None or not getattr(kernels, "gemm_silu", False) or linear.out_features % 2:
         return None
-    return FusedGateUp(linear, kernels)
+    return FusedGateUp(linear)
 
 
 def pack_linears(module: nn.Module) -> int:
