@@ -29,7 +29,8 @@ scripts/serve.sh sets), and streams /v1/completions with httpx: `--http-c1-reque
 (`--single-tokens` tokens each) and the offline workload 16 at a time; TTFT (to the first text chunk) and
 TPOT ((end - first) / (tokens - 1)) medians, output tok/s. `--http-rounds N` starts the servers N times in
 turn (each alone, restarted every round) and takes medians over every run, so the machine's drift falls on
-all of them alike; with 1 (the default) each server runs once per dtype. `--http-direct-ingress` adds a
+all of them alike; with 1 (the default) each server runs once per dtype. `--json` keeps every run's figures
+too (http_each_run). `--http-direct-ingress` adds a
 Tandem row with Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: no proxy, clients on the ingress
 replica's own port). `--http-haproxy` adds the colocated app behind Serve's HAProxy ingress
 (RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy on the app's port forwards to the replica's direct-ingress port; not
@@ -358,7 +359,8 @@ async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concur
             "tpot_p50_ms": statistics.median(tpot)}
 
 
-def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) -> dict:
+def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) -> tuple[dict, dict]:
+    """Medians and ratios by server, and every run's figures (server -> c1/c16 -> one dict a run, in order)."""
     rows = {}
     names = [e for e in engines if e != "hf"]
     if "tandem" in names:
@@ -393,7 +395,7 @@ def bench_http(dtype: str, engines: list[str], args, model_dir: str, prompts) ->
                 "ttft_p50": v[c]["ttft_p50_ms"] / t[c]["ttft_p50_ms"],
                 "ttft_mean": v[c]["ttft_mean_ms"] / t[c]["ttft_mean_ms"],
                 "tpot_p50": v[c]["tpot_p50_ms"] / t[c]["tpot_p50_ms"]} for c in ("c1", "c16")}
-    return rows
+    return rows, runs
 
 
 def machine() -> dict:
@@ -512,7 +514,9 @@ def main() -> None:
         if not args.skip_offline:
             report["dtypes"][dtype] = bench_dtype(dtype, engines, args, model_dir, prompts, single)
         if args.http:
-            report.setdefault("http", {})[dtype] = bench_http(dtype, engines, args, model_dir, prompts)
+            # each run too: a cell whose rounds straddle 1.0x is read round by round (README "Benchmarks")
+            report.setdefault("http", {})[dtype], report.setdefault("http_each_run", {})[dtype] = \
+                bench_http(dtype, engines, args, model_dir, prompts)
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
