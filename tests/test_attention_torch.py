@@ -213,14 +213,17 @@ def test_cpu_prefill_kernel_same_result_however_k_is_packed(dtype, window):
         assert out[0].isnan().all() and out[-2:].isnan().all() and torch.equal(out[1:-2], outs[0][1:-2])
 
 
-def test_cpu_attention_kernels_run_without_the_gil():
-    """paged_prefill and paged_decode release the GIL for the call, as PyTorch's own ops do, so another Python
-    thread (an engine replica's Serve loop shipping chunks) runs meanwhile. With the switch interval at 100 s,
-    the only way the ticking thread can get the GIL while this thread is in a call is the call releasing it:
-    a kernel that holds it leaves the count exactly as it was before the call."""
+def test_cpu_kernels_run_without_the_gil():
+    """Every op of the CPU extension (paged_prefill, paged_decode, the GEMMs, RMSNorm, SiLU * up, RoPE) releases
+    the GIL for the call, as PyTorch's own ops do, so another Python thread (an engine replica's Serve loop
+    shipping chunks) runs meanwhile. With the switch interval at 100 s, the only way the ticking thread can get
+    the GIL while this thread is in a call is the call releasing it: an op that holds it leaves the count
+    exactly as it was before the call."""
     import sys
     import threading
     import time
+
+    from engine.models.decoder import fp32_norm_lanes
 
     kernel = cpu_native.load()
     torch.manual_seed(0)
@@ -238,6 +241,19 @@ def test_cpu_attention_kernels_run_without_the_gil():
                                                                 for x in (0, seq, seq)),
                         dim ** -0.5, 0, 0.0, torch.empty_like(q))
         calls["prefill"] = lambda: kernel.paged_prefill(*prefill_args)
+    if "float32" in kernel.gemm_dtypes:  # a prefill step's MLP shapes (SmolLM2-135M)
+        x, gate_up = torch.randn(seq, 576), kernel.gemm_pack(torch.randn(3072, 576))
+        calls["gemm_linear"] = lambda: kernel.gemm_linear(x, gate_up, None, 3072)
+        if kernel.gemm_silu:
+            calls["gemm_silu_mul"] = lambda: kernel.gemm_silu_mul(x, gate_up, None, 1536)
+    rows, residual, w = torch.randn(8 * seq, 576), torch.randn(8 * seq, 576), torch.randn(576)
+    lanes = fp32_norm_lanes(kernel, 576, 1e-5)
+    wide, qkv = torch.randn(seq, 2 * 1536), torch.randn(seq, 15 * 64)
+    cos, sin = torch.randn(seq, 32), torch.randn(seq, 32)
+    rows16, residual16, w16 = rows.bfloat16(), residual.bfloat16(), w.bfloat16()
+    calls.update(rms_norm=lambda: kernel.rms_norm(rows16, residual16, w16, 1e-5),  # bf16's
+                 rms_norm_f32=lambda: kernel.rms_norm_f32(rows, residual, w, 1e-5, lanes),
+                 silu_mul=lambda: kernel.silu_mul(wide), rope_=lambda: kernel.rope_(qkv, cos, sin, 12, 64))
     ticks, stop = [0], threading.Event()
 
     def tick() -> None:
