@@ -223,8 +223,6 @@ def test_cpu_kernels_run_without_the_gil():
     import threading
     import time
 
-    from engine.models.decoder import fp32_norm_lanes
-
     kernel = cpu_native.load()
     torch.manual_seed(0)
     bs, heads, kv_heads, dim, seq = 16, 8, 8, 64, 2048
@@ -247,13 +245,16 @@ def test_cpu_kernels_run_without_the_gil():
         if kernel.gemm_silu:
             calls["gemm_silu_mul"] = lambda: kernel.gemm_silu_mul(x, gate_up, None, 1536)
     rows, residual, w = torch.randn(8 * seq, 576), torch.randn(8 * seq, 576), torch.randn(576)
-    lanes = fp32_norm_lanes(kernel, 576, 1e-5)
     wide, qkv = torch.randn(seq, 2 * 1536), torch.randn(seq, 15 * 64)
     cos, sin = torch.randn(seq, 32), torch.randn(seq, 32)
     rows16, residual16, w16 = rows.bfloat16(), residual.bfloat16(), w.bfloat16()
     calls.update(rms_norm=lambda: kernel.rms_norm(rows16, residual16, w16, 1e-5),  # bf16's
-                 rms_norm_f32=lambda: kernel.rms_norm_f32(rows, residual, w, 1e-5, lanes),
+                 rms_norm_f32=lambda: kernel.rms_norm_f32(rows, residual, w, 1e-5, 8),  # any lane count
                  silu_mul=lambda: kernel.silu_mul(wide), rope_=lambda: kernel.rope_(qkv, cos, sin, 12, 64))
+    # Calls in a row, so each span lasts >= ~20 ms on the dev VM (rope_ takes 0.4 ms there, silu_mul 1.5,
+    # rms_norm 3): a released GIL is taken only once the ticker's sleep ends and the scheduler runs it, which a
+    # call shorter than that can miss. Between the calls this thread keeps the GIL (switch interval 100 s).
+    repeats = {"rope_": 50, "silu_mul": 15, "rms_norm": 8}
     ticks, stop = [0], threading.Event()
 
     def tick() -> None:
@@ -270,8 +271,9 @@ def test_cpu_kernels_run_without_the_gil():
         for name, call in calls.items():
             for _ in range(3):
                 before = ticks[0]
-                call()
+                kept = [call() for _ in range(repeats.get(name, 1))]
                 during.setdefault(name, []).append(ticks[0] - before)
+                del kept  # after the count: freeing a tensor releases the GIL, whatever the op that made it
     finally:
         stop.set()
         sys.setswitchinterval(old)
