@@ -37,9 +37,9 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative
 @functools.cache
 def load():
     """The compiled module (`paged_decode`, `paged_prefill` where the CPU has AVX-512 (`prefill_dtypes` says
-    which dtypes), `rms_norm`, `silu_mul`, `rope_`, and cpu_gemm.cpp's `gemm_pack` / `gemm_linear` for the
-    dtypes in `gemm_dtypes` and `gemm_silu_mul` where `gemm_silu`), or None if disabled or it does not build
-    here. Concurrent first calls may both reach the build;
+    which dtypes), `rms_norm` (bf16), `rms_norm_f32`, `silu_mul`, `rope_`, and cpu_gemm.cpp's `gemm_pack` /
+    `gemm_linear` for the dtypes in `gemm_dtypes` and `gemm_silu_mul` where `gemm_silu`; every op runs without
+    the GIL), or None if disabled or it does not build here. Concurrent first calls may both reach the build;
     cpp_extension's lock file makes the second wait and reuse it."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
