@@ -283,11 +283,11 @@ def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
     64-bit addresses live); prefill runs 32-key tiles with 8 warps; decode runs 4 warps, since at head_dim
     128 with 8 warps and no key split (Llama-3.1-8B at 33+ rows on an H100) ptxas caps the kernel at 128
     registers with a 24-byte stack frame, while 4 warps need 146 and none. Past head_dim 128 (Gemma's 256)
-    prefill runs 4 warps over 32-row tiles (prefill_block_m): 64 rows spilled 120-144 bytes to the stack
-    with 16- or 32-key tiles. Not yet tuned by timing on a GPU."""
-    if not decode:
-        return 32, (4 if head_dim > 128 else 8)
-    return 32, 4
+    prefill runs 32-row tiles (prefill_block_m), also with 8 warps: 64 rows spilled 120-144 bytes to the
+    stack with 16- or 32-key tiles, and 32 rows with 4 warps sat at 247-254 registers under Triton 3.9 and
+    spilled 56-72 bytes under Triton 3.6 (the H200 image's), where 8 warps need 211-239 and no stack.
+    Not yet tuned by timing on a GPU."""
+    return 32, (4 if decode else 8)
 
 
 def _auto_splits(device: torch.device, programs: int) -> int:
