@@ -10,13 +10,17 @@
 #   photon|graphs|throughput|bs1   one benchmark (bench/bench_gpu.py), all three models unless --models ...
 #   bench       the four benchmarks;  all (default): tests, then the four benchmarks
 #
-# Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, pytest; no ray, pydantic or
-# fastapi (engine/ and these tests import none of them). Nothing is downloaded: the benchmark models are
-# random weights with the real configs. Results (JSON, markdown, PNG) are written to bench/results/; when
-# $OUT is set (the device tool's output folder) they are also packed into $OUT/gpu_results.tgz, with
+# Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, pytest; no ray or fastapi. engine/
+# also imports pyahocorasick and xgrammar (with pydantic): where the machine lacks them and reaches no package
+# index, run scripts/gpu_wheels.sh on a machine that does and bring the .whl folder along with the checkout;
+# this script installs .whl/*.whl into a scratch folder on PYTHONPATH. Nothing is downloaded: the benchmark
+# models are random weights with the real configs. Results (JSON, markdown, PNG) are written to bench/results/;
+# when $OUT is set (the device tool's output folder) they are also packed into $OUT/gpu_results.tgz, with
 # $OUT/summary.md (every table of this run) and the logs next to it.
-# Rough durations on an H100: tests ~3 min, photon ~4 min, graphs ~3 min, throughput ~6 min (HF is the slow
-# part; split with --models), bs1 ~2 min. Keep each call under the device tool's 10-minute limit.
+# Durations measured on an H200 (first run, b7c3c6d; bench/results/h200_b7c3c6d/): tests 160 s; photon ~36 s a
+# model; bs1 and graphs ~40-45 s a model (transformers' generate at 50-70 ms a token is bs1's slow part; graphs'
+# eager steps run under the profiler); throughput did not finish one model in 96 s (transformers' continuous
+# batching of 256 requests is the slow part). Keep each call under the device tool's 10-minute limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -26,6 +30,12 @@ results=bench/results
 logs=${OUT:-$results}
 mkdir -p "$results" "$logs"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then  # packages the machine lacks (scripts/gpu_wheels.sh)
+  site=$(mktemp -d)
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
+    || { echo "installing .whl/*.whl failed"; exit 2; }
+  export PYTHONPATH="$site:$PYTHONPATH"
+fi
 stamp=$(mktemp)
 status=0
 
