@@ -164,7 +164,7 @@ class TandemRunner:
     def settings(self) -> dict:
         c = self.llm.config
         return {"pipeline_depth": c.pipeline_depth, "max_num_seqs": c.max_num_seqs,
-                "max_num_batched_tokens": c.max_num_batched_tokens, "block_size": c.block_size,
+                "max_num_batched_tokens": c.token_budget(), "block_size": c.block_size,
                 "num_kv_blocks": self.llm.stats()["kv_blocks_total"], "enable_prefix_caching": False,
                 "cpu_executor_thread": c.cpu_executor_thread}
 

@@ -503,7 +503,8 @@ def main() -> None:
                           f"KV {args.kv_gib} GiB",
               "http_c1": f"{args.http_c1_requests} requests one at a time, {args.single_tokens} tokens each",
               "http_runs": f"{args.http_rounds} rounds of the servers in turn x {args.http_repeats} runs each; medians",
-              "http_max_num_batched_tokens": args.max_num_batched_tokens or "each server's default (2048)",
+              "http_max_num_batched_tokens": args.max_num_batched_tokens
+              or "each server's default (vLLM's CPU server: 2048; Tandem: EngineConfig.token_budget())",
               "repeats": args.repeats, "hf_repeats": min(args.hf_repeats, args.repeats),
               "single_repeats": args.single_repeats, "dtypes": {},
               "forward_threads": {"vllm_omp_bind": vllm_omp_bind(args),

@@ -16,7 +16,7 @@ import uuid
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import entry_points
 
 import torch
@@ -64,6 +64,8 @@ class LLMEngine:
     funnels other threads' calls through its inbox)."""
 
     def __init__(self, config: EngineConfig):
+        if config.max_num_batched_tokens is None:  # auto, resolved once: everything below reads the number
+            config = replace(config, max_num_batched_tokens=config.token_budget())
         self.config = config
         self.simulated = config.device == "sim"  # engine/sim: host side real, device time modelled
         self.compute_device = _resolve_device(config.device)  # where forwards run (sim: host tensors)
@@ -550,7 +552,8 @@ class LLMEngine:
             "num_waiting": len(sched.waiting), "num_running": len(sched.running),
             "num_swapped": len(sched.swapped),
             "device": str(self.compute_device), "dtype": str(self.dtype).removeprefix("torch."),
-            "pipeline_depth": self.pipeline_depth, "num_compiling": len(self.compiling),
+            "pipeline_depth": self.pipeline_depth, "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "num_compiling": len(self.compiling),
             "executor": type(self.runner.executor).__name__,
             "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
             "cuda_graph_max_batch_size": self.runner.max_graph_batch_size(),
