@@ -28,11 +28,11 @@ class EngineConfig:
     swap_space_gb: float = 0.0
     max_num_seqs: int = 256
     # Tokens one step may carry (chunked prefill splits longer prompts). None (auto): 2048 on a GPU or the
-    # simulated one; on CPU 256 per forward thread, within 512..2048 (token_budget()). A CPU step of 2048
-    # prompt tokens takes ~1.7 s on 2 cores (SmolLM2-135M fp32), and a burst of prompts then arrives in such
-    # steps: 16 streams of 100-400-token prompts over HTTP, TTFT p50 2.97 s at 2048 against 1.21 s at 512
-    # (vLLM's CPU server, 2048: 2.85 s), output 175 -> 179 tok/s, time per token 68 -> 79 ms (the prompts of
-    # a burst now share steps with the streams already decoding); offline throughput unchanged.
+    # simulated one; on CPU 512 per forward thread, within 512..2048 (token_budget()). A CPU step of 2048
+    # prompt tokens takes ~1.7 s on 2 cores (SmolLM2-135M fp32), and a burst of prompts arrives in such steps
+    # while every running stream waits. Over HTTP, 16 streams of 100-400-token prompts, fp32, one budget
+    # against the next: TTFT p50 2.97 s at 2048, 2.31 s at 1024, 1.21 s at 512, and time per token 68, 73,
+    # 79 ms (the prompts of a burst share steps with the streams already decoding); README "Benchmarks".
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -184,7 +184,7 @@ class EngineConfig:
                              f"tokenizer files); {model!r} is not a directory")
 
     def token_budget(self) -> int:
-        """max_num_batched_tokens, resolved: as given, else 2048 on cuda and sim, and on CPU 256 tokens per
+        """max_num_batched_tokens, resolved: as given, else 2048 on cuda and sim, and on CPU 512 tokens per
         forward thread (cpu_threads, else torch's intra-op threads) within 512..2048."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
@@ -192,7 +192,7 @@ class EngineConfig:
 
         if self.device in ("cuda", "sim") or (self.device == "auto" and torch.cuda.is_available()):
             return 2048
-        return max(512, min(2048, 256 * (self.cpu_threads or torch.get_num_threads())))
+        return max(512, min(2048, 512 * (self.cpu_threads or torch.get_num_threads())))
 
     def _check_tensor_parallel(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
