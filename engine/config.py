@@ -30,9 +30,9 @@ class EngineConfig:
     # Tokens one step may carry (chunked prefill splits longer prompts). None (auto): 2048 on a GPU or the
     # simulated one; on CPU 512 per forward thread, within 512..2048 (token_budget()). A CPU step of 2048
     # prompt tokens takes ~1.7 s on 2 cores (SmolLM2-135M fp32), and a burst of prompts arrives in such steps
-    # while every running stream waits. Over HTTP, 16 streams of 100-400-token prompts, fp32, one budget
-    # against the next: TTFT p50 2.97 s at 2048, 2.31 s at 1024, 1.21 s at 512, and time per token 68, 73,
-    # 79 ms (the prompts of a burst share steps with the streams already decoding); README "Benchmarks".
+    # while every running stream waits. Over HTTP, 16 streams of 100-400-token prompts, fp32, one run each:
+    # TTFT p50 2.97 s at 2048, 2.31 s at 1024, 1.21 s at 512, and time per token 68, 73, 79 ms (the prompts
+    # of a burst share steps with the streams already decoding); README "Benchmarks" has the 3-round runs.
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
