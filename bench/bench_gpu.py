@@ -173,7 +173,7 @@ def kernel_vs_gap(llm: LLM, ck: Checkpoint, s: Settings, batch: int, use_graphs:
     reqs = [([rng.randrange(ck.vocab_size) for _ in range(s.scaled(128, 16))],
              SamplingParams(max_tokens=warm + window + 10, temperature=0, ignore_eos=True)) for _ in range(batch)]
     prof = _Profiler(s.device)
-    first_decode = 2 + -(-batch * s.scaled(128, 16) // llm.config.token_budget())
+    first_decode = 2 + -(-batch * s.scaled(128, 16) // llm.engine.config.max_num_batched_tokens)
     run = drive(llm, reqs, on_step=lambda i: prof.step(i, first_decode + warm, window))
     steps = [t for t in run.timings[first_decode + warm:first_decode + warm + window]]
     period = med(t["device_period_s"] for t in steps[1:])

@@ -62,7 +62,7 @@ class StepRunner:
 
     @staticmethod
     def buffer_limits(config: EngineConfig, max_model_len: int) -> BufferLimits:
-        return BufferLimits(max_tokens=max(config.token_budget(), config.max_num_seqs),
+        return BufferLimits(max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                             max_seqs=config.max_num_seqs, max_blocks=-(-max_model_len // config.block_size),
                             lora=config.enable_lora)
 
