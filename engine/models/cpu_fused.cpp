@@ -39,6 +39,11 @@
 // The vector exp PyTorch's own AVX-512 kernels call (Vectorized<float>::exp), exported by libtorch_cpu: SiLU
 // here computes exactly what torch's silu kernel computes, x / (1 + exp(-x)) in fp32.
 extern "C" __m512 Sleef_expf16_u10(__m512);
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TANDEM_FUSED_AVX2 1
+// The vector exp of PyTorch's AVX2 kernels (Vectorized<float>::exp at ATEN_CPU_CAPABILITY=avx2).
+extern "C" __m256 Sleef_expf8_u10(__m256);
 #endif
 
 namespace {
@@ -81,6 +86,9 @@ inline float f32(T x) { return static_cast<float>(x); }
 template <typename T>
 inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
 
+template <int W>
+float torch_sum_of_squares(const float* h, int64_t d);  // below: PyTorch's fp32 sum order at W lanes
+
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out, const at::Tensor& w,
                    at::Tensor& out, double eps) {
@@ -116,12 +124,13 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, at::Tensor* 
         store(o + i, m, _mm512_mul_ps(load(wp + i, m), y));  // w * (x * inv).to(bf16)
       }
 #else
-      float acc = 0.f;
       for (int64_t i = 0; i < d; ++i) {
         v[i] = rp ? rnd<T>(f32(xr[i]) + f32(rp[r * d + i])) : f32(xr[i]);
         if (rp) rop[r * d + i] = static_cast<T>(v[i]);
-        acc += v[i] * v[i];
       }
+      // In the order of PyTorch's own 8-lane fp32 sum (a plain running sum rounds the other way on ~5e-4 of
+      // the outputs; this, like the AVX-512 path's 16 lanes, on ~1e-5)
+      const float acc = torch_sum_of_squares<8>(v.data(), d);
       const float inv = 1.f / std::sqrt(acc / static_cast<float>(d) + feps);
       for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(f32(wp[i]) * rnd<T>(v[i] * inv));
 #endif
@@ -308,7 +317,7 @@ const float* silu_bf16_table() {
 // GEMM's fp32 sums): bf16 rounds them to bf16 first, as a stored bf16 gate/up output is (exact when Tin is T),
 // and looks the SiLU up in `table`.
 template <typename T, typename Tin>
-inline void silu_mul_row(const Tin* g, const Tin* u, int64_t width, T* o, const float* table) {
+inline void silu_mul_row(const Tin* g, const Tin* u, int64_t width, T* o, const float* table, int64_t = 0) {
   for (int64_t i = 0; i < width; i += 16) {
     const __mmask16 m = lanes(width - i);
     const __m512 gv = load(g + i, m);
@@ -322,26 +331,75 @@ inline void silu_mul_row(const Tin* g, const Tin* u, int64_t width, T* o, const 
 }
 #endif
 
+#ifndef TANDEM_FUSED_AVX512
+// SiLU as PyTorch's silu kernel computes it at this level for a row of `width`: its vectorized loop takes the
+// row 2 vectors at a time (16 lanes on AVX2: x / (1 + exp(-x)) with Sleef's 8-lane exp) and the rest as scalars
+// (std::exp); at the "default" level its vectors are scalar std::exp too. So every width is exact in fp32.
+inline float silu_scalar(float x) { return x / (1.f + std::exp(-x)); }
+#ifdef TANDEM_FUSED_AVX2
+inline __m256 silu8(__m256 x) {
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+constexpr int64_t kSiluVector = 16;  // lanes an iteration of PyTorch's vectorized loop (2 x 8)
+#else
+constexpr int64_t kSiluVector = 1;  // no vector arithmetic: all scalar
+#endif
+// Where PyTorch's vectorized loop leaves a row of `width` to its scalar tail.
+inline int64_t silu_vector_end(int64_t width) { return kSiluVector > 1 ? width / kSiluVector * kSiluVector : 0; }
+
+// bf16 gates through a table of every bf16 value's SiLU rounded to bf16 (as the AVX-512 path), built with the
+// vector arithmetic (PyTorch's bf16 silu converts to fp32 vectors; rows' scalar tails may differ by that exp).
+const float* silu_bf16_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; ++i) {
+      const uint32_t bits = i << 16;
+      float x;
+      std::memcpy(&x, &bits, sizeof(x));
+      t[i] = x;
+    }
+    int64_t i = 0;
+#ifdef TANDEM_FUSED_AVX2
+    for (; i < 65536; i += 8) _mm256_storeu_ps(t.data() + i, silu8(_mm256_loadu_ps(t.data() + i)));
+#endif
+    for (; i < 65536; ++i) t[i] = silu_scalar(t[i]);
+    for (float& y : t) y = rnd<at::BFloat16>(y);
+    return t;
+  }();
+  return table.data();
+}
+
+// fp32: values [0, vector_end) of the row by the vector arithmetic, the rest as PyTorch's scalar tail.
+template <typename T, typename Tin>
+inline void silu_mul_row(const Tin* g, const Tin* u, int64_t width, T* o, const float* table, int64_t vector_end) {
+  if constexpr (std::is_same<T, at::BFloat16>::value) {
+    for (int64_t i = 0; i < width; ++i)
+      o[i] = static_cast<T>(table[static_cast<T>(f32(g[i])).x] * rnd<T>(f32(u[i])));
+    return;
+  } else {
+    int64_t i = 0;
+#ifdef TANDEM_FUSED_AVX2
+    for (; i + 8 <= std::min(width, vector_end); i += 8)
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+#endif
+    for (; i < width; ++i) o[i] = silu_scalar(g[i]) * u[i];
+  }
+}
+#endif
+
 template <typename T>
 void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
-#ifdef TANDEM_FUSED_AVX512
   const float* table = std::is_same<T, at::BFloat16>::value ? silu_bf16_table() : nullptr;
-#endif
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gp + r * 2 * width;
-      const T* u = g + width;
-      T* o = op + r * width;
 #ifdef TANDEM_FUSED_AVX512
-      silu_mul_row(g, u, width, o, table);
+      silu_mul_row(g, g + width, width, op + r * width, table);
 #else
-      for (int64_t i = 0; i < width; ++i) {
-        const float x = f32(g[i]);
-        o[i] = static_cast<T>(rnd<T>(x / (1.f + std::exp(-x))) * f32(u[i]));
-      }
+      silu_mul_row(g, g + width, width, op + r * width, table, silu_vector_end(width));
 #endif
     }
   });
@@ -404,23 +462,30 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 
 }  // namespace
 
-#ifdef TANDEM_FUSED_AVX512
 namespace tandem_fused {
 // The fused gate/up GEMM's epilogue (engine/models/cpu_gemm.cpp): `rows` rows of `cols` (<= 24) gate sums at
 // gate[r * ld] and up sums at up[r * ld], fp32 with the bias added -> SiLU(gate) * up in out[r * ldo], T's type.
+// They are columns [col0, col0 + cols) of rows `width` wide: where PyTorch's SiLU would take a column as a
+// scalar tail (AVX2, default), so does this.
 // What silu_mul computes from the same sums stored by the unfused GEMM: in bf16 gate and up are rounded to bf16
 // first, as that GEMM's output is, and the SiLU is the same table; so the bits are the same either way.
 template <typename T>
 void silu_mul_rows(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols, T* out,
-                   int64_t ldo) {
+                   int64_t ldo, int64_t col0, int64_t width) {
   const float* table = std::is_same<T, at::BFloat16>::value ? silu_bf16_table() : nullptr;
-  for (int64_t r = 0; r < rows; ++r) silu_mul_row(gate + r * ld, up + r * ld, cols, out + r * ldo, table);
-}
-template void silu_mul_rows<float>(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t);
-template void silu_mul_rows<at::BFloat16>(const float*, const float*, int64_t, int64_t, int64_t, at::BFloat16*,
-                                          int64_t);
-}  // namespace tandem_fused
+#ifdef TANDEM_FUSED_AVX512
+  const int64_t vector_end = 0;
+#else
+  const int64_t vector_end = std::max<int64_t>(0, silu_vector_end(width) - col0);
 #endif
+  for (int64_t r = 0; r < rows; ++r)
+    silu_mul_row(gate + r * ld, up + r * ld, cols, out + r * ldo, table, vector_end);
+}
+template void silu_mul_rows<float>(const float*, const float*, int64_t, int64_t, int64_t, float*, int64_t, int64_t,
+                                   int64_t);
+template void silu_mul_rows<at::BFloat16>(const float*, const float*, int64_t, int64_t, int64_t, at::BFloat16*,
+                                          int64_t, int64_t, int64_t);
+}  // namespace tandem_fused
 
 void register_fused(pybind11::module& m) {
   // Without the GIL, as PyTorch's own ops and the GEMM and attention kernels run: a served replica's Serve thread

@@ -39,7 +39,7 @@
 namespace tandem_fused {  // engine/models/cpu_fused.cpp
 template <typename T>
 void silu_mul_rows(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols, T* out,
-                   int64_t ldo);
+                   int64_t ldo, int64_t col0, int64_t width);
 }
 #endif
 
@@ -67,7 +67,7 @@ inline void store_silu(const __m512 (&acc)[MR][3], const float* bias, T* y, int6
 #ifdef TANDEM_GEMM_SILU
   alignas(64) float sums[MR][kPanel];
   for (int m = 0; m < MR; ++m) store_row(acc[m], bias, sums[m], kPanel);
-  tandem_fused::silu_mul_rows<T>(sums[0], sums[0] + kHalf, kPanel, MR, cols, y, ldy);
+  tandem_fused::silu_mul_rows<T>(sums[0], sums[0] + kHalf, kPanel, MR, cols, y, ldy, 0, 0);
 #endif
 }
 
