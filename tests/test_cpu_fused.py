@@ -20,8 +20,23 @@ from engine.models import loader
 from engine.models.decoder import RMSNorm, apply_rope, fp32_norm_lanes
 from tiny_models import build
 
-kernels = cpu_native.load()
-pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU extension does not build here")
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="the CPU extension does not build here")
+
+
+@pytest.fixture(params=cpu_native.isas())
+def kernels(request):
+    """The kernels built for each instruction-set level this CPU runs (avx512, avx2, default): each path is
+    tested here, not only the one the engine picks."""
+    built = cpu_native.load(request.param)
+    assert built is not None and built.isa == request.param
+    return built
+
+
+def same_level_as_torch(kernels) -> bool:
+    """Whether PyTorch's own CPU kernels run at the build's level in this process (ATEN_CPU_CAPABILITY): SiLU is
+    bit for bit PyTorch's only then (the same vector exp, the same scalar tail); .ci/run runs these tests again
+    with ATEN_CPU_CAPABILITY=avx2 so that level is checked bit for bit too."""
+    return kernels.isa == cpu_native.current_isa()
 SHAPES = [(1, 576), (64, 576), (300, 960), (2048, 64), (512, 4096)]
 
 
@@ -30,7 +45,7 @@ def bf16(*shape, scale=1.0, seed=0):
 
 
 @pytest.mark.parametrize("rows,dim", SHAPES)
-def test_rms_norm_and_residual_add_equal_eager_bf16(rows, dim):
+def test_rms_norm_and_residual_add_equal_eager_bf16(kernels, rows, dim):
     norm = RMSNorm(dim, 1e-6).to(torch.bfloat16)
     norm.weight.data = bf16(dim, seed=1)
     x, residual = bf16(rows, dim, scale=4.0, seed=2), bf16(rows, dim, seed=3)
@@ -53,13 +68,30 @@ def assert_within_one_ulp(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows,dim", SHAPES)
-def test_silu_mul_equals_eager(rows, dim, dtype):
+def test_silu_mul_equals_eager(kernels, rows, dim, dtype):
+    """Bit for bit where PyTorch runs at the build's level. At another level the exp differs (Sleef's 16- or
+    8-lane u10 exp, or glibc's scalar expf, each within 1 ulp) and so may where a row's scalar tail starts:
+    x / (1 + e) * up is then off by at most ~3 fp32 ulps (1 from exp, 1/2 each from the division and the
+    multiply, the 1 + e add only shrinks e's error); in bf16 SiLU(gate) rounds to a neighbouring bf16 at most,
+    so the product is within 2 bf16 ulps."""
     gate_up = bf16(rows, 2 * dim, scale=3.0).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.equal(kernels.silu_mul(gate_up), F.silu(gate).mul_(up))
+    out, want = kernels.silu_mul(gate_up), F.silu(gate).mul_(up)
+    if same_level_as_torch(kernels):
+        assert torch.equal(out, want)
+    elif dtype == torch.float32:
+        assert_within_ulps(out, want, 3, mantissa_bits=24)
+    else:
+        assert_within_ulps(out, want, 2, mantissa_bits=8)
 
 
-def test_silu_mul_bf16_every_gate_value():
+def assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: int, mantissa_bits: int) -> None:
+    ref = ref.detach().float()
+    ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref).exponent - mantissa_bits)
+    assert ((out.float() - ref).abs() <= ulps * ulp).all()
+
+
+def test_silu_mul_bf16_every_gate_value(kernels):
     """The bf16 kernel looks SiLU up in a table over all 65,536 bf16 values: every one of them as a gate (NaNs,
     infinities, subnormals, both zeros included) against eager, bit for bit wherever eager's result is a number,
     with a 1.5 up and a random up; a width of 65,542 also runs the masked tail."""
@@ -70,12 +102,18 @@ def test_silu_mul_bf16_every_gate_value():
         out = kernels.silu_mul(torch.cat([gate, up]).view(1, -1))[0]
         want = F.silu(gate.view(1, -1)).mul_(up.view(1, -1))[0]
         nan = want.isnan()  # NaN out where eager has NaN (the kernel stores the one NaN c10::BFloat16 rounds to)
-        assert torch.equal(out.isnan(), nan) and torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+        assert torch.equal(out.isnan(), nan)
+        if same_level_as_torch(kernels):
+            assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+        else:  # another exp (see test_silu_mul_equals_eager): a neighbouring bf16 at most, infinities alike
+            assert torch.equal(out[~nan].isinf(), want[~nan].isinf())
+            finite = ~nan & ~want.isinf()
+            assert_within_ulps(out[finite], want[finite], 2, mantissa_bits=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,half", [(9, 3, 64, 32), (4, 1, 32, 16), (4, 2, 16, 4)])
-def test_rope_in_place_equals_apply_rope(dtype, heads, kv_heads, head_dim, half):
+def test_rope_in_place_equals_apply_rope(kernels, dtype, heads, kv_heads, head_dim, half):
     """q and k heads rotated inside the fused qkv row; the v columns untouched; half < head_dim / 2 is
     partial rotary (Phi-4-mini): the remaining dims pass through."""
     tokens = 37
@@ -93,7 +131,7 @@ FP32_DIMS = [1, 7, 16, 17, 64, 100, 576, 896, 960, 2048, 2304, 4096, 65536]
 
 
 @pytest.mark.parametrize("dim", FP32_DIMS)
-def test_fp32_rms_norm_and_residual_add_equal_torch_bit_for_bit(dim):
+def test_fp32_rms_norm_and_residual_add_equal_torch_bit_for_bit(kernels, dim):
     """Oracle: F.rms_norm itself (what RMSNorm runs in fp32, and HF's arithmetic). The kernel sums the squares
     in PyTorch's order at the vector width fp32_norm_lanes found; every output bit must match, at scales where
     the sum's rounding decides many bits, across row widths that take every branch of PyTorch's cascade
@@ -115,7 +153,7 @@ def test_fp32_rms_norm_and_residual_add_equal_torch_bit_for_bit(dim):
     assert not torch.equal(kernels.rms_norm_f32(x, None, w, 1e-6, other)[0], F.rms_norm(x, (x.shape[1],), w, 1e-6))
 
 
-def test_bad_inputs_are_refused_with_the_reason():
+def test_bad_inputs_are_refused_with_the_reason(kernels):
     with pytest.raises(RuntimeError, match="float32"):
         kernels.rms_norm_f32(bf16(4, 8), None, bf16(8), 1e-6, 8)
     with pytest.raises(RuntimeError, match="lanes"):

@@ -86,8 +86,13 @@ inline float f32(T x) { return static_cast<float>(x); }
 template <typename T>
 inline float rnd(float x) { return static_cast<float>(static_cast<T>(x)); }
 
+// Below: PyTorch's fp32 sum order at W lanes. Declared under the same pragma as its definition: a template's
+// first declaration decides its instances' optimize attributes, and reassociation would reorder the sum.
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
 template <int W>
-float torch_sum_of_squares(const float* h, int64_t d);  // below: PyTorch's fp32 sum order at W lanes
+float torch_sum_of_squares(const float* h, int64_t d);
+#pragma GCC pop_options
 
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out, const at::Tensor& w,

@@ -1,9 +1,9 @@
 """Packed linears for the CPU path: weights reordered once at load into a layout made for the machine.
 
-On a CPU with AVX-512 (bf16: AVX512-BF16 too): Tandem's own GEMM (engine/models/cpu_gemm.cpp, column
-panels of 48), faster than oneDNN's packed matmul at every row count measured (SmolLM2-135M's shapes, 2-core
-AMD EPYC, each weight read once from DRAM as in a forward, fp32: 1 row 1.3-1.9x, 16 rows 1.2-1.5x, 346 rows
-1.03-1.07x). TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0, or a CPU without AVX-512) keeps oneDNN.
+Where the CPU kernels build (every x86-64 level: AVX-512, AVX2, baseline; fp32 and bf16): Tandem's own GEMM
+(engine/models/cpu_gemm.cpp, column panels of 48), faster than oneDNN's packed matmul at the row counts of
+decode and level with it at prefill's (bench/README.md has the figures). TANDEM_CPU_GEMM=0 (or
+TANDEM_CPU_KERNELS=0) keeps oneDNN, for the dtypes oneDNN runs on this CPU (`available`).
 
 A decoder MLP's gate_up_proj becomes a FusedGateUp there: its GEMM computes SiLU(gate) * up in the epilogue
 (cpu_gemm.cpp's gemm_silu_mul), so the 2x wider gate/up output never goes through memory.
@@ -36,7 +36,18 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available(dtype: torch.dtype) -> bool:
-    return torch.backends.mkldnn.is_available() and dtype in DTYPES
+    """Whether linears of `dtype` can be packed here: by Tandem's GEMM, or by oneDNN where it runs the dtype on
+    this CPU (its bf16 matmul needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere it refuses at packing, so
+    the plain weights and F.linear stay)."""
+    if dtype not in DTYPES:
+        return False
+    return tandem_gemm(dtype) is not None or onednn_runs(dtype)
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def tandem_gemm(dtype: torch.dtype):
