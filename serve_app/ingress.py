@@ -71,6 +71,10 @@ async def _start(engine: DeploymentHandle, request: GenerateRequest):
         try:
             first = await stream.__anext__()
             break
+        except asyncio.CancelledError:  # the client left: the replica call goes too (the engine aborts, frees KV)
+            with contextlib.suppress(Exception):
+                stream.cancel()
+            raise
         except Exception as exc:  # noqa: BLE001 - retried once, or mapped to an OpenAI error
             # cancel() re-raises the rejection of a call Serve never assigned (BackPressureError): that must
             # not replace the OpenAI error (Serve would answer with its own plain-text 503, no Retry-After).
@@ -229,6 +233,9 @@ class OpenAIIngress:
             stream, first = await _start(self.engine, GenerateRequest(request_id, prompt_ids, params,
                                                                       ingress_time=timing.receipt_wall,
                                                                       lora_request=lora))
+        except (asyncio.CancelledError, RequestCancelledError):  # gone before the first token (a long prefill)
+            self.metrics.count(_endpoint(request), STATUS_CLIENT_CLOSED, "abort")
+            raise
         except APIError as err:  # a grammar that does not compile: name the field the client set
             if err.param == "structured_outputs":
                 err.message = structured_error(err.message, body.structured_source)

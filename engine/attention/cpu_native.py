@@ -19,7 +19,7 @@ the paths of one without. `load(isa)` builds any level the CPU can run (the test
 kernel sources sharing one cache do not rebuild over each other) and, for "avx512", this CPU's feature flags
 (-march=native code is reused only on the same kind of CPU). Cached in TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions): later processes load the .so in well under a second. `scripts/bootstrap.sh` builds
-this CPU's level at install (`python -m engine.attention.cpu_native`), so the first server does not.
+this CPU's level at install (`cpu_native.main`), so the first server does not.
 
 `load()` returns the module, or None, with one warning naming why, when it cannot be built; callers then keep
 the torch paths (gather + SDPA, eager ops, oneDNN or F.linear). TANDEM_CPU_KERNELS=0 turns it off.
@@ -153,8 +153,13 @@ def _built(cpp_extension, name: str) -> bool:
     return (root / f"{name}.so").exists()
 
 
-if __name__ == "__main__":  # scripts/bootstrap.sh: build this CPU's level now, not inside the first replica
-    logging.basicConfig(level=logging.WARNING)
-    mod = load(*sys.argv[1:2])
-    print(f"tandem: CPU kernels: {'ready (' + mod.isa + ')' if mod is not None else 'unavailable'}")
-    sys.exit(0 if mod is not None or os.environ.get("TANDEM_CPU_KERNELS") == "0" else 1)
+def main(argv: list[str] | None = None) -> int:
+    """scripts/bootstrap.sh: build this CPU's level (or the one named) now, not inside the first replica."""
+    argv = sys.argv[1:] if argv is None else argv
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        print("tandem: CPU kernels off (TANDEM_CPU_KERNELS=0)")
+        return 0
+    mod = load(argv[0] if argv else None)
+    print(f"tandem: CPU kernels ready ({mod.isa})" if mod is not None else
+          "tandem: CPU kernels unavailable (see the warning above); the engine uses the torch paths")
+    return 0 if mod is not None else 1
