@@ -63,20 +63,26 @@ def compute(plan: PromptLogprobPlan, hidden: torch.Tensor, logits_fn) -> None:
         rank = (lp > chosen).sum(dim=-1) + 1  # vLLM's rank: 1 + tokens strictly more likely
         top = lp.topk(plan.k, dim=-1) if plan.k > 0 else None
         parts.append((chosen[:, 0], rank, top))
-    plan.logprob = torch.cat([p[0] for p in parts])
-    plan.rank = torch.cat([p[1] for p in parts])
+    # Copied to the host here, queued behind the scoring: the step's event covers them, so `commit` reads host
+    # memory (a .tolist() of a device tensor there would wait for whatever the stream runs next: the following
+    # step's forward, in the pipelined loop). non_blocking D2H lands in pinned memory; on CPU it is a no-op.
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu", non_blocking=True)
+
+    plan.logprob = host(torch.cat([p[0] for p in parts]))
+    plan.rank = host(torch.cat([p[1] for p in parts]))
     if plan.k > 0:
-        plan.top_logprobs = torch.cat([p[2].values for p in parts])
-        plan.top_ids = torch.cat([p[2].indices for p in parts])
+        plan.top_logprobs = host(torch.cat([p[2].values for p in parts]))
+        plan.top_ids = host(torch.cat([p[2].indices for p in parts]))
 
 
 def commit(plan: PromptLogprobPlan) -> None:
     """Store the scored prompt tokens into their sequences (after the step's wait: results are final).
 
     Indexed by prompt position, so a prefill recomputed after a preemption overwrites what it had."""
-    lps, ranks = plan.logprob.tolist(), plan.rank.tolist()
-    top_lps = plan.top_logprobs.tolist() if plan.top_ids is not None else None
-    top_ids = plan.top_ids.tolist() if plan.top_ids is not None else None
+    lps, ranks = plan.logprob.tolist(), plan.rank.tolist()  # host memory (compute's copies)
+    top_lps = plan.top_logprobs.tolist() if plan.top_ids is not None else None  # host memory
+    top_ids = plan.top_ids.tolist() if plan.top_ids is not None else None  # host memory
     r = 0
     for seq, first, count in plan.spans:
         out, k, prompt = seq.prompt_logprobs, seq.params.prompt_logprobs, seq.prompt_token_ids

@@ -159,11 +159,9 @@ def test_step_buffers_reject_oversized_steps():
 
 
 # ---- the hot path does not synchronize -------------------------------------------------------------------------
-HOT_PATH = ["engine/model_runner.py", "engine/executor.py", "engine/step_buffers.py", "engine/cuda_graphs.py",
-            "engine/sampler.py", "engine/slot.py", "engine/models/decoder.py", "engine/models/moe.py",
-            "engine/models/moe_triton.py",
-            "engine/attention/triton_paged.py", "engine/attention/flash.py", "engine/tp/runner.py",
-            "engine/tp/comm.py", "engine/tp/channel.py", "engine/models/tp.py"]
+# Every engine module: a new file on the step path is checked without anyone remembering to list it. Code off the
+# hot path (load time, the simulator's host-side bookkeeping) marks its lines like any other.
+HOT_PATH = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py"))
 BANNED = re.compile(r"\.item\(\)|\.cpu\(\)|\.tolist\(\)|\.numpy\(\)|torch\.cuda\.synchronize|\.synchronize\(\)")
 # A line may still hold one of these when it reads host memory or is the one documented wait: its comment
 # says which ("# host memory", "# sync-ok: ...", or the commit's event wait).
@@ -180,6 +178,7 @@ def hot_path_violations(text: str) -> list[str]:
 
 
 def test_hot_path_has_no_synchronizing_calls():
+    assert {"engine/model_runner.py", "engine/prompt_logprobs.py", "engine/attention/triton_paged.py"} <= set(HOT_PATH)
     found = {f: hot_path_violations((ROOT / f).read_text()) for f in HOT_PATH}
     assert {f: v for f, v in found.items() if v} == {}
 

@@ -232,7 +232,7 @@ class StageWorker:
             batch = self.sampling[version]  # None for a step with no sampling rows (a mid-prompt chunk)
             out = self.sampler(out, batch.to(self.device)).tokens if batch is not None else \
                 torch.empty(0, dtype=torch.long, device=self.device)
-        return out.cpu()  # the driver samples (or commits) on the host; a no-op on cpu
+        return out.cpu()  # sync-ok: the driver samples (or commits) on the host, over Ray; a no-op on cpu
 
     def run(self, batch: StageBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """prepare + forward in one call (the transport without token-safe execution)."""

@@ -61,7 +61,7 @@ class SimExecutor:
         return self._marks[b[0] % _RING][b[1]] - self._marks[a[0] % _RING][a[1]]
 
     def wait_copied(self, slot: DecodeSlot) -> None:
-        self.device.synchronize(self.copy_done[slot.index])
+        self.device.synchronize(self.copy_done[slot.index])  # sync-ok: the simulated device's own wait
 
     def shutdown(self) -> None:
         pass
@@ -198,16 +198,16 @@ class SimRunner(StepRunner):
         positions = [c.start + c.num_tokens for c in step.sample_chunks]
         rows = batch.bitmask_rows
         tokens, h = self.tokens.sample(seqs, positions, batch.bitmask if rows else None, rows)
-        slot.host_sampled.numpy()[:n] = tokens
+        slot.host_sampled.numpy()[:n] = tokens  # host memory
         nbytes, copies = 8 * n, 1
         k = batch.num_logprobs
         if k >= 0:
             chosen, top_ids, top_lp = fake_logprobs(tokens, h, self.tokens.candidates, k)
-            slot.host_logprobs.numpy()[:n] = chosen
+            slot.host_logprobs.numpy()[:n] = chosen  # host memory
             nbytes, copies = nbytes + 4 * n, copies + 1
             if k > 0:
-                host_rows(slot.host_top_ids, n, k).numpy()[:] = top_ids
-                host_rows(slot.host_top_logprobs, n, k).numpy()[:] = top_lp
+                host_rows(slot.host_top_ids, n, k).numpy()[:] = top_ids  # host memory
+                host_rows(slot.host_top_logprobs, n, k).numpy()[:] = top_lp  # host memory
                 nbytes, copies = nbytes + 12 * n * k, copies + 2
         return nbytes, copies
 

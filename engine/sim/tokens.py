@@ -71,7 +71,7 @@ class SimTokens:
         """An allowed token: an ordinary one when any is allowed (EOS instead with probability eos_rate),
         else the stop token a finished grammar allows. With nothing allowed, token 0, as an argmax over
         all -inf logits gives (the engine then ends the request)."""
-        allowed = np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little"))
+        allowed = np.flatnonzero(np.unpackbits(row.numpy().view(np.uint8), bitorder="little"))  # host memory
         eos = [int(t) for t in allowed if t in seq.eos_token_ids] if _eos_of(seq) is not None else []
         ordinary = np.setdiff1d(allowed, list(seq.eos_token_ids))
         roll_eos = bool(eos) and self.eos_rate > 0 and (h >> 11) / 2**53 < self.eos_rate
