@@ -90,14 +90,15 @@ class EngineConfig:
     # Whether the model's heads and sizes divide is checked when the engine reads the model (engine/models/tp.py).
     tensor_parallel_size: int = 1
     tp_worker_num_cpus: float = 1.0  # logical CPUs each worker actor reserves (and its intra-op threads on cpu)
-    # device="sim": a simulated accelerator (engine/sim): the host side is real, the device's time is modelled
-    # for this GPU profile; the model directory needs only config.json and tokenizer files. sim_eos_rate: the
-    # chance that a generated token is EOS (0: never, unless a grammar's stop token is all that is allowed).
     # Serving robustness. A grammar that has not compiled after this long fails its request (a ValueError
     # naming structured_outputs: a 400 over HTTP); the engine is unhealthy once its loop has made no
     # progress for stall_timeout_s while it had work (a hung step), so Serve replaces the replica.
     grammar_compile_timeout_s: float = 10.0
     stall_timeout_s: float = 120.0
+    # device="sim": a simulated accelerator (engine/sim): the host side is real, the device's time is modelled
+    # for the GPU profile `sim_gpu`; the model directory needs only config.json and tokenizer files.
+    # sim_eos_rate: the chance that a generated token is EOS (0: never, unless a grammar's stop token is all that
+    # is allowed).
     sim_gpu: str = "h100"
     sim_eos_rate: float = 0.0
     # Kernels one decoder layer launches on the simulated device: None = this engine's decoder as counted

@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams, memory
 from engine.sampling_params import StructuredOutputsParams
 from engine.sim import PROFILES, SIM_MODELS, CostModel, StepShape
-from engine.sim.calibrate import PHOTON_SAMPLING, photon_shape, photon_spec
+from engine.sim.calibrate import fit, predicted
 from engine.sim.cost_model import PHOTON_TABLE
 from engine.sim.device import SimDevice, SimEvent
 from engine.models import load_hf_config, model_spec
@@ -128,13 +128,26 @@ def test_cost_grows_with_context_and_rows_and_prefill_is_compute_bound():
 
 
 @pytest.mark.parametrize("profile", sorted(PHOTON_TABLE))
-def test_photon_profiles_reproduce_photons_measured_step_times(profile):
-    cost = CostModel(photon_spec(), 2, PROFILES[profile])
-    for streams, (fwd_ms, smp_ms, _, _) in PHOTON_TABLE[profile].items():
-        fwd = cost.forward_s(photon_shape(streams), graph=True) * 1e3
-        smp = cost.sample_s(streams, *PHOTON_SAMPLING) * 1e3
-        assert fwd == pytest.approx(fwd_ms, rel=0.10), (streams, fwd, fwd_ms)
-        assert smp == pytest.approx(smp_ms, rel=0.15), (streams, smp, smp_ms)
+def test_shipped_photon_profiles_are_the_calibration(profile):
+    """A consistency check, not an accuracy claim: the constants in PROFILES are what engine/sim/calibrate.py
+    fits to Photon's rows (nobody tuned them by hand afterwards)."""
+    fitted, shipped = fit(profile), PROFILES[profile]
+    assert (fitted.bw_fraction, fitted.forward_fixed_s, fitted.sample_fixed_s) == \
+        (shipped.bw_fraction, shipped.forward_fixed_s, shipped.sample_fixed_s)
+
+
+@pytest.mark.parametrize("profile", sorted(PHOTON_TABLE))
+def test_photon_profile_predicts_a_row_it_was_not_fitted_to(profile):
+    """Out of sample: fitted to Photon's 1- and 32-stream rows only, the model predicts the 8-stream row it never
+    saw. Measured: forward within 9.2% (3090) and 13.1% (B200), sampling 19.8% and 2.6%; the bounds below are
+    those, rounded up. (Extrapolating is worse: fitted to 1 and 8 streams, the B200's 32-stream forward comes out
+    57% high; docs/simulated-device.md says so.) A model that ignored the stream count (the 1-stream time for 8
+    streams) would miss these rows by 27-37%, outside the bounds."""
+    fitted = fit(profile, streams=(1, 32))
+    fwd_ms, smp_ms, _, _ = PHOTON_TABLE[profile][8]
+    fwd, smp = (t * 1e3 for t in predicted(fitted, 8))
+    assert fwd == pytest.approx(fwd_ms, rel=0.15), (fwd, fwd_ms)
+    assert smp == pytest.approx(smp_ms, rel=0.20), (smp, smp_ms)
 
 
 def test_tensor_parallel_step_is_one_ranks_share_plus_the_link_collectives():

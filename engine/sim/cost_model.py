@@ -47,7 +47,7 @@ tests/test_sim_device.py checks the stored profiles against the published number
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -281,10 +281,6 @@ class CostModel:
         p, k = self.profile, self.model.kernels_per_forward
         return p.graph_launch_s + k * p.kernel_gap_graph_s if graph else k * p.kernel_gap_eager_s
 
-    def weight_floor_s(self) -> float:
-        """No decode step can be faster than reading the weights once at peak bandwidth."""
-        return self.model.weight_bytes / self.profile.hbm_bytes_per_s
-
     # ---- host launch cost of the CUDA path -------------------------------------------------------------------
     def host_forward_launch_s(self, graph: bool) -> float:
         """CPU time to launch a forward: one graph replay, or every operator of the eager model (plus, with
@@ -315,7 +311,3 @@ def profile(name: str) -> GpuProfile:
     except KeyError:
         raise ValueError(f"sim_gpu must be one of {', '.join(SIM_GPUS)}; got {name!r}") from None
 
-
-def with_fit(base: GpuProfile, bw_fraction: float, forward_fixed_s: float, sample_fixed_s: float) -> GpuProfile:
-    """`base` with fitted constants (bench/bench_sim.py --calibrate)."""
-    return replace(base, bw_fraction=bw_fraction, forward_fixed_s=forward_fixed_s, sample_fixed_s=sample_fixed_s)
