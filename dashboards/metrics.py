@@ -2,7 +2,7 @@
 
 The engine replicas and the HTTP ingress register these with Ray (cluster/metrics.py, through
 ray.serve.metrics, which adds the deployment / replica / application labels); the Grafana dashboard
-(dashboards/grafana.py), its tests and the README read them from here. Nothing here imports Ray.
+(dashboards/grafana.py), its tests and docs/operations.md read them from here. Nothing here imports Ray.
 
 Ray exports a metric registered as `name` under `ray_<name>`; counters get a `_total` suffix; histograms
 are the usual `_bucket` / `_sum` / `_count` series. Ray 2.60 rebuilds a histogram's `_sum` from bucket

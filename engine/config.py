@@ -16,7 +16,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine.
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything the engine needs to start; see ARCHITECTURE.md for the meaning of each field."""
+    """Everything the engine needs to start; docs/architecture.md and docs/engine.md describe them."""
 
     model: str = str(DEFAULT_MODEL_DIR)
     dtype: str = "auto"
@@ -32,7 +32,7 @@ class EngineConfig:
     # prompt tokens takes ~1.7 s on 2 cores (SmolLM2-135M fp32), and a burst of prompts arrives in such steps
     # while every running stream waits. Over HTTP, 16 streams of 100-400-token prompts, fp32, one run each:
     # TTFT p50 2.97 s at 2048, 2.31 s at 1024, 1.21 s at 512, and time per token 68, 73, 79 ms (the prompts
-    # of a burst share steps with the streams already decoding); README "Benchmarks" has the 3-round runs.
+    # of a burst share steps with the streams already decoding); bench/README.md has the 3-round runs.
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

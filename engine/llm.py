@@ -17,7 +17,7 @@ class LLM:
     """Run batches of prompts to completion on one device.
 
     `LLM()` with no model loads the embedded default model shipped in the repo. Keyword arguments are the
-    EngineConfig fields (see ARCHITECTURE.md).
+    EngineConfig fields (see docs/architecture.md).
     """
 
     def __init__(self, model: str | None = None, **kwargs):

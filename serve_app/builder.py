@@ -36,7 +36,7 @@ COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deploymen
 # the streamed tok/s at 16-256 streams, and a lower TTFT at equal offered load. The handle's router stays on
 # its own loop: running it on the ingress's loop too (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no
 # throughput that survived the noise, and TTFT p50 at 256 streams was 5.1 vs 3.3 s in its runs.
-# bench/bench_serve.py --mode path; README "Serving path". Set here, since replicas inherit the cluster's
+# bench/bench_serve.py --mode path; docs/serving.md. Set here, since replicas inherit the cluster's
 # environment and CLUSTER_ENV puts the proxy's router on the proxy's loop.
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 # Environment for the whole Ray cluster (scripts/serve.sh exports it; with `ray start`, set it there): Serve's
@@ -44,7 +44,7 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_R
 # streaming generator. Serve reads it in the proxy process, which no app option reaches. With the engine
 # handle on gRPC too (AppConfig.engine_transport), SmolLM2-135M bf16 on a 2-core AMD EPYC, 64 streamed
 # requests 16 at a time: ingress + proxy CPU 11.5 -> 6.2 s and 172-184 -> 211 tok/s; with the engine handle on
-# Ray, the simulated H100 at 16-256 streams: 3916-5716 -> 4376-7279 tok/s (README "Serving path").
+# Ray, the simulated H100 at 16-256 streams: 3916-5716 -> 4376-7279 tok/s (docs/serving.md).
 # Serve's controller runs its control loop every 0.5 s instead of 0.1 s: each pass asks the GCS for the
 # cluster's nodes, which on a 2-core CPU host costs ~3% of a core in the controller and half as much again in
 # the GCS, taken from the engine; SmolLM2 bf16 over HTTP, 64 requests 16 at a time: controller 1.13-1.37 ->
@@ -95,12 +95,12 @@ class AppConfig(BaseModel):
     max_queued_requests: int = Field(default=512, ge=-1)
     replica_num_cpus: float | None = Field(default=None, ge=0)
     # Serve's max_replicas_per_node for the engine deployment: 1 spreads the engine replicas one per node, so
-    # losing a node costs one replica (README "Multi-node", tests/test_multinode.py). None: Serve's default.
+    # losing a node costs one replica (docs/serving.md "Multi-node", tests/test_multinode.py). None: Serve's default.
     max_replicas_per_node: int | None = Field(default=None, ge=1)
     ingress_replicas: int = Field(default=1, ge=1)
     # Ray resources each ingress replica asks for (ray_actor_options.resources), e.g. {"head": 0.01} with a
     # custom resource only the head node offers: the ingress then lives beside the head's HTTP proxy and a
-    # lost worker node costs only its engine replica (README "Multi-node"). Empty: any node.
+    # lost worker node costs only its engine replica (docs/serving.md "Multi-node"). Empty: any node.
     ingress_resources: dict[str, float] = Field(default_factory=dict)
     # Ingress autoscaling (Serve's default policy on ongoing requests): set ingress_max_replicas above
     # ingress_replicas and the ingress scales between the two, aiming at ingress_target_ongoing_requests
@@ -122,7 +122,7 @@ class AppConfig(BaseModel):
     engine_transport: Literal["auto", "grpc", "ray"] = "auto"
     # The ingress and its engine in one replica (serve_app/colocated.py): no engine hop, one Python process
     # fewer per streamed chunk, which on a CPU host comes out of the forward's cores (SmolLM2 fp32, 2 cores,
-    # 16 streams: README "Serving path"). Gives up the engine router's prefix affinity across replicas,
+    # 16 streams: docs/serving.md). Gives up the engine router's prefix affinity across replicas,
     # autoscaling, ingress replicas apart from engines, pipeline and tensor parallelism. None (the default):
     # on where the app is one CPU engine replica behind one ingress and none of those is asked for
     # (`colocated_by_default`); false keeps the two deployments apart.
@@ -223,7 +223,7 @@ def colocated_by_default(cfg: AppConfig, device: str) -> bool:
     """`colocated` left unset: on for one CPU engine replica behind one ingress. There the Serve processes'
     CPU comes out of the forward's cores, and the engine hop is what colocation removes: embedded model, 2-core
     VM, `bench/bench_serve.py --mode path`: 267 against 161 tok/s at 1 stream, 1161 against 688 at 16, 1407
-    against 966 at 64 (README "Serving path"). Off on a GPU (the serving CPU is spare there and the split app
+    against 966 at 64 (docs/serving.md). Off on a GPU (the serving CPU is spare there and the split app
     keeps its retry of a request whose engine died before its first token), and wherever the config asks for
     something only the split app has: several or autoscaled replicas, ingress scaling or placement, pipeline or
     tensor parallelism, or an engine_transport of its own choosing."""

@@ -1,4 +1,4 @@
-"""The engine package knows neither Ray nor the Ray side (cluster/): ARCHITECTURE.md's layering, checked.
+"""The engine package knows neither Ray nor the Ray side (cluster/): docs/architecture.md's layering, checked.
 
 The pipeline-parallel engine, which drives Ray stage actors, reaches the engine through the `tandem.engines`
 entry point instead (engine.llm_engine.create_engine)."""

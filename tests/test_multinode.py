@@ -1,5 +1,5 @@
 """Tandem on a real two-node Ray cluster on this one machine: a head (custom resource node_a) and a worker
-(node_b), each started with the venv's `ray start --block` as a subprocess, exactly as README "Multi-node"
+(node_b), each started with the venv's `ray start --block` as a subprocess, exactly as docs/serving.md "Multi-node"
 tells an operator to. The engine deployment runs 2 replicas with max_replicas_per_node=1, so one replica per
 node; the test driver joins with ray.init(address=...) and deploys with serve.run(build_app(...)).
 
@@ -183,7 +183,7 @@ def cluster():
     temp_dir = tempfile.mkdtemp(prefix="tdm", dir="/tmp")  # short: Ray puts unix sockets under it
     cluster = Cluster(gcs_port=free_port(), http_port=free_port(), temp_dir=temp_dir,
                       app_name=f"tandem{uuid.uuid4().hex[:6]}")
-    # README "Multi-node": every node's `ray start` gets RAY_AUTH_MODE and CLUSTER_ENV (the proxy on gRPC)
+    # docs/serving.md "Multi-node": every node's `ray start` gets RAY_AUTH_MODE and CLUSTER_ENV (the proxy on gRPC)
     cluster.env = {**os.environ, **CLUSTER_ENV, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     os.environ["RAY_AUTH_MODE"] = "disabled"  # the driver too (Ray 2.60 turns token auth on by default)
     try:

@@ -100,7 +100,7 @@ def test_invalid_engine_config_names_the_field(ckpt, field, value):
     ("pipeline_depth", True),
 ])
 def test_engine_config_rejects_other_bad_fields(ckpt, field, value):
-    """Rule 8 / ARCHITECTURE: every config field is validated where the config is built, by name."""
+    """docs/architecture.md, code conventions: every config field is validated where the config is built, by name."""
     with pytest.raises(ValueError, match=re.escape(field)):
         EngineConfig(model=str(ckpt[0]), **{field: value})
 
