@@ -25,8 +25,8 @@ def replica_engine_config(engine_config: dict, all_cores: bool) -> EngineConfig:
     """The replica's engine config. `all_cores` (the app's only engine replica, on CPU, with neither
     cpu_threads nor replica_num_cpus given): the forward's threads are every core this process may run on,
     as vLLM's CPU server takes them, instead of the OMP_NUM_THREADS Ray derives from the replica's fractional
-    CPU reservation (1). 2-core VM, SmolLM2-135M bf16 through HTTP: 1 stream 36.8 -> 30.1 ms a token,
-    16 streams 186 -> 221 tok/s (bench/README.md, the Intel Xeon run)."""
+    CPU reservation (1), which would leave the other cores idle while the forward runs
+    (docs/serving.md#other-behaviour-of-the-serving-path)."""
     config = EngineConfig(**engine_config)
     if all_cores and config.cpu_threads is None:
         config = dataclasses.replace(config, cpu_threads=len(os.sched_getaffinity(0)))
@@ -45,8 +45,8 @@ class EngineReplica:
         self.llm = AsyncLLM(self.config)
         self.metrics = EngineMetrics(self.llm)
         # Everything alive now (model, tokenizer, libraries) lives as long as the replica: keep it out of the
-        # cyclic GC's full collections, which otherwise scan it every few thousand steps. Measured on the
-        # simulated H100 (bench/bench_sim.py, 256 streams): device busy 0.64 -> 0.85 with this.
+        # cyclic GC's full collections, which otherwise scan it every few thousand steps and stall the loop
+        # (docs/serving.md#other-behaviour-of-the-serving-path).
         gc.collect()
         gc.freeze()
 

@@ -153,7 +153,8 @@ class AsyncLLM:
     def _publish(self, force: bool = False) -> None:
         """Snapshot stats (at most every STATS_PERIOD_S while busy, and whenever the engine goes idle) and the
         prefix summary (at most every SUMMARY_PERIOD_S) for readers on other threads; engine state itself is
-        only ever read on this thread. Building the snapshot every tick cost ~20 us at GPU step rates."""
+        only ever read on this thread. Building the snapshot every tick showed up in the host's time per step
+        at GPU step rates (docs/engine.md#host-work-per-step)."""
         now = time.monotonic()
         if force or now - self._stats_time > STATS_PERIOD_S:
             self._stats = self.engine.stats()

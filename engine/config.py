@@ -29,10 +29,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     # Tokens one step may carry (chunked prefill splits longer prompts). None (auto): 2048 on a GPU or the
     # simulated one; on CPU 512 per forward thread, within 512..2048 (token_budget()). A CPU step of 2048
-    # prompt tokens takes ~1.7 s on 2 cores (SmolLM2-135M fp32), and a burst of prompts arrives in such steps
-    # while every running stream waits. Over HTTP, 16 streams of 100-400-token prompts, fp32, one run each:
-    # TTFT p50 2.97 s at 2048, 2.31 s at 1024, 1.21 s at 512, and time per token 68, 73, 79 ms (the prompts
-    # of a burst share steps with the streams already decoding); bench/README.md has the 3-round runs.
+    # prompt tokens is slow on a few cores, and a burst of prompts arrives in such steps while every running
+    # stream waits; smaller steps let the prompts of a burst share steps with the streams already decoding,
+    # which lowers TTFT for little time per token. Chosen by measurement: docs/engine.md#scheduler.
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -41,8 +40,7 @@ class EngineConfig:
     # blocking loop. None (auto): 2 where the forward runs beside the loop (CUDA streams, a CPU forward thread,
     # pipeline stages, the simulated device), 1 where it runs inline on the loop thread (CPU with no core
     # spare, see cpu_executor_thread): there the forward of t+1 cannot overlap the commit of t, and deferring
-    # that commit only delays every token by a step (2-core VM, SmolLM2-135M bf16, 16 streams: TTFT p50
-    # 880 vs 542 ms, 358 vs 370 tok/s).
+    # that commit only delays every token by a step (docs/engine.md#on-cpu-inline-forward-or-a-worker-thread).
     pipeline_depth: int | None = None
     # vLLM's stream_interval: a streamed request's output is emitted once it holds this many new tokens (its
     # first token and its last are always emitted at once). 1: every commit. Larger values cut the per-event
@@ -64,8 +62,8 @@ class EngineConfig:
     # CPU forwards on a dedicated thread, so the engine loop's host work overlaps them (torch ops release the
     # GIL). None (auto): only when a core is left for that host work beyond the forward's intra-op threads.
     # On a machine whose cores all run the forward's OpenMP team, host work beside it stalls the team at
-    # every parallel region: measured on 2 cores (SmolLM2-135M, fp32), depth 2 with the thread ran 1.35x
-    # slower per token at batch 1 and ~1.15x slower at batch 32 than the same depth inline.
+    # every parallel region, so there the thread costs more than it overlaps
+    # (docs/engine.md#on-cpu-inline-forward-or-a-worker-thread).
     cpu_executor_thread: bool | None = None
     # Intra-op threads for CPU forwards (torch.set_num_threads in the engine's process); None = the process's
     # default. Under Ray that default is OMP_NUM_THREADS, which Ray sets to the actor's CPU reservation (1 for

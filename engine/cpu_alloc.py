@@ -1,10 +1,8 @@
 """tcmalloc for the CPU engine's processes, as vLLM's CPU build asks for (its docs preload it).
 
 A CPU forward allocates and frees its activations every step: a prefill step's are tens of MB. glibc's malloc
-hands blocks that size back to the kernel when they are freed, so every step faults their pages in again (perf,
-fp32 prefill: 2.1% of the samples in the kernel, page faults and page clearing; 0.1% on tcmalloc). SmolLM2-135M
-fp32 on a 2-core AMD EPYC, 64 prompts of 100-400 tokens: prefill-only 19.4 -> 18.6 s (medians of 10 passes), with
-128 tokens each 42.9-43.5 -> 40.8-42.2 s (alternating runs; bf16 within noise).
+hands blocks that size back to the kernel when they are freed, so every step faults their pages in again and
+the kernel clears them; tcmalloc keeps them. What that costs is in docs/engine.md#memory-allocator.
 
 An allocator can only be preloaded when a process starts, so the Serve app starts its CPU engine replicas with
 `preload_env()` in their environment (serve_app/builder.py; tensor- and pipeline-parallel workers inherit it),

@@ -6,17 +6,17 @@ little before each new piece, and while stop strings are set the last `len(longe
 held back from the stream until it is known they do not start a stop string. With more than a few stop
 strings the window is searched for all of them at once by an Aho-Corasick automaton (pyahocorasick; built
 once per stop list, where the request is made), so a token costs time in the window's length, not in the
-number of stop strings: beside a request with 50,000 of them, a step took 1.6x as long when each string was
-searched in turn and no longer than beside a plain request with the automaton (embedded model, 2-core VM).
+number of stop strings: a request with tens of thousands of them no longer slows every step of its batch
+(docs/engine.md#structured-output-and-detokenization).
 
 Fast path (byte-level BPE tokenizers, GPT-2 / Qwen / Llama-3 style): their decoder only concatenates each
 token's bytes, so a token whose bytes are whole UTF-8 characters adds exactly its own text, whatever came
 before. Those texts are decoded once per tokenizer (`token_texts`, one batched Rust call), and a commit
-takes a token's text from that table instead of a DecodeStream step (~1 us less per token on the engine
-thread, at every commit of every row). Tokens that do not decode on their own (part of a character, ids
-past the vocabulary) go through a DecodeStream primed with the last whole-character context, until the
-stream has emitted their text. Other decoders (SentencePiece's Metaspace: a piece's leading space depends
-on its position) always use the stream.
+takes a token's text from that table instead of a DecodeStream step (a lookup instead of a call into the
+tokenizer, on the engine thread, at every commit of every row). Tokens that do not decode on their own (part
+of a character, ids past the vocabulary) go through a DecodeStream primed with the last whole-character
+context, until the stream has emitted their text. Other decoders (SentencePiece's Metaspace: a piece's
+leading space depends on its position) always use the stream.
 """
 
 from __future__ import annotations

@@ -68,10 +68,9 @@ def release_openmp_threads() -> None:
     and once the process's teams hold more threads than it has cores, every team's workers stop spinning
     between regions and sleep instead, so each of the forward's several hundred parallel regions pays a
     futex wake-up. An engine built on one thread (loading the weights opens regions there) and stepped on
-    another (AsyncLLM's loop, a forward thread) was in that state for good: measured on 2 cores, SmolLM2-135M
-    bf16 at 16 rows, 54.4 ms a decode step on the loop thread vs 34.3 ms on the building thread, and a
-    200k-element torch.add 102 us vs 13 us. With the builder's team released, the stepping thread's team is
-    the only one and spins as usual. A no-op where no OpenMP runtime with the call is loaded."""
+    another (AsyncLLM's loop, a forward thread) was in that state for good, and every step paid those wake-ups
+    (docs/engine.md#on-cpu-inline-forward-or-a-worker-thread). With the builder's team released, the stepping
+    thread's team is the only one and spins as usual. A no-op where no OpenMP runtime with the call is loaded."""
     pause = _omp_pause_resource_all()
     if pause is not None:
         pause(1)  # omp_pause_soft: threads released, nothing else torn down

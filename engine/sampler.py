@@ -6,8 +6,8 @@ fixed buffers (engine/step_buffers.py: pinned staging, non-blocking copy), varia
 memory, so building a batch never synchronizes with the device; the math itself never synchronizes either:
 the random draw is one uniform per row searched in the row's cumulative distribution (`inverse_cdf`), no
 multinomial. That replaced an exponential race (argmax of p / Exp(1)): it needs a random number per vocabulary
-entry, and torch draws those on CPU at ~19 ns each, 0.94 ms a row of SmolLM2's 49,152 tokens (15 ms of a
-16-row decode step, 59 ms of a 64-row one, 2-core AMD EPYC), where the fp64 cumsum and search take 0.07 ms.
+entry, and drawing a whole vocabulary's worth per row on CPU costs far more than the fp64 cumsum and search
+(docs/engine.md#sampler).
 Top-p on CPU looks for the nucleus among the most likely tokens (`TOP_P_CANDIDATES`) before it sorts a
 whole row.
 Constrained rows (grammar, allowed_token_ids) get an int32 bitmask built on the host after the previous
@@ -27,10 +27,10 @@ from engine.sequence import ROW_GREEDY, ROW_MIN_P, ROW_SPECIAL, ROW_TEMPERATURE,
 from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmask
 
 _NEG_INF = float("-inf")
-# CPU top-p: the candidate counts searched for a row's nucleus before it falls back to a full sort (_top_p);
-# topk of 257 / 4,097 / 16,385 of SmolLM2's 49,152 tokens takes 0.1 / 0.55 / 1.4 ms a row on the 2-core AMD EPYC,
-# a sort 3.4 ms. SmolLM2 at temperature 0.8, top_p 0.95: on text prompts 98% of nuclei had under 257 tokens (the
-# largest 867); on the random-token prompts of bench_peer_cpu.py half had more, 23% more than 4,096 (largest 12,926)
+# CPU top-p: the candidate counts searched for a row's nucleus before it falls back to a full sort (_top_p). A
+# small topk is much cheaper than sorting a row and holds almost every nucleus of ordinary text; the larger
+# counts catch flatter distributions (random-token prompts) before the sort. Chosen by measurement:
+# docs/engine.md#sampler.
 TOP_P_CANDIDATES = (256, 4096, 16384)
 
 
@@ -210,7 +210,7 @@ class Sampler:
             tokens = argmax(logits)
         elif batch.any_greedy:
             tokens = torch.where(batch.greedy, argmax(logits), self._sample(logits, batch))
-        else:  # no row reads the argmax (0.3 ms for 16 rows of 49,152 on the 2-core AMD EPYC, 1.3 ms for 64)
+        else:  # no row reads the argmax, a pass over every logit, so skip it
             tokens = self._sample(logits, batch)
         if batch.num_logprobs < 0:
             return SamplerOutput(tokens, None, None, None)
@@ -228,7 +228,7 @@ class Sampler:
         logits = cls._apply_penalties(logits, batch)
         for row, ids in batch.banned:
             logits[row].index_fill_(0, ids, _NEG_INF)  # a scalar argument: `logits[row, ids] = x` copies x
-            # from the host, a synchronizing copy on CUDA (seen on an H200 under set_sync_debug_mode)
+            # from the host, a synchronizing copy on CUDA (caught by torch's sync debug mode)
         for row, ids, values in batch.logit_bias:
             logits[row].index_add_(0, ids, values)
         if batch.bitmask_rows:
@@ -268,8 +268,8 @@ class Sampler:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of [R, V], the first index on ties, as `argmax` gives. On CPU `argmax(dim=-1)` is a
-    slow reduction: 4.4 ms for 64 x 49152 fp32 rows on one Sapphire Rapids core (9-14 ms per decode step in
-    the engine, 4-11% of a batch-64 SmolLM2 step), `max(dim=-1).indices` 1.5 ms with the same indices."""
+    slow reduction, several times slower than `max(dim=-1).indices`, which gives the same indices
+    (docs/engine.md#sampler)."""
     return x.max(dim=-1).indices
 
 

@@ -17,10 +17,9 @@
 # models are random weights with the real configs. Results (JSON, markdown, PNG) are written to bench/results/;
 # when $OUT is set (the device tool's output folder) they are also packed into $OUT/gpu_results.tgz, with
 # $OUT/summary.md (every table of this run) and the logs next to it.
-# Durations measured on an H200 (first run, b7c3c6d; bench/results/h200_b7c3c6d/): tests 160 s; photon ~36 s a
-# model; bs1 and graphs ~40-45 s a model (transformers' generate at 50-70 ms a token is bs1's slow part; graphs'
-# eager steps run under the profiler); throughput did not finish one model in 96 s (transformers' continuous
-# batching of 256 requests is the slow part). Keep each call under the device tool's 10-minute limit.
+# The slow parts: transformers' generate in bs1, graphs' eager steps (they run under the profiler), and
+# transformers' continuous batching of 256 requests in throughput. How long each part took on a GPU is in
+# docs/gpu.md#first-run-on-a-gpu. Keep each call under the device tool's 10-minute limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}

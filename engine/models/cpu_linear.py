@@ -10,10 +10,9 @@ A decoder MLP's gate_up_proj becomes a FusedGateUp there: its GEMM computes SiLU
 
 Otherwise: oneDNN's matmul over a weight pre-packed for this machine's ISA
 (AVX-512, AVX512-BF16/AMX for bf16). torch's `F.linear` on CPU goes through MKL sgemm with the weight
-transposed on every call; oneDNN's packed path ran the same GEMMs 1.2-2.3x faster on the 2-core EPYC dev VM
-(fp32: 190-215 vs 100-165 GFLOP/s; the 576x49152 LM head at one row 4.6 vs 10.7 ms). vLLM's CPU build does
-the same (its `onednn_mm` with prepacked weights). The packed tensor is opaque: only `_linear_pointwise`
-reads it.
+transposed on every call; oneDNN's packed path runs the same GEMMs faster, the one-row LM head most of all
+(docs/engine.md#gemm-cpu_gemmcpp-cpu_linearpy). vLLM's CPU build does the same (its `onednn_mm` with
+prepacked weights). The packed tensor is opaque: only `_linear_pointwise` reads it.
 
 Either way the plain weight is dropped to save the memory; a tied LM head keeps the embedding (the lookup
 needs it) and gets its own packed copy. fp32 results differ from MKL's in rounding only (max |err| ~1e-4 on

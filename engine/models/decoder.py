@@ -139,8 +139,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated (rotate-half convention), bit-identical to HF's x * cos + rotate_half(x) * sin
-    but on the halves: broadcasting [T, 1, D] tables over the heads made each of HF's ops ~10x slower on
-    CPU at 2048 tokens (11 ms vs 1.4 ms a layer for SmolLM2's 12 q+k heads). Tables narrower than D / 2
+    but on the halves: broadcasting [T, 1, D] tables over the heads made each of HF's ops far slower on CPU
+    at long prompts (docs/engine.md#models). Tables narrower than D / 2
     (partial rotary, Phi-4-mini) rotate the first 2 * width dims and pass the rest through, as HF does."""
     half = cos.shape[-1]
     x1, x2 = x[..., :half], x[..., half:2 * half]
@@ -276,8 +276,8 @@ class Fp32Norm:
 def fp32_norm_lanes(kernels, dim: int, eps: float) -> int | None:
     """The lane count (8 or 16) at which cpu_fused's rms_norm_f32 gives exactly this PyTorch's fp32
     F.rms_norm(x + residual) on rows of `dim`, checked here on random rows; None if neither does (another
-    PyTorch build summing in another order): the eager norm stays. On the dev VM's AVX-512 build PyTorch's sum
-    runs 8-lane vectors."""
+    PyTorch build summing in another order): the eager norm stays. The width is the PyTorch build's and the
+    CPU's, so it is checked rather than assumed."""
     g = torch.Generator().manual_seed(0)
     x, res = torch.randn(64, dim, generator=g), torch.randn(64, dim, generator=g) * 8
     w = torch.randn(dim, generator=g)

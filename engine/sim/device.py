@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 _now = time.perf_counter
 # The host's wait sleeps until this long before the event, then yields in a loop: plain sleep overshoots by
-# ~70 us here (timer slack), while cudaEventSynchronize spin-waits by default.
+# the kernel's timer slack, while cudaEventSynchronize spin-waits by default. The tail covers the overshoot
+# measured on the development host (docs/simulated-device.md).
 SPIN_TAIL_S = 150e-6
 TRACE_ITEMS = 4096
 
