@@ -404,7 +404,9 @@ def machine() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  platform.processor())
     flags = open("/proc/cpuinfo").read()
-    return {"cpu": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
+    isa = "AVX2 (emulated on this CPU: PyTorch, oneDNN, Tandem and vLLM kernels at their AVX2 level)" \
+        if os.environ.get("TANDEM_EMULATE_AVX2") == "1" else torch.backends.cpu.get_cpu_capability()
+    return {"cpu": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags, "isa": isa,
             "python": platform.python_version(), "torch": torch.__version__, "execution": "real CPU (not simulated)"}
 
 
@@ -484,13 +486,25 @@ def parse_args() -> argparse.Namespace:
                    help="sample at this temperature in every engine and over HTTP (default 0: greedy, tokens compared)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p with --temperature")
     p.add_argument("--json", type=Path)
+    p.add_argument("--emulate-avx2", action="store_true",
+                   help="run every engine as on a CPU without AVX-512 (bench/avx2_emulation: PyTorch, oneDNN, "
+                        "Tandem and vLLM all at their AVX2 level); labelled so in the report")
     args = p.parse_args()
     args.single_repeats = args.single_repeats or args.repeats
     return args
 
 
+def emulate_avx2() -> None:
+    """Every process this run starts (workers, servers, Ray's) inherits these."""
+    here = str(REPO / "bench" / "avx2_emulation")
+    os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", TANDEM_EMULATE_AVX2="1",
+                      PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+
+
 def main() -> None:
     args = parse_args()
+    if args.emulate_avx2:
+        emulate_avx2()
     from engine.models.from_gguf import smollm2_dir
 
     engines = [e for e in args.engines.split(",") if e != "vllm" or args.vllm_python]
