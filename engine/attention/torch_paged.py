@@ -195,8 +195,9 @@ class CpuPagedAttention(TorchPagedAttention):
     (64 sequences of ~400 tokens, SmolLM2's 3 KV heads: 4.7 ms per layer vs 12 ms fp32, 2.6 ms bf16).
     Multi-token chunks go through the native prefill kernel (cpu_prefill.cpp: all of a step's chunks in one
     call, K/V from the cache; SmolLM2's heads, one 300-token chunk, 2-core AMD EPYC: 2.2 -> 0.56 ms a layer
-    bf16, 2.3 -> 0.93 ms fp32) where it supports the dtype and head size (fp32 and, with AVX512-BF16, bf16;
-    64 or 128), else through the torch backend's SDPA."""
+    bf16, 2.3 -> 0.93 ms fp32) where it supports the dtype and head size (fp32 and bf16 at every instruction-set
+    level: AVX-512 intrinsics, or the portable path in the avx2 and default builds; 64 or 128), else through the
+    torch backend's SDPA."""
 
     name = "cpu"
 
