@@ -152,14 +152,22 @@ def test_cpu_decode_kernel_fp32_equals_dense(dim, bs, num_seqs, window, softcap)
 # and a 2-token chunk.
 PREFILL_CHUNKS = [(125, 125), (7, 40), (300, 700), (2, 2), (64, 511)]
 
+# Every instruction-set level this CPU runs (cpu_native.isas()): each build's own prefill path (AVX-512
+# intrinsics; the portable GCC-vector path compiled for AVX2 + FMA or for SSE2) against the same oracle.
+ISAS = pytest.mark.parametrize("isa", cpu_native.isas(), ids=list(cpu_native.isas()))
 
-def prefill_case(dtype, dim, heads, kv_heads, bs, seed):
-    """The CPU kernels (skipping where this CPU has no bf16 prefill) and one step's inputs in `dtype` over
-    PREFILL_CHUNKS: q with a row before the chunks and two after them (the step's decode rows, which the kernel
-    must leave alone), paged caches in shuffled blocks, the per-chunk tables and q_start, then q_len, seq_len."""
-    kernel = cpu_native.load()
-    if dtype == torch.bfloat16 and "bfloat16" not in kernel.prefill_dtypes:
-        pytest.skip("this CPU has no AVX512-BF16: bf16 prefill stays on SDPA")
+
+def prefill_kernel(isa):
+    kernel = cpu_native.load(isa)
+    assert kernel is not None, f"the {isa} build of the CPU kernels did not build"
+    return kernel
+
+
+def prefill_case(isa, dtype, dim, heads, kv_heads, bs, seed):
+    """The CPU kernels built for `isa` and one step's inputs in `dtype` over PREFILL_CHUNKS: q with a row before
+    the chunks and two after them (the step's decode rows, which the kernel must leave alone), paged caches in
+    shuffled blocks, the per-chunk tables and q_start, then q_len, seq_len."""
+    kernel = prefill_kernel(isa)
     torch.manual_seed(seed)
     nblocks, chunks = 200, PREFILL_CHUNKS
     k_cache, v_cache = torch.randn(nblocks, bs, kv_heads, dim), torch.randn(nblocks, bs, kv_heads, dim)
@@ -172,37 +180,59 @@ def prefill_case(dtype, dim, heads, kv_heads, bs, seed):
                     torch.tensor(starts, dtype=torch.int32), *lens)
 
 
+@ISAS
+def test_cpu_prefill_kernel_serves_fp32_and_bf16_at_every_level(isa):
+    """No level leaves a dtype to the gather + SDPA fallback: builds without AVX-512 (and bf16 without
+    AVX512-BF16) take the portable path."""
+    kernel = prefill_kernel(isa)
+    assert set(kernel.prefill_dtypes) == {"float32", "bfloat16"}
+    # bf16-rounded probabilities (VDPBF16PS) only where the build has AVX512-BF16; the portable path keeps fp32
+    assert kernel.prefill_bf16_probs == (isa == "avx512" and "avx512_bf16" in cpu_native._cpu_flags())
+
+
+@ISAS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads,bs", [(9, 3, 16), (4, 4, 32), (8, 1, 16)])
 @pytest.mark.parametrize("window,softcap", [(0, None), (37, None), (300, None), (0, 2.0)])
-def test_cpu_prefill_kernel_matches_dense(dtype, dim, heads, kv_heads, bs, window, softcap):
+def test_cpu_prefill_kernel_matches_dense(isa, dtype, dim, heads, kv_heads, bs, window, softcap):
     """All of a step's multi-token chunks in one call (PREFILL_CHUNKS); rows not in a chunk (the step's decode
-    rows) are left alone. fp32 within 2e-5 of the fp64 dense reference, bf16 within bf16 rounding."""
-    kernel, args = prefill_case(dtype, dim, heads, kv_heads, bs, seed=3)
+    rows) are left alone. Against the fp64 dense reference on the same (bf16-valued) inputs:
+    - fp32, every path: within 2e-5 (fp32 sums, a ~1-ulp exp);
+    - bf16 on the portable path (fp32 probabilities and sums, the output rounded to nearest even): the fp32
+      bound plus the rounding of the result to bf16, at most half an ulp: 2^-8 of the value (bf16 keeps 8
+      significant bits);
+    - bf16 on the AVX512-BF16 path: the probabilities are rounded to bf16 too, within 2e-2."""
+    kernel, args = prefill_case(isa, dtype, dim, heads, kv_heads, bs, seed=3)
     q, k_cache, v_cache, tables, starts = args[:5]
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     kernel.paged_prefill(*args, dim ** -0.5, window, softcap or 0.0, out)
     assert out[0].isnan().all() and out[-2:].isnan().all()
+    if dtype == torch.float32:
+        atol = rtol = 2e-5
+    elif kernel.prefill_bf16_probs:
+        atol = rtol = 2e-2
+    else:
+        atol, rtol = 2e-5, 2e-5 + 2 ** -8
     for c, ((n, seq_len), start) in enumerate(zip(PREFILL_CHUNKS, starts.tolist())):
         rows = tables[c].long()
         k = k_cache[rows].double().flatten(0, 1)[:seq_len]
         v = v_cache[rows].double().flatten(0, 1)[:seq_len]
         ref = dense_reference(q[start:start + n].double(), k, v, torch.arange(seq_len - n, seq_len),
                               dim ** -0.5, window or None, softcap)
-        tol = 2e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[start:start + n].float(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(out[start:start + n].float(), ref, atol=atol, rtol=rtol)
 
 
+@ISAS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [0, 37])
-def test_cpu_prefill_kernel_same_result_however_k_is_packed(dtype, window):
+def test_cpu_prefill_kernel_same_result_however_k_is_packed(isa, dtype, window):
     """The kernel transposes each chunk's K once ahead of its work items, in groups of chunks up to
     k_pack_bytes, and packs a chunk too large for that per item instead. The arithmetic is the same either way,
     so every budget gives the same bits: the default (all chunks in one group), 0 (every chunk per item), and
     200 KB, where chunks 0 and 1 share a group, 2 (540 KB of K) and 4 (384 KB) go per item and 3 is a group of
-    its own (9 heads over 3 KV heads of 64 fp32 dims)."""
-    kernel, args = prefill_case(dtype, 64, 9, 3, 16, seed=4)
+    its own (9 heads over 3 KV heads of 64 fp32 dims; the portable path packs bf16 K widened to fp32 too)."""
+    kernel, args = prefill_case(isa, dtype, 64, 9, 3, 16, seed=4)
     outs = []
     for budget in (8 << 20, 0, 200_000):
         out = torch.full(args[0].shape, float("nan"), dtype=dtype)

@@ -194,8 +194,9 @@ class CpuPagedAttention(TorchPagedAttention):
     from the paged cache, each row once, instead of gathering every context into a dense copy for SDPA.
     Multi-token chunks go through the native prefill kernel (cpu_prefill.cpp: all of a step's chunks in one
     call, K/V from the cache, instead of a gather and an SDPA call per chunk) where it supports the dtype and
-    head size (fp32 and, with AVX512-BF16, bf16; 64 or 128), else through the torch backend's SDPA. What
-    both kernels gain over SDPA is in docs/engine.md#attention-backends."""
+    head size (fp32 and bf16 at every instruction-set level: AVX-512 intrinsics, or the portable path in the
+    avx2 and default builds; head size 64 or 128), else through the torch backend's SDPA. What both kernels
+    gain over SDPA is in docs/engine.md#attention-backends."""
 
     name = "cpu"
 
