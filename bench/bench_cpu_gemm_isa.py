@@ -113,6 +113,11 @@ def fma_peak(threads: int) -> str:
             f"the best of 3 rounds)")
 
 
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
 def call_time(fn, args_cycle, reps: int, median: bool) -> float:
     fn(*args_cycle[0])  # warm-up (also faults in the output's pages)
     times = []
@@ -145,7 +150,7 @@ def main() -> None:
           f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}")
     if not args.no_peak:
         print(f"fp32 FMA peak at AVX2 width: {fma_peak(threads)}")
-    print(f"load average at start: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"load average at start: {load_average()}")
 
     gen = torch.Generator().manual_seed(0)
     print(f"\n{'shape':>8} {'K':>5} {'N':>6} {'dtype':>8} {'M':>5} | "
@@ -174,9 +179,9 @@ def main() -> None:
             for M in args.rows:
                 x = torch.randn(M, K, generator=gen).to(dtype)
                 calls = {
-                    "tandem": lambda p: kernels.gemm_linear(x, p, None, N),
-                    "onednn": lambda p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
-                    "F.linear": lambda w: F.linear(x, w),
+                    "tandem": lambda p, x=x, N=N: kernels.gemm_linear(x, p, None, N),
+                    "onednn": lambda p, x=x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
+                    "F.linear": lambda w, x=x: F.linear(x, w),
                 }
                 cells, gflops = [], {}
                 for method in args.methods:
@@ -192,7 +197,7 @@ def main() -> None:
                 print(f"{name:>8} {K:>5} {N:>6} {dtype_name:>8} {M:>5} | " + " | ".join(cells) + f" | {ratio}",
                       flush=True)
             del weights, packs
-    print(f"\nload average at end: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"\nload average at end: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Packed linears for the CPU path: weights reordered once at load into a layout made for the machine.
 
-On a CPU with AVX-512 (bf16: AVX512-BF16 too): Tandem's own GEMM (engine/models/cpu_gemm.cpp, column
-panels of 48), faster than oneDNN's packed matmul at every row count measured (SmolLM2-135M's shapes, 2-core
-AMD EPYC, each weight read once from DRAM as in a forward, fp32: 1 row 1.3-1.9x, 16 rows 1.2-1.5x, 346 rows
-1.03-1.07x). TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0, or a CPU without AVX-512) keeps oneDNN.
+Where the CPU kernels build (every instruction-set level; `gemm_dtypes` names the dtypes, both but on AVX-512
+without AVX512-BF16): Tandem's own GEMM (engine/models/cpu_gemm.cpp, column panels of 48). With AVX-512 it is
+faster than oneDNN's packed matmul at every row count measured (SmolLM2-135M's shapes, 2-core AMD EPYC, each
+weight read once from DRAM as in a forward, fp32: 1 row 1.3-1.9x, 16 rows 1.2-1.5x, 346 rows 1.03-1.07x);
+below AVX-512 oneDNN has no bf16 matmul at all (bench/bench_cpu_gemm_isa.py compares the avx2 level).
+TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0) keeps oneDNN.
 
 A decoder MLP's gate_up_proj becomes a FusedGateUp there: its GEMM computes SiLU(gate) * up in the epilogue
 (cpu_gemm.cpp's gemm_silu_mul), so the 2x wider gate/up output never goes through memory.
