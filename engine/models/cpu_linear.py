@@ -1,9 +1,10 @@
 """Packed linears for the CPU path: weights reordered once at load into a layout made for the machine.
 
-Where the CPU kernels build (every x86-64 level: AVX-512, AVX2, baseline; fp32 and bf16): Tandem's own GEMM
-(engine/models/cpu_gemm.cpp, column panels of 48), faster than oneDNN's packed matmul at the row counts of
-decode and level with it at prefill's (bench/README.md has the figures). TANDEM_CPU_GEMM=0 (or
-TANDEM_CPU_KERNELS=0) keeps oneDNN, for the dtypes oneDNN runs on this CPU (`available`).
+Where the CPU kernels build (every instruction-set level; `gemm_dtypes` names the dtypes: both, but fp32 only
+on AVX-512 without AVX512-BF16, where oneDNN's bf16 runs): Tandem's own GEMM (engine/models/cpu_gemm.cpp,
+column panels of 48), faster than oneDNN's packed matmul at the row counts of decode and level with it at
+prefill's; below AVX-512 oneDNN has no bf16 matmul at all (bench/README.md has the figures at each level).
+TANDEM_CPU_GEMM=0 (or TANDEM_CPU_KERNELS=0) keeps oneDNN, for the dtypes oneDNN runs on this CPU (`available`).
 
 A decoder MLP's gate_up_proj becomes a FusedGateUp there: its GEMM computes SiLU(gate) * up in the epilogue
 (cpu_gemm.cpp's gemm_silu_mul), so the 2x wider gate/up output never goes through memory.
