@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tandem's CPU GEMM (engine/models/cpu_gemm.cpp) at one instruction-set level against oneDNN's packed matmul
+"""Tandem's CPU GEMM (engine/cpu/gemm.cpp) at one instruction-set level against oneDNN's packed matmul
 and plain F.linear at the same level, on SmolLM2-135M's linear shapes.
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/bench_cpu_gemm_isa.py --isa avx2
@@ -11,7 +11,7 @@ any bf16 matmul, so its column is fp32 only.)
 Methods, each y = x @ W^T without bias:
 - tandem: gemm_linear on the weight packed by gemm_pack, the kernels of `--isa` (cpu_native.load(isa));
 - onednn: torch.ops.mkldnn._linear_pointwise on the weight packed by _reorder_linear_weight (batch hint 64, as
-  engine/models/cpu_linear.py packs it); fp32 only below AVX-512;
+  engine/cpu/linear.py packs it); fp32 only below AVX-512;
 - F.linear: torch.nn.functional.linear on the plain weight (MKL sgemm for fp32, its bf16 path for bf16).
 
 Each weight is read from DRAM as in a forward: enough copies of it to exceed the L3 cache are cycled through,

@@ -1,5 +1,5 @@
 """Paged prefill attention on the CPU, per instruction-set level: the native kernel's builds
-(engine/attention/cpu_prefill.cpp via cpu_native.load(isa)) against what CpuPagedAttention does without it
+(engine/cpu/prefill_attention.cpp via cpu_native.load(isa)) against what CpuPagedAttention does without it
 (gather the chunk's K/V out of the paged cache, then SDPA: TorchPagedAttention._prefill).
 
 One whole prompt per call (all of it one chunk, causal), or with --chunk C as the engine's chunked prefill
@@ -90,7 +90,7 @@ def main() -> None:
           f"{torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}); "
           f"Tandem builds: {', '.join(isas)}")
     cols = ["SDPA"] + [f"kernel {isa}" for isa in isas]
-    header = f"| shape (H/Hkv/D) | dtype | tokens (chunk) | " + " | ".join(f"{c} ms (GFLOP/s)" for c in cols)
+    header = "| shape (H/Hkv/D) | dtype | tokens (chunk) | " + " | ".join(f"{c} ms (GFLOP/s)" for c in cols)
     header += " | " + " | ".join(f"{isa} vs SDPA" for isa in isas) + " |"
     print(header)
     print("|" + "---|" * (3 + len(cols) + len(isas)))

@@ -1,5 +1,5 @@
-"""Tandem's CPU GEMM (engine/models/cpu_gemm.cpp) against an fp64 reference, and the packed linears choosing
-it (engine/models/cpu_linear.py). Whole models through it against Hugging Face are tests/test_real_model.py,
+"""Tandem's CPU GEMM (engine/cpu/gemm.cpp) against an fp64 reference, and the packed linears choosing
+it (engine/cpu/linear.py). Whole models through it against Hugging Face are tests/test_real_model.py,
 test_correctness_hf.py and test_model_families.py (fp32 greedy token for token) and tests/test_moe.py (bf16).
 
 Every check runs against each instruction-set level's build this CPU can run (cpu_native.isas(): the AVX-512

@@ -27,7 +27,7 @@
 //
 // gemm_silu_mul: a decoder MLP's gate/up linear with SiLU(gate) * up as the epilogue, each panel 24 gate columns
 // and their 24 up columns, so the [M, 2 I] gate/up output is never stored and read back by a separate pass
-// (cpu_fused.cpp's silu_mul, whose arithmetic the epilogue calls, including which columns PyTorch's SiLU takes
+// (fused.cpp's silu_mul, whose arithmetic the epilogue calls, including which columns PyTorch's SiLU takes
 // as a scalar tail at the avx2 and default levels: the same bits).
 
 #include <ATen/Parallel.h>
@@ -47,7 +47,7 @@
 #if !defined(__AVX512F__) || (defined(__AVX512BW__) && defined(__AVX512VL__))
 #define TANDEM_GEMM_SILU 1
 #endif
-namespace tandem_fused {  // engine/models/cpu_fused.cpp, every level
+namespace tandem_fused {  // engine/cpu/fused.cpp, every level
 template <typename T>
 void silu_mul_rows(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols, T* out,
                    int64_t ldo, int64_t col0, int64_t width);
@@ -265,7 +265,7 @@ inline void store_row(const float* s, at::BFloat16* y, int64_t cols) {
 }
 
 // ROWS rows of x by one panel: the 48 sums a row (the second 24 only where kept) into an L1 buffer, + bias,
-// then stored (in T: bf16 rounded once) or, SILU, turned into 24 SiLU(gate) * up a row by cpu_fused.cpp's
+// then stored (in T: bf16 rounded once) or, SILU, turned into 24 SiLU(gate) * up a row by fused.cpp's
 // arithmetic, as columns [col0, col0 + cols) of rows ldy wide (where PyTorch's SiLU takes its scalar tail).
 template <int ROWS, bool SILU, typename T>
 void micro(const T* x, int64_t ldx, const T* w, int64_t K, const float* bias, T* y, int64_t ldy, int64_t cols,
@@ -420,7 +420,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
 
 // A gate/up linear and SiLU(gate) * up in one pass, nothing of the [..., 2 n] gate/up output stored: the pack
 // holds, panel p, gate rows [24 p, 24 p + 24) then up rows [24 p, 24 p + 24) (zero rows past n; see
-// engine/models/cpu_linear.py's GateUpPanels), and the bias (float32, or None) the same interleaved
+// engine/cpu/linear.py's GateUpPanels), and the bias (float32, or None) the same interleaved
 // 48 * panels values. -> [..., n], bit for bit what silu_mul gives on gemm_linear's [gate, up] output.
 at::Tensor gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n) {
