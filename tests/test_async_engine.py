@@ -102,17 +102,26 @@ def test_leaving_the_stream_aborts_and_frees_blocks(allm):
 
 
 def test_cancelled_task_aborts_request(allm):
-    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    """A task cancelled while its stream runs (cancelled once its first output is in, not after a fixed sleep:
+    on a fast host the tiny model finished 400 tokens inside 0.2 s and there was nothing left to cancel)."""
+    long = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
 
     async def main():
-        task = asyncio.create_task(collect(allm, make_prompts(13, (20,))[0], long))
-        await asyncio.sleep(0.2)
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in allm.generate(make_prompts(13, (20,))[0], long):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         return await wait_idle(allm)
 
-    asyncio.run(main())
+    stats = asyncio.run(main())
+    assert stats["generation_tokens"] < 1000  # aborted mid-stream, not run to its end
 
 
 def test_bad_request_is_rejected_and_others_continue(allm):

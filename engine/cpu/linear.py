@@ -75,15 +75,28 @@ class Panels:
         return self.kernels.gemm_linear(x, self.panels, bias, self.out_features)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels:
+class Plain:
+    """A weight neither Tandem's GEMM nor oneDNN runs here (TANDEM_CPU_GEMM=0 with bf16 below AVX-512, where
+    oneDNN refuses to pack bf16): kept as it is, through F.linear, rather than failing at load."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels | Plain:
     if (kernels := tandem_gemm(weight.dtype)) is not None:
         return Panels(weight, kernels)
+    if not onednn_runs(weight.dtype):
+        return Plain(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T (+ bias) with W packed by `pack_weight`."""
-    if isinstance(packed, Panels):
+    if isinstance(packed, (Panels, Plain)):
         return packed(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -140,8 +153,9 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        kind = "tandem gemm" if isinstance(self.packed, Panels) else "onednn"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} packed"
+        kind = "tandem gemm packed" if isinstance(self.packed, Panels) else \
+            "plain (F.linear)" if isinstance(self.packed, Plain) else "onednn packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 class FusedGateUp(PackedLinear):
