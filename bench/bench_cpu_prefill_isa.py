@@ -1,5 +1,5 @@
 """Paged prefill attention on the CPU, per instruction-set level: the native kernel's builds
-(engine/attention/cpu_prefill.cpp via cpu_native.load(isa)) against what CpuPagedAttention does without it
+(engine/cpu/prefill_attention.cpp via cpu_native.load(isa)) against what CpuPagedAttention does without it
 (gather the chunk's K/V out of the paged cache, then SDPA: TorchPagedAttention._prefill).
 
 One whole prompt per call (all of it one chunk, causal), or with --chunk C as the engine's chunked prefill

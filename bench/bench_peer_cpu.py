@@ -21,7 +21,7 @@ vLLM gets what its CPU docs ask for: VLLM_CPU_KVCACHE_SPACE, its OpenMP threads 
 (VLLM_CPU_OMP_THREADS_BIND=0-N), no reserved CPU, tcmalloc preloaded when Debian's libtcmalloc-minimal4 is
 installed. dtype is passed explicitly: vLLM's "auto" runs a float32 checkpoint in bfloat16 on CPU. Tandem's
 offline process starts with tcmalloc preloaded too when it is installed, as its Serve app starts its CPU engine
-replicas (engine/cpu_alloc.py); TANDEM_TCMALLOC=0 runs it on glibc's malloc.
+replicas (engine/cpu/alloc.py); TANDEM_TCMALLOC=0 runs it on glibc's malloc.
 
 `--http` also serves the model over HTTP from each system in turn, alone on the machine (vLLM's OpenAI
 server; Tandem's Serve app in its own Ray cluster, one engine replica, the cluster environment
@@ -140,7 +140,7 @@ def worker_env(name: str, args) -> dict:
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         if (tcmalloc := cpu_alloc.find_tcmalloc()) is not None:  # whatever Tandem's TANDEM_TCMALLOC says
             env["LD_PRELOAD"] = tcmalloc
-    elif name == "tandem":  # what Tandem's Serve app gives its CPU replicas (engine/cpu_alloc.py)
+    elif name == "tandem":  # what Tandem's Serve app gives its CPU replicas (engine/cpu/alloc.py)
         env.update(cpu_alloc.preload_env())
     return env
 

@@ -70,7 +70,7 @@ class EngineConfig:
     # a Serve replica's fractional num_cpus); an app's only CPU engine replica takes every core of its node
     # instead (cluster/replica.py), and with several replicas on a node this splits its cores between them.
     cpu_threads: int | None = None
-    # CPU linears with weights packed at load (engine/models/cpu_linear.py: Tandem's GEMM for fp32 on AVX-512,
+    # CPU linears with weights packed at load (engine/cpu/linear.py: Tandem's GEMM for fp32 on AVX-512,
     # oneDNN otherwise); off = F.linear.
     cpu_onednn: bool = True
     # Pipeline parallelism (engine/pipeline, cluster/pipeline.py): the layers split over this many stage

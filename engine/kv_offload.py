@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cpu_block_pool import contiguous_runs
+from engine.cpu.block_pool import contiguous_runs
 from engine.scheduler import SwapOp
 
 

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cpu_block_pool import CpuBlockPool
+from engine.cpu.block_pool import CpuBlockPool
 from engine.detokenizer import IncrementalDetokenizer, token_texts
 from engine.executor import release_openmp_threads
 from engine.kv_offload import KVSwapError

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from engine import cpu_alloc, prompt_logprobs
+from engine import prompt_logprobs
+from engine.cpu import alloc as cpu_alloc
 from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes

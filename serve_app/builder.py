@@ -18,7 +18,7 @@ from cluster.pipeline import stage_bundles
 from cluster.tensor_parallel import worker_bundles
 from cluster.replica import EngineReplica
 from cluster.router import router_class
-from engine import cpu_alloc
+from engine.cpu import alloc as cpu_alloc
 from engine.config import DEFAULT_MODEL_DIR, EngineConfig
 from engine.models.tp import check_shardable
 from engine.models import load_hf_config, model_spec
@@ -107,7 +107,7 @@ class AppConfig(BaseModel):
     ingress_target_ongoing_requests: float = Field(default=128.0, gt=0)
     # Environment of the ingress and engine replica processes, over SERVE_ENV (Serve's own switches are read
     # when a replica starts; see SERVE_ENV for the defaults and why) and, for CPU engine replicas, tcmalloc
-    # preloaded where it is installed (engine/cpu_alloc.py; {"LD_PRELOAD": ""} runs them on glibc's malloc).
+    # preloaded where it is installed (engine/cpu/alloc.py; {"LD_PRELOAD": ""} runs them on glibc's malloc).
     replica_env: dict[str, str] = Field(default_factory=dict)
     # How the ingress streams from the engine replicas. "grpc": Serve's gRPC transport between deployments,
     # less CPU per streamed chunk on both ends. "ray": Ray actor calls with a streaming
@@ -356,7 +356,7 @@ def _colocated_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str)
 
 def _user_code(cfg: AppConfig, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Actor options giving a replica process its environment (Serve reads its switches when it starts): SERVE_ENV,
-    then `env` (a CPU engine replica's: tcmalloc preloaded, engine/cpu_alloc.py), then the user's replica_env."""
+    then `env` (a CPU engine replica's: tcmalloc preloaded, engine/cpu/alloc.py), then the user's replica_env."""
     return {"runtime_env": {"env_vars": {**SERVE_ENV, **(env or {}), **cfg.replica_env}}}
 
 

@@ -1,4 +1,4 @@
-"""The fused CPU elementwise kernels (engine/models/cpu_fused.cpp) against the eager PyTorch ops they replace:
+"""The fused CPU elementwise kernels (engine/cpu/fused.cpp) against the eager PyTorch ops they replace:
 RoPE in place (partial rotary included) and SiLU(gate) * up bit for bit in fp32 and bf16; residual add + RMSNorm
 (HF Llama's arithmetic) bit for bit in fp32, and in bf16 with the stream exact and the norm off only at rare
 rounding boundaries.
@@ -58,7 +58,7 @@ def test_rms_norm_and_residual_add_equal_eager_bf16(kernels, rows, dim):
 
 def assert_within_one_ulp(out: torch.Tensor, ref: torch.Tensor) -> None:
     """bf16 outputs equal except at rounding boundaries, at most 1e-4 of them (the fp32 sum of squares is summed
-    in another order than PyTorch's, see cpu_fused.cpp): the normalised value 1 bf16 ulp off, which after the
+    in another order than PyTorch's, see fused.cpp): the normalised value 1 bf16 ulp off, which after the
     weight's multiply and rounding is at most 2 ulps of the output."""
     ref = ref.detach()
     ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), torch.frexp(ref.float()).exponent - 8)

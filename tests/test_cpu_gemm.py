@@ -1,10 +1,14 @@
-"""Tandem's CPU GEMM (engine/models/cpu_gemm.cpp) against an fp64 reference, and the packed linears choosing
-it (engine/models/cpu_linear.py). Whole models through it against Hugging Face are tests/test_real_model.py,
+"""Tandem's CPU GEMM (engine/cpu/gemm.cpp) against an fp64 reference, and the packed linears choosing
+it (engine/cpu/linear.py). Whole models through it against Hugging Face are tests/test_real_model.py,
 test_correctness_hf.py and test_model_families.py (fp32 greedy token for token) and tests/test_moe.py (bf16).
+
+Every check runs against each instruction-set level's build this CPU can run (cpu_native.isas(): the AVX-512
+intrinsics, and the portable path compiled for AVX2 and for SSE2), the packed linears made to pick that build.
 
 The bound: any order of fp32 sums of K exact products is within gamma_K = K u / (1 - K u) (u = 2^-24) of the
 exact result, relative to sum |x| |w| (+ |bias|); bf16 products are exact in fp32, and a bf16 output adds one
-rounding (2^-8 relative). A dropped term, a wrong column or a missed tail is far outside it."""
+rounding (2^-8 relative). A dropped term, a wrong column or a missed tail is far outside it. Where every sum is
+exact in fp32 (small integers), the outputs are exact: fp32 equal, bf16 the one c10::BFloat16 rounding of it."""
 
 from __future__ import annotations
 
@@ -15,12 +19,35 @@ from torch import nn
 from engine.attention import cpu_native
 from engine.models import cpu_linear
 
-kernels = cpu_native.load()
-DTYPES = [getattr(torch, name) for name in getattr(kernels, "gemm_dtypes", ())]
-pytestmark = pytest.mark.skipif(not DTYPES, reason="the CPU extension does not build here, or without AVX-512")
-dtypes = pytest.mark.parametrize("dtype", [
-    pytest.param(dt, marks=pytest.mark.skipif(dt not in DTYPES, reason=f"no {dt} GEMM on this CPU"))
-    for dt in (torch.float32, torch.bfloat16)])
+
+@pytest.fixture(scope="module", params=cpu_native.isas())
+def kernels(request):
+    """The build of one level (the test id names it)."""
+    module = cpu_native.load(request.param)
+    if module is None:
+        pytest.skip(f"the CPU extension does not build here ({request.param})")
+    return module
+
+
+@pytest.fixture(autouse=True)
+def linears_use_the_level(kernels, monkeypatch):
+    """cpu_linear asks cpu_native.load() (PyTorch's level) for its kernels: here, the level under test."""
+    monkeypatch.setattr(cpu_native, "load", lambda isa=None: kernels)
+
+
+def need(kernels, dtype: torch.dtype) -> None:
+    if str(dtype).removeprefix("torch.") not in kernels.gemm_dtypes:
+        pytest.skip(f"no {dtype} GEMM in the {kernels.isa} build on this CPU")
+
+
+dtypes = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def test_every_level_has_both_dtypes_and_the_fused_silu(kernels):
+    """The portable path (avx2, default) everywhere; AVX-512 without AVX512-BF16 is fp32 only."""
+    if kernels.isa != "avx512" or "avx512_bf16" in cpu_native._cpu_flags():
+        assert kernels.gemm_dtypes == ("float32", "bfloat16")
+    assert kernels.gemm_silu
 
 
 def within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -47,7 +74,8 @@ def randn(*shape, seed, dtype=torch.float32):
 @pytest.mark.parametrize("out_features,in_features", [(1, 5), (47, 64), (48, 33), (49, 576), (200, 7), (1000, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @dtypes
-def test_linear_within_the_summation_bound(rows, out_features, in_features, with_bias, dtype):
+def test_linear_within_the_summation_bound(kernels, rows, out_features, in_features, with_bias, dtype):
+    need(kernels, dtype)
     w, x = randn(out_features, in_features, seed=1, dtype=dtype), randn(rows, in_features, seed=2, dtype=dtype)
     bias = randn(out_features, seed=3, dtype=dtype) if with_bias else None
     y = kernels.gemm_linear(x, kernels.gemm_pack(w), None if bias is None else bias.float(), out_features)
@@ -55,7 +83,32 @@ def test_linear_within_the_summation_bound(rows, out_features, in_features, with
 
 
 @dtypes
-def test_linear_leading_dims_strided_input_and_no_rows(dtype):
+def test_linear_exact_where_the_sums_are(kernels, dtype):
+    """Small integers: every product and partial sum exact in fp32, whatever the order, so fp32 outputs are exact
+    and bf16 ones c10::BFloat16's rounding of them (odd integers past 256 are ties, the bias's 2^-9 moves some off
+    them); a NaN weight gives its column c10's NaN (0x7FC0)."""
+    need(kernels, dtype)
+    gen = torch.Generator().manual_seed(5)
+    for rows, out_features, in_features in [(1, 50, 64), (9, 97, 33), (17, 200, 576)]:
+        w = torch.randint(-4, 5, (out_features, in_features), generator=gen).to(dtype)
+        x = torch.randint(-4, 5, (rows, in_features), generator=gen).to(dtype)
+        bias = torch.randint(-64, 65, (out_features,), generator=gen).float() * 0.25 + 2.0 ** -9 * torch.randint(
+            0, 2, (out_features,), generator=gen).float()
+        w[out_features // 2, in_features // 3] = float("nan")
+        exact = torch.addmm(bias.double(), x.double(), w.double().T).float()  # exact in fp32 (< 2^14 in steps of 2^-9)
+        y = kernels.gemm_linear(x, kernels.gemm_pack(w), bias, out_features)
+        if dtype == torch.float32:
+            assert torch.equal(y.isnan(), exact.isnan()) and torch.equal(y.nan_to_num(), exact.nan_to_num())
+        else:  # c10::BFloat16's rounding of the fp32 value: nearest, ties to even, NaN -> 0x7FC0 (the vectorized
+            # .to(bfloat16) writes NaNs as 0xFFFF: compared apart)
+            nan = exact.isnan()
+            assert torch.equal(y.isnan(), nan) and (y[nan].view(torch.int16) == 0x7FC0).all()
+            assert torch.equal(y[~nan].view(torch.int16), exact[~nan].to(torch.bfloat16).view(torch.int16))
+
+
+@dtypes
+def test_linear_leading_dims_strided_input_and_no_rows(kernels, dtype):
+    need(kernels, dtype)
     w = randn(100, 65, seed=1, dtype=dtype)
     packed = kernels.gemm_pack(w)
     x = randn(2, 5, 65, seed=2, dtype=dtype)
@@ -69,8 +122,9 @@ def test_linear_leading_dims_strided_input_and_no_rows(dtype):
 
 
 @dtypes
-def test_same_bits_however_the_work_is_split(dtype):
+def test_same_bits_however_the_work_is_split(kernels, dtype):
     """12 panels (576 columns, a model's o_proj) on 1-8 threads: by panels alone, or by panels and rows."""
+    need(kernels, dtype)
     w, x = randn(576, 64, seed=1, dtype=dtype), randn(70, 64, seed=2, dtype=dtype)
     packed, threads = kernels.gemm_pack(w), torch.get_num_threads()
     try:
@@ -85,7 +139,8 @@ def test_same_bits_however_the_work_is_split(dtype):
 
 
 @dtypes
-def test_pack_layout_and_zero_padding(dtype):
+def test_pack_layout_and_zero_padding(kernels, dtype):
+    need(kernels, dtype)
     w = randn(50, 3, seed=1, dtype=dtype)
     packed = kernels.gemm_pack(w)
     if dtype == torch.float32:
@@ -100,7 +155,7 @@ def test_pack_layout_and_zero_padding(dtype):
         assert not packed[:, 1, :, 1].any() and not packed[1, :, 2:].any()
 
 
-def test_bad_inputs_are_refused_with_the_reason():
+def test_bad_inputs_are_refused_with_the_reason(kernels):
     packed = kernels.gemm_pack(randn(10, 8, seed=1))
     with pytest.raises(RuntimeError, match="x has 9 features, the weight 8"):
         kernels.gemm_linear(randn(2, 9, seed=2), packed, None, 10)
@@ -119,7 +174,8 @@ def test_bad_inputs_are_refused_with_the_reason():
 
 
 @dtypes
-def test_packed_linear_picks_tandem_gemm_and_onednn_without_it(dtype, monkeypatch):
+def test_packed_linear_picks_tandem_gemm_and_onednn_without_it(kernels, dtype, monkeypatch):
+    need(kernels, dtype)
     linear = nn.Linear(64, 100).to(dtype)
     x = randn(5, 64, seed=2, dtype=dtype)
     weight, bias = linear.weight.detach(), linear.bias.detach()
@@ -133,7 +189,10 @@ def test_packed_linear_picks_tandem_gemm_and_onednn_without_it(dtype, monkeypatc
 
 
 # ---- gate/up with SiLU(gate) * up in the GEMM's epilogue (gemm_silu_mul, cpu_linear.FusedGateUp) ----------------
-needs_silu = pytest.mark.skipif(not getattr(kernels, "gemm_silu", False), reason="no gemm_silu_mul on this CPU")
+@pytest.fixture
+def silu(kernels):
+    if not kernels.gemm_silu:
+        pytest.skip(f"no gemm_silu_mul in the {kernels.isa} build")
 
 
 def eager_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -142,15 +201,18 @@ def eager_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-@needs_silu
+@pytest.mark.usefixtures("silu")
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 70])
 @pytest.mark.parametrize("inter,in_features", [(32, 5), (64, 576), (96, 33), (1536, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @dtypes
-def test_fused_silu_mul_is_eager_silu_on_the_gemm_output(rows, inter, in_features, with_bias, dtype):
+def test_fused_silu_mul_is_eager_silu_on_the_gemm_output(kernels, rows, inter, in_features, with_bias, dtype):
     """Widths of whole 32-element chunks (a model's: SmolLM2's 1536), where eager SiLU is all vector arithmetic:
     bit for bit eager PyTorch's SiLU(gate) * up on gemm_linear's [gate, up] output (itself within the fp64
-    bound), with panels of 24 gates and 24 ups (96 and 1536 split evenly, 32 and 64 leave zero rows)."""
+    bound), with panels of 24 gates and 24 ups (96 and 1536 split evenly, 32 and 64 leave zero rows). Eager
+    runs at PyTorch's level in this process: at the others, the same level's unfused silu_mul (which is
+    PyTorch's arithmetic at that level) stands in for it."""
+    need(kernels, dtype)
     linear = nn.Linear(in_features, 2 * inter, bias=with_bias).to(dtype)
     weight = linear.weight.detach()
     bias = None if linear.bias is None else linear.bias.detach()
@@ -161,16 +223,19 @@ def test_fused_silu_mul_is_eager_silu_on_the_gemm_output(rows, inter, in_feature
     assert isinstance(fused, cpu_linear.FusedGateUp)
     y = fused.silu_mul(x)
     assert y.dtype == dtype and y.shape == (rows, inter)
-    assert torch.equal(y, eager_silu_mul(gate_up))
+    assert torch.equal(y, kernels.silu_mul(gate_up))
+    if kernels.isa == cpu_native.current_isa():
+        assert torch.equal(y, eager_silu_mul(gate_up))
     assert torch.equal(fused(x), gate_up)  # the plain output, put back in [gate, up] order
 
 
-@needs_silu
+@pytest.mark.usefixtures("silu")
 @pytest.mark.parametrize("inter", [1, 23, 25, 40, 48, 100])
 @dtypes
-def test_fused_silu_mul_on_any_width_is_the_unfused_kernel(inter, dtype):
+def test_fused_silu_mul_on_any_width_is_the_unfused_kernel(kernels, inter, dtype):
     """Other widths (eager SiLU finishes a row's last < 32 values with a scalar exp, so a model of such a width
     keeps eager SiLU): still the same bits as cpu_fused's silu_mul on the unfused output, and the plain output."""
+    need(kernels, dtype)
     linear = nn.Linear(33, 2 * inter).to(dtype)
     x = randn(2, 9, 33, seed=2, dtype=dtype)  # leading dims
     gate_up = kernels.gemm_linear(x, kernels.gemm_pack(linear.weight.detach()), linear.bias.detach().float(),
@@ -184,8 +249,8 @@ def test_fused_silu_mul_on_any_width_is_the_unfused_kernel(inter, dtype):
     assert fused(torch.empty(0, 33, dtype=dtype)).shape == (0, 2 * inter)
 
 
-@needs_silu
-def test_fused_silu_mul_refuses_a_mismatched_pack_or_bias():
+@pytest.mark.usefixtures("silu")
+def test_fused_silu_mul_refuses_a_mismatched_pack_or_bias(kernels):
     fused = cpu_linear.fused_gate_up(nn.Linear(8, 2 * 30))  # 2 panels: n in (24, 48]
     x = randn(2, 8, seed=2)
     with pytest.raises(RuntimeError, match="gemm_silu_mul: n does not match"):
@@ -194,8 +259,8 @@ def test_fused_silu_mul_refuses_a_mismatched_pack_or_bias():
         kernels.gemm_silu_mul(x, fused.packed.panels, randn(60, seed=3), 30)
 
 
-@needs_silu
-def test_decoder_mlp_takes_the_fused_path_unless_a_wrapper_needs_gate_and_up(monkeypatch):
+@pytest.mark.usefixtures("silu")
+def test_decoder_mlp_takes_the_fused_path_unless_a_wrapper_needs_gate_and_up(kernels, monkeypatch):
     """A loaded CPU model's MLPs: gate_up_proj is a FusedGateUp and forward goes through silu_mul (what
     test_real_model's HF equality runs); wrapped (as LoRA wraps it) the MLP calls it plainly and gets the same
     output; with TANDEM_CPU_GEMM=0 nothing is fused."""

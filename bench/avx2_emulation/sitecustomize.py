@@ -2,7 +2,7 @@
 folder on PYTHONPATH): a CPU with AVX-512 runs as one without, for the peers too.
 
 PyTorch's and oneDNN's kernels follow ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 (set by the
-benchmark), and so do Tandem's (engine/attention/cpu_native.py follows PyTorch's level). vLLM's CPU build picks its
+benchmark), and so do Tandem's (engine/cpu/kernels.py follows PyTorch's level). vLLM's CPU build picks its
 own kernel library from the hardware (`torch.cpu._is_avx512_supported()`, which reads the CPU, not the
 variable), so here that answer is the one an AVX2-only CPU gives, and vLLM loads its _C_AVX2 build."""
 

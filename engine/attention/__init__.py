@@ -3,7 +3,7 @@
 - "torch": pure PyTorch (gather pages + SDPA). The reference every kernel is tested against; on CUDA it
   works but builds its per-step plan on the host (not capturable, synchronizes).
 - "cpu": the CPU default: "torch" with decode rows and multi-token chunks through native paged kernels
-  (cpu_decode.cpp, cpu_prefill.cpp, built at first use; prefill for head sizes 64/128 and the dtypes the CPU
+  (decode_attention.cpp, prefill_attention.cpp, built at first use; prefill for head sizes 64/128 and the dtypes the CPU
   has instructions for, else SDPA); "auto" falls back to "torch" where they do not build.
 - "triton": Triton kernels (engine/attention/triton_paged.py). The CUDA default; needs the triton package.
 - "flash_attn": flash-attn's paged kernels, only when flash_attn is importable and block_size % 256 == 0.
@@ -19,7 +19,8 @@ import logging
 
 import torch
 
-from engine.attention import cpu_native, flash, triton_paged
+from engine.attention import flash, triton_paged
+from engine.cpu import kernels as cpu_native
 from engine.attention.metadata import AttentionMetadata, LayerAttention
 from engine.attention.torch_paged import CpuPagedAttention, TorchPagedAttention, store_kv
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_native
+from engine.cpu import kernels as cpu_native
 from engine.attention.metadata import AttentionMetadata, LayerAttention
 
 
@@ -190,9 +190,9 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The CPU default: decode rows through the native kernel (cpu_decode.cpp), which reads K/V straight
+    """The CPU default: decode rows through the native kernel (decode_attention.cpp), which reads K/V straight
     from the paged cache, each row once, instead of gathering every context into a dense copy for SDPA.
-    Multi-token chunks go through the native prefill kernel (cpu_prefill.cpp: all of a step's chunks in one
+    Multi-token chunks go through the native prefill kernel (prefill_attention.cpp: all of a step's chunks in one
     call, K/V from the cache, instead of a gather and an SDPA call per chunk) where it supports the dtype and
     head size (fp32 and bf16 at every instruction-set level: AVX-512 intrinsics, or the portable path in the
     avx2 and default builds; head size 64, 128 or 256), else through the torch backend's SDPA. What both kernels

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata, LayerAttention
-from engine.models.cpu_linear import FusedGateUp, fused_gate_up, pack_linears, pack_weight, packed_linear
+from engine.cpu.linear import FusedGateUp, fused_gate_up, pack_linears, pack_weight, packed_linear
 from engine.models.moe import MoESpec, SparseMoeBlock
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
@@ -329,7 +329,7 @@ class DecoderLM(nn.Module):
         self.vocab_gather = None
 
     def pack_for_cpu(self) -> None:
-        """Loaded CPU model: every linear and the LM head packed for the CPU's GEMM (engine/models/cpu_linear.py:
+        """Loaded CPU model: every linear and the LM head packed for the CPU's GEMM (engine/cpu/linear.py:
         Tandem's for fp32 on AVX-512, oneDNN's otherwise). The untied head's plain weight is dropped; a tied one
         stays the embedding."""
         for layer in self.layers:  # SiLU(gate) * up in the gate/up GEMM's epilogue where use_cpu_kernels allows
@@ -342,7 +342,7 @@ class DecoderLM(nn.Module):
             self.lm_head = None  # untied: its plain weight is no longer read
 
     def use_cpu_kernels(self, kernels, dtype: torch.dtype) -> None:
-        """CPU model: the fused ops of engine/models/cpu_fused.cpp: RoPE in place (not after Qwen3/Gemma 3's
+        """CPU model: the fused ops of engine/cpu/fused.cpp: RoPE in place (not after Qwen3/Gemma 3's
         q/k norms) and SiLU * up, both exactly the eager arithmetic, and for pre-norm models residual add +
         RMSNorm: in bf16 its output can differ from eager by a bf16 ulp at a rounding boundary (see the .cpp);
         in fp32 it is PyTorch's arithmetic bit for bit (fp32_norm_lanes checks that on this machine, else the

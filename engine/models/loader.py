@@ -16,8 +16,9 @@ from safetensors import safe_open
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention import cpu_native
-from engine.models import cpu_linear, moe, tp as tensor_parallel
+from engine.cpu import kernels as cpu_native
+from engine.cpu import linear as cpu_linear
+from engine.models import moe, tp as tensor_parallel
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3") + moe.MOE_FAMILIES
@@ -132,8 +133,8 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
                 dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
                 cpu_onednn: bool = True, tp: tensor_parallel.TPShard | None = None) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
-    On CPU its linears are packed (engine/models/cpu_linear.py: Tandem's fp32 GEMM or oneDNN) unless
-    `cpu_onednn` is off, and it runs the fused elementwise kernels (engine/models/cpu_fused.cpp) unless
+    On CPU its linears are packed (engine/cpu/linear.py: Tandem's fp32 GEMM or oneDNN) unless
+    `cpu_onednn` is off, and it runs the fused elementwise kernels (engine/cpu/fused.cpp) unless
     TANDEM_CPU_KERNELS=0.
     With `tp`, one tensor-parallel rank's shard (engine/models/tp.py): `spec` must then be its local_spec."""
     moe.check_device(spec.moe, device)

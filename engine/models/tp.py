@@ -144,7 +144,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Input-sharded linear: this rank's partial product, summed over the ranks, then the bias once.
-    The inner nn.Linear has no bias, so engine/models/cpu_linear.pack_linears packs it like any other."""
+    The inner nn.Linear has no bias, so engine/cpu/linear.pack_linears packs it like any other."""
 
     def __init__(self, linear: nn.Linear, comm):
         super().__init__()

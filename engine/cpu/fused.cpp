@@ -31,7 +31,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../attention/cpu_simd.h"
+#include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -469,7 +469,7 @@ void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t h
 }  // namespace
 
 namespace tandem_fused {
-// The fused gate/up GEMM's epilogue (engine/models/cpu_gemm.cpp): `rows` rows of `cols` (<= 24) gate sums at
+// The fused gate/up GEMM's epilogue (engine/cpu/gemm.cpp): `rows` rows of `cols` (<= 24) gate sums at
 // gate[r * ld] and up sums at up[r * ld], fp32 with the bias added -> SiLU(gate) * up in out[r * ldo], T's type.
 // They are columns [col0, col0 + cols) of rows `width` wide: where PyTorch's SiLU would take a column as a
 // scalar tail (AVX2, default), so does this.

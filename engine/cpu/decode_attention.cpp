@@ -4,7 +4,7 @@
 // Why by hand: torch has no paged attention on CPU. The pure-PyTorch path gathers every sequence's whole
 // context into a dense buffer and then runs SDPA over it (three passes over ~50 MB per layer for 64
 // sequences of ~400 tokens); vLLM's CPU kernel lives inside vLLM. Built at first use with
-// torch.utils.cpp_extension (engine/attention/cpu_native.py); the gather + SDPA path stays the reference
+// torch.utils.cpp_extension (engine/cpu/kernels.py); the gather + SDPA path stays the reference
 // and the fallback.
 //
 // Parallel over sequences (or (sequence, KV head) when there are few); the G = H / Hkv query heads sharing a
@@ -15,7 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 #include <cmath>
 #include <cstring>
@@ -110,7 +110,7 @@ inline void to_bf16(const float* s, int64_t n, at::BFloat16* out) {
 // rows per VDPBF16PS: rows r and r + 1 are interleaved 16 bits at a time (unpacklo/hi within each 128-bit lane)
 // and multiplied by the broadcast pair (p[r], p[r + 1]). Widening every V row to fp32 instead cost three
 // instructions per 16 elements for each query head of the group. The accumulators hold each 32-element chunk
-// in the unpack order (cpu_simd.h), permuted in and out once per call. An odd last row is paired with zeros:
+// in the unpack order (simd.h), permuted in and out once per call. An odd last row is paired with zeros:
 // nothing past the run is read (it could hold NaN bits).
 template <int DIM>
 inline void axpy_rows(const at::BFloat16* p, const at::BFloat16* v, int64_t stride, int64_t m, float* out) {
@@ -352,9 +352,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-void register_fused(pybind11::module& m);  // engine/models/cpu_fused.cpp, built into the same module
-void register_prefill(pybind11::module& m);  // cpu_prefill.cpp
-void register_gemm(pybind11::module& m);  // engine/models/cpu_gemm.cpp
+void register_fused(pybind11::module& m);  // engine/cpu/fused.cpp, built into the same module
+void register_prefill(pybind11::module& m);  // prefill_attention.cpp
+void register_gemm(pybind11::module& m);  // engine/cpu/gemm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);

@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the CPU attention kernels (cpu_decode.cpp, cpu_prefill.cpp).
+// AVX-512 helpers shared by the CPU attention kernels (decode_attention.cpp, prefill_attention.cpp).
 #pragma once
 
 #if defined(__AVX512F__)

@@ -15,14 +15,14 @@
 // - Avx512, in builds with AVX-512 F/BW (the "avx512" level): intrinsics, 16 lanes a register, 8 score rows and
 //   4 / 2 / 2 value rows per micro-kernel at head size 64 / 128 / 256 (256: two passes of 128 dims). bf16 where
 //   the CPU has AVX512-BF16: VDPBF16PS on pairs (K packed as bf16 pairs, V rows interleaved 16 bits at a time, bf16
-//   probabilities, as torch's flash kernel and the decode kernel use); fp32 by FMA. exp: cpu_simd.h's exp_nonpositive.
+//   probabilities, as torch's flash kernel and the decode kernel use); fp32 by FMA. exp: simd.h's exp_nonpositive.
 // - Portable, everywhere else (the "avx2" and "default" levels, and bf16 in an AVX-512 build without
 //   AVX512-BF16): GCC vector extensions of W floats, W = 8 where the build has AVX (one ymm register: AVX2 + FMA
 //   under -march=x86-64-v3), else 4 (one SSE2 register under -march=x86-64), so one source compiles to either;
 //   the register blocks fit 16 such registers. bf16 is widened to fp32 (its bits are the top half of an
 //   fp32's) as it is copied: the queries with the item's rows, K as it is transposed, V once per key chunk, so
 //   both micro-kernels are fp32 multiply-adds for either dtype and the probabilities stay fp32; the output is
-//   rounded to bf16 nearest-even. exp: the same Cody-Waite reduction and Cephes polynomial as cpu_simd.h, 2^n
+//   rounded to bf16 nearest-even. exp: the same Cody-Waite reduction and Cephes polynomial as simd.h, 2^n
 //   built from the exponent bits; the causal and window masks are vector compares and selects.
 //
 // Work items are (chunk, KV head, tile of query positions), the G = H / Hkv query heads of the KV head
@@ -44,7 +44,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 namespace {
 
@@ -290,7 +290,7 @@ struct Avx512 : Args<DIM, T> {
     const __m512 inv = _mm512_set1_ps(1.f / l);
     for (int d = 0; d < DIM; d += 32) {
       __m512 x0 = _mm512_loadu_ps(o + d), x1 = _mm512_loadu_ps(o + d + 16);
-      if constexpr (kBf16<T>) {  // the bf16 sums are in unpack order (cpu_simd.h)
+      if constexpr (kBf16<T>) {  // the bf16 sums are in unpack order (simd.h)
         tandem_simd::from_unpack_order(x0, x1, x0, x1);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x0, inv)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d + 16),
@@ -334,7 +334,7 @@ inline vf select(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); } 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }  // MAXPS
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }  // MINPS
 
-// exp(x) for the softmax's x = score - max <= 0, as cpu_simd.h's: Cody-Waite reduction by ln 2 and Cephes'
+// exp(x) for the softmax's x = score - max <= 0, as simd.h's: Cody-Waite reduction by ln 2 and Cephes'
 // degree-6 expf polynomial. x is clamped to [-87, 0] (visible lanes are <= 0; masked ones are discarded), so
 // n = round(x / ln 2) >= -126 and 2^n, built as the exponent bits (n + 127) << 23, is a normal float (e^-87 is
 // nothing next to the max's 1).
@@ -746,7 +746,7 @@ void register_prefill(pybind11::module& m) {
         pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("q_start"),
         pybind11::arg("q_len"), pybind11::arg("seq_len"), pybind11::arg("scale"), pybind11::arg("window"),
         pybind11::arg("softcap"), pybind11::arg("out"), pybind11::arg("k_pack_bytes") = int64_t(8) << 20,
-        pybind11::call_guard<pybind11::gil_scoped_release>());  // as paged_decode (cpu_decode.cpp)
+        pybind11::call_guard<pybind11::gil_scoped_release>());  // as paged_decode (decode_attention.cpp)
   m.attr("prefill_dtypes") = pybind11::make_tuple("float32", "bfloat16");  // at every level
   m.attr("prefill_head_sizes") = pybind11::make_tuple(64, 128, 256);        // at every level, in both dtypes
   // Whether bf16 prefill multiplies bf16-rounded probabilities (the AVX512-BF16 path) rather than fp32 ones.

@@ -1,27 +1,34 @@
-// Linears for the CPU engine on AVX-512: y[M, N] = x[M, K] @ W^T (+ bias), with W packed once at load into
-// column panels of 48 output columns, each panel contiguous and zero-padded past N: fp32 as [ceil(N / 48), K,
-// 48]; bf16 (AVX512-BF16) as [ceil(N / 48), ceil(K / 2), 48, 2], the pairs (w[n, k], w[n, k + 1]) that one
-// VDPBF16PS multiplies and adds into an fp32 lane.
+// Linears for the CPU engine: y[M, N] = x[M, K] @ W^T (+ bias), with W packed once at load into column panels of
+// 48 output columns, each panel contiguous and zero-padded past N: fp32 as [ceil(N / 48), K, 48]; bf16 as
+// [ceil(N / 48), ceil(K / 2), 48, 2], the pairs (w[n, k], w[n, k + 1]) that one VDPBF16PS multiplies and adds
+// into an fp32 lane (the portable path widens the same pairs). One layout at every instruction-set level.
 //
 // Why by hand: oneDNN's packed matmul (torch.ops.mkldnn._linear_pointwise, what vLLM's CPU build runs too) is
-// slow at the row counts of decode. SmolLM2-135M's shapes on a 2-core AMD EPYC (Zen 4), each weight read
-// once from DRAM as in a forward: at 1 row oneDNN streams the weight at 22-32 GB/s and this kernel at
-// 34-52; at 16 rows 124-162 against 175-193 GFLOP/s; at 346 rows (prefill) 195-201 against 201-213. A
-// simple register-blocked kernel suffices because a model's K (its hidden or intermediate size) is small:
-// one panel's K x 48 weights sit in L2 while every 8-row block of x passes over it, so there is no K
-// blocking and no packing of x.
+// slow at the row counts of decode, and below AVX-512 it has no bf16 matmul at all (its bf16 path needs
+// AVX512-BW or AVX-NE-CONVERT). A simple register-blocked kernel suffices because a model's K (its hidden or
+// intermediate size) is small: one panel's K x 48 weights sit in L2 while every 8-row block of x passes over
+// it, so there is no K blocking and no packing of x. bench/bench_cpu_gemm_isa.py measures it against oneDNN and
+// F.linear at a level.
 //
-// Micro-kernel: 8 rows x 48 columns of fp32 sums in 24 zmm registers; per k (bf16: per pair of k), three
-// weight vectors and one broadcast x value (pair) per row, 24 FMAs (VDPBF16PS). fp32: each output is one fp32
-// FMA chain over k in order, then + bias, as a plain dot product would; it differs from oneDNN's or MKL's
-// order in rounding only (greedy equality with Hugging Face is what the real-model tests check). bf16: exact
-// products summed in fp32 by pairs, + bias in fp32, rounded to bf16 once (nearest even), as oneDNN's bf16
-// matmul does (in another order).
+// AVX-512 (the "avx512" build; intrinsics): 8 rows x 48 columns of fp32 sums in 24 zmm registers; per k (bf16:
+// per pair of k), three weight vectors and one broadcast x value (pair) per row, 24 FMAs (VDPBF16PS, where the
+// CPU has AVX512-BF16; without it this build is fp32 only).
+// Portable (the "avx2" and "default" builds; GCC vector extensions, so one source is AVX2 + FMA under
+// x86-64-v3 and SSE2 under x86-64): a block of up to 8 rows by one panel is computed as half panels of 24
+// columns, a few rows a pass (4 fp32 / 3 bf16 rows on AVX2: 12 or 9 ymm sums; 2 / 1 on SSE2), the sums going
+// to an L1 buffer for the epilogue; bf16 weight pairs are widened to fp32 in registers (a bf16's bits are the
+// top half of its fp32) and x's rows once a call.
+//
+// Arithmetic, both paths: fp32: each output is one fp32 multiply-add chain over k in order, then + bias, as a
+// plain dot product would; it differs from oneDNN's or MKL's order in rounding only (greedy equality with
+// Hugging Face is what the real-model tests check). bf16: exact products summed in fp32 (AVX-512: by pairs;
+// portable: k in order), + bias in fp32, rounded to bf16 once (nearest even, as c10::BFloat16; oneDNN's bf16
+// matmul does the same in another order).
 //
 // gemm_silu_mul: a decoder MLP's gate/up linear with SiLU(gate) * up as the epilogue, each panel 24 gate columns
 // and their 24 up columns, so the [M, 2 I] gate/up output is never stored and read back by a separate pass
-// (cpu_fused.cpp's silu_mul, whose arithmetic the epilogue calls: the same bits). SmolLM2-135M, 2-core AMD
-// EPYC, a 2004-token prefill step: bf16 1.23 -> 1.14-1.16 s, fp32 2.16-2.26 s either way; decode unchanged.
+// (fused.cpp's silu_mul, whose arithmetic the epilogue calls, including which columns PyTorch's SiLU takes
+// as a scalar tail at the avx2 and default levels: the same bits).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -29,23 +36,26 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// gemm_silu_mul: AVX-512 F/BW/VL (the epilogue's masked vectors), or the portable path.
+#if !defined(__AVX512F__) || (defined(__AVX512BW__) && defined(__AVX512VL__))
 #define TANDEM_GEMM_SILU 1
-namespace tandem_fused {  // engine/models/cpu_fused.cpp
+#endif
+namespace tandem_fused {  // engine/cpu/fused.cpp, every level
 template <typename T>
 void silu_mul_rows(const float* gate, const float* up, int64_t ld, int64_t rows, int64_t cols, T* out,
                    int64_t ldo, int64_t col0, int64_t width);
 }
-#endif
 
 namespace {
 
-constexpr int64_t kPanel = 48, kHalf = kPanel / 2;
+constexpr int64_t kPanel = 48, kHalf = kPanel / 2, kRows = 8;  // kRows: rows of x a micro-kernel call
 
 #if defined(__AVX512F__)
 // The 48 sums of one row (three vectors) + bias, stored in the first `cols` columns.
@@ -73,7 +83,7 @@ inline void store_silu(const __m512 (&acc)[MR][3], const float* bias, T* y, int6
 
 template <int MR, bool SILU>
 inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
-                  int64_t ldy, int64_t cols) {
+                  int64_t ldy, int64_t cols, int64_t /* col0: the AVX-512 SiLU has no scalar tail */) {
   __m512 acc[MR][3];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < 3; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -96,7 +106,7 @@ inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, const 
 #define TANDEM_GEMM_BF16 1
 template <int MR, bool SILU>
 inline void micro(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K, const float* bias,
-                  at::BFloat16* y, int64_t ldy, int64_t cols) {
+                  at::BFloat16* y, int64_t ldy, int64_t cols, int64_t /* col0 */) {
   __m512 acc[MR][3];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < 3; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -138,6 +148,159 @@ inline void micro(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int
   }
 }
 #endif
+#endif  // __AVX512F__
+
+#if !defined(__AVX512F__)
+// The portable path (avx2 and default levels): GCC vectors of the widest registers the build has, 8 floats in a
+// ymm register under x86-64-v3 (a * b + c contracted to one FMA), 4 in an xmm one under x86-64 (SSE2: a
+// multiply and an add). Compiled without the extension's -fassociative-math: with it GCC regroups a sum's chain
+// (bf16: acc + (even + odd products)), out of k order and slower (the regrouped sums spill).
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
+#define TANDEM_GEMM_BF16 1
+#if defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+typedef float vf_u __attribute__((vector_size(4 * kLanes), aligned(4)));  // loads and stores at any float's address
+typedef uint32_t vu_u __attribute__((vector_size(4 * kLanes), aligned(4)));
+constexpr int kVecs = kHalf / kLanes;  // vectors a row of 24 columns
+
+// Rows a pass, T the weights' type. AVX: fp32 4 rows, 4 x 3 sums + 3 weights + 1 broadcast = 16 ymm registers;
+// bf16 3 rows, as its widening needs a register more (with 4 rows GCC spills sums). SSE2: 6 vectors a row.
+#if defined(__AVX__)
+template <typename T>
+constexpr int kMR = std::is_same<T, float>::value ? 4 : 3;
+#else
+template <typename T>
+constexpr int kMR = std::is_same<T, float>::value ? 2 : 1;
+#endif
+
+inline float widen(at::BFloat16 v) {  // exact: a bf16's bits are the top half of its fp32
+  const uint32_t bits = uint32_t(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <int R, int V>
+inline void store_sums(const vf (&acc)[R][V], float* sums) {
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < V; ++c) *reinterpret_cast<vf_u*>(sums + m * kPanel + kLanes * c) = acc[m][c];
+}
+
+// sums[m * kPanel + c] = sum over k in order of x[m, k] * w(k, c), R rows by the V vectors of columns c at w
+// (V = kVecs: a half panel, 24 columns; 2 kVecs: the whole panel). fp32: w(k, c) = w[k * kPanel + c], one
+// multiply-add chain a sum.
+template <int R, int V = kVecs>
+inline void sums24(const float* x, int64_t ldx, const float* w, int64_t K, float* sums) {
+  vf acc[R][V] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const vf_u* wk = reinterpret_cast<const vf_u*>(w + k * kPanel);
+    vf wv[V];
+    for (int c = 0; c < V; ++c) wv[c] = wk[c];
+    for (int m = 0; m < R; ++m) {
+      const float b = x[m * ldx + k];
+      for (int c = 0; c < V; ++c) acc[m][c] += b * wv[c];
+    }
+  }
+  store_sums<R, V>(acc, sums);
+}
+
+// bf16: the pack's pairs (w(2 k2, c), w(2 k2 + 1, c)) as one 32-bit word at w[(k2 * kPanel + c) * 2], widened
+// to fp32 in registers (even k: the low half shifted up; odd k: the high half) and multiply-added in fp32, k in
+// order, with x already widened to fp32 (micro); a last odd k alone (its partner in the pack is zero).
+template <int R, int V = kVecs>
+inline void sums24(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, float* sums) {
+  vf acc[R][V] = {};
+  vf wv[V];
+  auto madd = [&](int64_t k) {  // acc += x[:, k] * wv
+    for (int m = 0; m < R; ++m) {
+      const float b = x[m * ldx + k];
+      for (int c = 0; c < V; ++c) acc[m][c] += b * wv[c];
+    }
+  };
+  const int64_t pairs = K / 2;
+  for (int64_t k2 = 0; k2 < pairs; ++k2) {
+    const vu_u* wk = reinterpret_cast<const vu_u*>(w + k2 * 2 * kPanel);
+    for (int c = 0; c < V; ++c) wv[c] = (vf)(wk[c] << 16);
+    madd(2 * k2);
+    for (int c = 0; c < V; ++c) wv[c] = (vf)(wk[c] & 0xFFFF0000u);
+    madd(2 * k2 + 1);
+  }
+  if (K % 2) {
+    const vu_u* wk = reinterpret_cast<const vu_u*>(w + pairs * 2 * kPanel);
+    for (int c = 0; c < V; ++c) wv[c] = (vf)(wk[c] << 16);
+    madd(K - 1);
+  }
+  store_sums<R, V>(acc, sums);
+}
+
+// R rows in passes of kMR rows (the weights of a half panel are read from L2 once a pass).
+template <int R, typename T>
+inline void rows_sums(const float* x, int64_t ldx, const T* w, int64_t K, float* sums) {
+  constexpr int mr = kMR<T>;
+  if constexpr (R > mr) {
+    sums24<mr>(x, ldx, w, K, sums);
+    rows_sums<R - mr>(x + mr * ldx, ldx, w, K, sums + mr * kPanel);
+  } else {
+    sums24<R>(x, ldx, w, K, sums);
+  }
+}
+
+// fp32 -> bf16 by c10::BFloat16's rule: round to nearest even, NaN -> 0x7FC0.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : uint16_t(r);
+}
+inline void store_row(const float* s, float* y, int64_t cols) { std::memcpy(y, s, cols * sizeof(float)); }
+inline void store_row(const float* s, at::BFloat16* y, int64_t cols) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(y);
+  for (int64_t c = 0; c < cols; ++c) out[c] = bf16_bits(s[c]);
+}
+
+// ROWS rows of x by one panel: the 48 sums a row (the second 24 only where kept) into an L1 buffer, + bias,
+// then stored (in T: bf16 rounded once) or, SILU, turned into 24 SiLU(gate) * up a row by fused.cpp's
+// arithmetic, as columns [col0, col0 + cols) of rows ldy wide (where PyTorch's SiLU takes its scalar tail).
+template <int ROWS, bool SILU, typename T>
+void micro(const T* x, int64_t ldx, const T* w, int64_t K, const float* bias, T* y, int64_t ldy, int64_t cols,
+           int64_t col0) {
+  alignas(64) float sums[ROWS][kPanel];
+  constexpr int64_t pair = sizeof(T) == 2 ? 2 : 1;  // values a pack column holds per k (row of the pack)
+  const int64_t kept = SILU ? kPanel : cols;         // sums needed a row
+  const float* xf = nullptr;                          // x in fp32
+  int64_t ldf = ldx;
+  if constexpr (std::is_same<T, float>::value) {
+    xf = x;
+  } else {  // bf16 rows widened once a call (not once per k and weight vector)
+    static thread_local std::vector<float> wide;
+    if (int64_t(wide.size()) < ROWS * K) wide.resize(ROWS * K);
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t k = 0; k < K; ++k) wide[m * K + k] = widen(x[m * ldx + k]);
+    xf = wide.data(), ldf = K;
+  }
+  if (ROWS == 1 && kept > kHalf) {  // one row (decode): the whole panel in one pass, 2 kVecs sums in flight
+    sums24<1, 2 * kVecs>(xf, ldf, w, K, sums[0]);
+  } else {
+    for (int64_t h = 0; h * kHalf < kept; ++h)
+      rows_sums<ROWS>(xf, ldf, w + h * kHalf * pair, K, sums[0] + h * kHalf);
+  }
+  if (bias)
+    for (int m = 0; m < ROWS; ++m)
+      for (int64_t c = 0; c < kept; ++c) sums[m][c] += bias[c];
+  if constexpr (SILU) {
+    tandem_fused::silu_mul_rows<T>(sums[0], sums[0] + kHalf, kPanel, ROWS, cols, y, ldy, col0, ldy);
+  } else {
+    for (int m = 0; m < ROWS; ++m) store_row(sums[m], y + m * ldy, cols);
+  }
+}
+#pragma GCC pop_options
+#endif  // !__AVX512F__
 
 // y = x @ W^T (+ bias) over the packed panels, `panel_elems` elements apart. The work is split into items of
 // a group of panels (~512 KB together, so they stay in L2) by a run of 8-row blocks of x, handed out from a
@@ -149,19 +312,20 @@ inline void micro(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int
 // prefill step beside 5 processes that wake 100 times a second (as Ray's do): fp32 2.29 -> 2.25 s, bf16
 // 1.26 -> 1.17 s (medians of 3 and 2 alternated runs; without them, no change beyond noise). Every output is
 // the same chain of sums however the work is split.
-// SILU: y[M, n] = SiLU(gate) * up, 24 columns of y a panel (store_silu).
+// SILU: y[M, n] = SiLU(gate) * up, 24 columns of y a panel. Both paths' micro-kernels take (up to) 8 rows.
 template <bool SILU, typename T>
 void run(const T* x, const T* w, int64_t panel_elems, const float* bias, T* y, int64_t M, int64_t K, int64_t n,
          int64_t panels) {
-  using Micro = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, int64_t);
-  constexpr Micro table[9] = {nullptr,  micro<1, SILU>, micro<2, SILU>, micro<3, SILU>, micro<4, SILU>,
-                              micro<5, SILU>, micro<6, SILU>, micro<7, SILU>, micro<8, SILU>};
+  using Micro = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, int64_t, int64_t);
+  constexpr Micro table[kRows + 1] = {nullptr,        micro<1, SILU>, micro<2, SILU>, micro<3, SILU>, micro<4, SILU>,
+                                      micro<5, SILU>, micro<6, SILU>, micro<7, SILU>, micro<8, SILU>};
   constexpr int64_t width = SILU ? kHalf : kPanel;  // columns of y a panel fills
   auto block = [&](int64_t p, int64_t m0) {  // rows [m0, m0 + 8) of panel p
-    table[std::min<int64_t>(8, M - m0)](x + m0 * K, K, w + p * panel_elems, K, bias ? bias + p * kPanel : nullptr,
-                                        y + m0 * n + p * width, n, std::min(width, n - p * width));
+    table[std::min<int64_t>(kRows, M - m0)](x + m0 * K, K, w + p * panel_elems, K,
+                                            bias ? bias + p * kPanel : nullptr, y + m0 * n + p * width, n,
+                                            std::min(width, n - p * width), p * width);
   };
-  const int64_t threads = at::get_num_threads(), blocks = (M + 7) / 8;
+  const int64_t threads = at::get_num_threads(), blocks = (M + kRows - 1) / kRows;
   const int64_t in_l2 = std::max<int64_t>(1, (512 << 10) / (panel_elems * int64_t(sizeof(T))));
   const int64_t group = std::max<int64_t>(1, std::min(in_l2, panels / (4 * threads)));  // panels an item
   const int64_t groups = (panels + group - 1) / group;
@@ -172,11 +336,10 @@ void run(const T* x, const T* w, int64_t panel_elems, const float* bias, T* y, i
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t g = i / runs * group, b0 = i % runs * per;
       for (int64_t b = b0; b < std::min(blocks, b0 + per); ++b)
-        for (int64_t p = g; p < std::min(panels, g + group); ++p) block(p, 8 * b);
+        for (int64_t p = g; p < std::min(panels, g + group); ++p) block(p, kRows * b);
     }
   });
 }
-#endif
 
 // w [N, K] -> its panels (see the top), zero past N (and past K for bf16's last pair): element (n, k) of panel
 // n / 48 at [k / PAIR][n % 48][k % PAIR].
@@ -207,7 +370,6 @@ at::Tensor gemm_pack(const at::Tensor& weight) {
 // gemm_linear, or with `silu` gemm_silu_mul: y [M, n] in x's dtype (the pack's), `width` columns of y a panel.
 at::Tensor apply(const char* name, const at::Tensor& x, const at::Tensor& packed,
                  const c10::optional<at::Tensor>& bias, int64_t n, bool silu) {
-#if defined(__AVX512F__)
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(packed.is_contiguous() && packed.size(-1) == (bf16 ? 2 : kPanel) && packed.dim() == (bf16 ? 4 : 3),
               name, ": not a gemm_pack result");
@@ -242,14 +404,11 @@ at::Tensor apply(const char* name, const at::Tensor& x, const at::Tensor& packed
       go(xc.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(), packed.size(1) * 2 * kPanel,
          y.data_ptr<at::BFloat16>());
 #else
-      TORCH_CHECK(false, name, ": bfloat16 needs AVX512-BF16 (see gemm_dtypes)");
+      TORCH_CHECK(false, name, ": bfloat16 on an AVX-512 build needs AVX512-BF16 (see gemm_dtypes)");
 #endif
     }
   }
   return y.view(out_shape);
-#else
-  TORCH_CHECK(false, name, " needs AVX-512 (gemm_dtypes is empty here)");
-#endif
 }
 
 // x [..., K] @ the packed W^T (+ bias [N], float32 whatever the dtype: it is added to the fp32 sums) -> [..., N],
@@ -261,14 +420,14 @@ at::Tensor gemm_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
 
 // A gate/up linear and SiLU(gate) * up in one pass, nothing of the [..., 2 n] gate/up output stored: the pack
 // holds, panel p, gate rows [24 p, 24 p + 24) then up rows [24 p, 24 p + 24) (zero rows past n; see
-// engine/models/cpu_linear.py's GateUpPanels), and the bias (float32, or None) the same interleaved
+// engine/cpu/linear.py's GateUpPanels), and the bias (float32, or None) the same interleaved
 // 48 * panels values. -> [..., n], bit for bit what silu_mul gives on gemm_linear's [gate, up] output.
 at::Tensor gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n) {
 #ifdef TANDEM_GEMM_SILU
   return apply("gemm_silu_mul", x, packed, bias, n, true);
 #else
-  TORCH_CHECK(false, "gemm_silu_mul needs AVX-512 F/BW/VL (see gemm_silu)");
+  TORCH_CHECK(false, "gemm_silu_mul on an AVX-512 build needs AVX-512 BW/VL (see gemm_silu)");
 #endif
 }
 
@@ -289,9 +448,7 @@ void register_gemm(pybind11::module& m) {
 #endif
 #if defined(TANDEM_GEMM_BF16)
   m.attr("gemm_dtypes") = pybind11::make_tuple("float32", "bfloat16");
-#elif defined(__AVX512F__)
+#else  // AVX-512 without AVX512-BF16
   m.attr("gemm_dtypes") = pybind11::make_tuple("float32");
-#else
-  m.attr("gemm_dtypes") = pybind11::make_tuple();
 #endif
 }
