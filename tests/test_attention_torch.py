@@ -186,15 +186,21 @@ def test_cpu_prefill_kernel_serves_fp32_and_bf16_at_every_level(isa):
     AVX512-BF16) take the portable path."""
     kernel = prefill_kernel(isa)
     assert set(kernel.prefill_dtypes) == {"float32", "bfloat16"}
+    assert set(kernel.prefill_head_sizes) == {64, 128, 256}  # Gemma 2 and 3: 256
     # bf16-rounded probabilities (VDPBF16PS) only where the build has AVX512-BF16; the portable path keeps fp32
     assert kernel.prefill_bf16_probs == (isa == "avx512" and "avx512_bf16" in cpu_native._cpu_flags())
 
 
+# (head size, query heads, KV heads, block size): three head layouts at 64 and 128; at 256 (Gemma 2 and 3, whose
+# value micro-kernel takes two passes over V) Gemma 3 270M's 4 heads over 1 and a group of 4 over 2 KV heads.
+PREFILL_SHAPES = [(dim, *heads) for dim in (64, 128) for heads in [(9, 3, 16), (4, 4, 32), (8, 1, 16)]]
+PREFILL_SHAPES += [(256, 4, 1, 16), (256, 8, 2, 32)]
+
+
 @ISAS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("dim", [64, 128])
-@pytest.mark.parametrize("heads,kv_heads,bs", [(9, 3, 16), (4, 4, 32), (8, 1, 16)])
-@pytest.mark.parametrize("window,softcap", [(0, None), (37, None), (300, None), (0, 2.0)])
+@pytest.mark.parametrize("dim,heads,kv_heads,bs", PREFILL_SHAPES)
+@pytest.mark.parametrize("window,softcap", [(0, None), (37, None), (300, None), (0, 2.0), (37, 2.0)])
 def test_cpu_prefill_kernel_matches_dense(isa, dtype, dim, heads, kv_heads, bs, window, softcap):
     """All of a step's multi-token chunks in one call (PREFILL_CHUNKS); rows not in a chunk (the step's decode
     rows) are left alone. Against the fp64 dense reference on the same (bf16-valued) inputs:
@@ -226,17 +232,19 @@ def test_cpu_prefill_kernel_matches_dense(isa, dtype, dim, heads, kv_heads, bs, 
 @ISAS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [0, 37])
-def test_cpu_prefill_kernel_same_result_however_k_is_packed(isa, dtype, window):
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (256, 4, 1)])
+def test_cpu_prefill_kernel_same_result_however_k_is_packed(isa, dtype, window, dim, heads, kv_heads):
     """The kernel transposes each chunk's K once ahead of its work items, in groups of chunks up to
     k_pack_bytes, and packs a chunk too large for that per item instead. The arithmetic is the same either way,
     so every budget gives the same bits: the default (all chunks in one group), 0 (every chunk per item), and
     200 KB, where chunks 0 and 1 share a group, 2 (540 KB of K) and 4 (384 KB) go per item and 3 is a group of
-    its own (9 heads over 3 KV heads of 64 fp32 dims; the portable path packs bf16 K widened to fp32 too)."""
-    kernel, args = prefill_case(isa, dtype, 64, 9, 3, 16, seed=4)
+    its own (9 heads over 3 KV heads of 64 fp32 dims; the portable path packs bf16 K widened to fp32 too; 1 KV
+    head of 256 dims, 1 KB a key, splits the same way)."""
+    kernel, args = prefill_case(isa, dtype, dim, heads, kv_heads, 16, seed=4)
     outs = []
     for budget in (8 << 20, 0, 200_000):
         out = torch.full(args[0].shape, float("nan"), dtype=dtype)
-        kernel.paged_prefill(*args, 64 ** -0.5, window, 0.0, out, k_pack_bytes=budget)
+        kernel.paged_prefill(*args, dim ** -0.5, window, 0.0, out, k_pack_bytes=budget)
         outs.append(out)
     assert not outs[0][1:-2].isnan().any()  # the chunks' rows; the decode rows around them stay NaN
     for out in outs:

@@ -47,6 +47,28 @@ def test_greedy_matches_hf_with_chunked_prefill(tiny_model_factory, family, dept
     assert llm.stats()["steps"] > MAX_NEW  # the budget forced more steps than an unchunked run needs
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_head_size_256_prefills_through_the_native_kernel(tmp_path, family, monkeypatch):
+    """Gemma's real head size (256; the tiny checkpoints' is 16, which the CPU prefill kernel leaves to gather +
+    SDPA): every multi-token chunk of the sliding, global and (Gemma 2) soft-capped layers goes through
+    paged_prefill, with none left to SDPA, and fp32 greedy still equals HF's."""
+    from engine.attention import cpu_native
+    from engine.attention.torch_paged import TorchPagedAttention
+
+    kernel = cpu_native.load()
+    assert kernel is not None
+    dims, sdpa = [], []
+    real = kernel.paged_prefill
+    monkeypatch.setattr(kernel, "paged_prefill", lambda q, *a, **kw: dims.append(q.shape[-1]) or real(q, *a, **kw))
+    monkeypatch.setattr(TorchPagedAttention, "_prefill", staticmethod(lambda *a: sdpa.append(1)))
+    path, hf = tiny_models.build(family, tmp_path, head_dim=256)
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=16)
+    prompts = make_prompts(seed=1, lengths=(3, 17, 40))
+    for prompt, ours in zip(prompts, run(llm, prompts)):
+        assert_matches_hf(hf, prompt, ours)
+    assert dims and set(dims) == {256} and not sdpa
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gemma2_on_the_other_attention_backends(tiny_model_factory, backend):
     """The soft-capped, alternating-window layers through the PyTorch reference and the Triton kernels

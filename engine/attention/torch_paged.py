@@ -195,7 +195,7 @@ class CpuPagedAttention(TorchPagedAttention):
     Multi-token chunks go through the native prefill kernel (prefill_attention.cpp: all of a step's chunks in one
     call, K/V from the cache, instead of a gather and an SDPA call per chunk) where it supports the dtype and
     head size (fp32 and bf16 at every instruction-set level: AVX-512 intrinsics, or the portable path in the
-    avx2 and default builds; head size 64 or 128), else through the torch backend's SDPA. What both kernels
+    avx2 and default builds; head size 64, 128 or 256), else through the torch backend's SDPA. What both kernels
     gain over SDPA is in docs/engine.md#attention-backends."""
 
     name = "cpu"
@@ -207,6 +207,7 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError("attention_backend 'cpu' needs the CPU decode kernel, which did not build here "
                              "(see the warning above); use 'torch'")
         self.prefill_dtypes = {getattr(torch, name) for name in getattr(self.kernel, "prefill_dtypes", ())}
+        self.prefill_head_sizes = set(getattr(self.kernel, "prefill_head_sizes", ()))
 
     def prepare(self, meta: AttentionMetadata) -> None:
         super().prepare(meta)
@@ -225,7 +226,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def _attend_prefills(self, q, k_cache, v_cache, plan: _Plan, prefills: list[_PrefillChunk], out: torch.Tensor,
                          scale: float, window: int | None, softcap: float | None) -> None:
         unit = plan.native_prefill
-        if unit is None or q.dtype not in self.prefill_dtypes or q.shape[-1] not in (64, 128):
+        if unit is None or q.dtype not in self.prefill_dtypes or q.shape[-1] not in self.prefill_head_sizes:
             units = plan.other_windows.get(window)
             if units is None:  # SDPA's chunks: built once per step and window, on first use
                 chunks_only = replace(plan.layout, dec_rows=[])

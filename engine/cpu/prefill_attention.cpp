@@ -13,9 +13,9 @@
 // One driver (Prefill: the work split, the K packing, the online softmax's loop), two paths of what runs
 // inside it (the packing of K and V, the two micro-kernels, the per-row softmax, the output row):
 // - Avx512, in builds with AVX-512 F/BW (the "avx512" level): intrinsics, 16 lanes a register, 8 score rows and
-//   256 / DIM value rows per micro-kernel. bf16 where the CPU has AVX512-BF16: VDPBF16PS on pairs (K packed as
-//   bf16 pairs, V rows interleaved 16 bits at a time, bf16 probabilities, as torch's flash kernel and the
-//   decode kernel use); fp32 by FMA. exp: simd.h's exp_nonpositive.
+//   4 / 2 / 2 value rows per micro-kernel at head size 64 / 128 / 256 (256: two passes of 128 dims). bf16 where
+//   the CPU has AVX512-BF16: VDPBF16PS on pairs (K packed as bf16 pairs, V rows interleaved 16 bits at a time, bf16
+//   probabilities, as torch's flash kernel and the decode kernel use); fp32 by FMA. exp: simd.h's exp_nonpositive.
 // - Portable, everywhere else (the "avx2" and "default" levels, and bf16 in an AVX-512 build without
 //   AVX512-BF16): GCC vector extensions of W floats, W = 8 where the build has AVX (one ymm register: AVX2 + FMA
 //   under -march=x86-64-v3), else 4 (one SSE2 register under -march=x86-64), so one source compiles to either;
@@ -48,8 +48,9 @@
 
 namespace {
 
-// A zero K/V/query row (bit pattern 0 is 0.0 in fp32 and bf16), as long as the longest: 128 dims of fp32.
-alignas(64) const uint32_t kZeroRow[128] = {};
+// A zero K/V/query row (bit pattern 0 is 0.0 in fp32 and bf16), as long as the longest: 256 dims of fp32.
+constexpr int kMaxDim = 256;
+alignas(64) const uint32_t kZeroRow[kMaxDim] = {};
 
 constexpr int64_t KC = 256;  // keys per chunk: the online softmax rescales the outputs once per chunk
 
@@ -61,6 +62,7 @@ template <int DIM_, typename T_>
 struct Args {
   static constexpr int DIM = DIM_;
   using T = T_;
+  static_assert(DIM % 64 == 0 && DIM <= kMaxDim, "head sizes 64, 128, 256");
 
   const T* q;
   const T* kc;
@@ -114,12 +116,19 @@ struct Avx512 : Args<DIM, T> {
 
   static constexpr int U = DIM * int(sizeof(T)) / 4;  // 32-bit units per row: bf16 pairs, or floats
   static constexpr int SR = 8;                        // query rows per score micro-kernel (8 accumulators + K)
-  static constexpr int PR = 256 / DIM;                // query rows per value micro-kernel (16 accumulators)
+  // The value micro-kernel: PR rows x VC registers of dims (16 accumulators), DIM / (16 VC) passes over the
+  // chunk's V. At most 8 registers of dims a pass, so each V load serves at least 2 rows: 256 dims in one
+  // pass of one row would be a load per multiply-add.
+  static constexpr int VC = DIM / 16 < 8 ? DIM / 16 : 8;
+  static constexpr int PR = 16 / VC;
 
   // Per-thread buffers.
   struct Scratch {
     std::vector<uint32_t> kp;  // [KC / 16][U][16]: per-item packed K (chunks too large to pack ahead)
-    std::vector<uint32_t> vp;  // bf16: [KC / 2][DIM] rows 2i, 2i + 1 interleaved (unpack order); fp32: unused
+    // bf16: rows 2i, 2i + 1 interleaved (unpack order), [DIM / (16 VC)][KC / 2][16 VC]: each pass of the value
+    // micro-kernel reads one contiguous block (a pass reading part of every row ran the 256-dim kernel
+    // well below the 128-dim one per flop); fp32: unused
+    std::vector<uint32_t> vp;
     std::vector<const T*> vrow;  // fp32: each key's V row (padding keys: a zero row)
     std::vector<float> s, o, m, l;  // scores / probabilities [rows][KC], outputs [rows][DIM], max, sum
     std::vector<at::BFloat16> p;    // bf16 probabilities [rows][KC]
@@ -137,6 +146,11 @@ struct Avx512 : Args<DIM, T> {
   }
 
   void load_query(T* dst, const T* src) const { std::memcpy(dst, src, DIM * sizeof(T)); }
+
+  // bf16: where unit d of the key pair jp's interleaved V row is in vp (d: a multiple of 16).
+  static uint32_t* vpack(Scratch& w, int64_t jp, int d) {
+    return w.vp.data() + (d / (16 * VC)) * (KC / 2 * 16 * VC) + jp * (16 * VC) + d % (16 * VC);
+  }
 
   const void* probs(const Scratch& w, int64_t r) const {
     if constexpr (kBf16<T>) return w.p.data() + r * KC;
@@ -161,7 +175,7 @@ struct Avx512 : Args<DIM, T> {
           const T* prev = w.vrow[j - 1];
           for (int ch = 0; ch < DIM / 32; ++ch) {
             const __m512i a = _mm512_loadu_si512(prev + 32 * ch), b = _mm512_loadu_si512(v + 32 * ch);
-            uint32_t* d = w.vp.data() + (j / 2) * DIM + 32 * ch;
+            uint32_t* d = vpack(w, j / 2, 32 * ch);
             _mm512_storeu_si512(d, _mm512_unpacklo_epi16(a, b));
             _mm512_storeu_si512(d + 16, _mm512_unpackhi_epi16(a, b));
           }
@@ -195,39 +209,41 @@ struct Avx512 : Args<DIM, T> {
   }
 
   // o_r += p_r . V over the chunk's keys, for PR consecutive rows (outputs at ob, stride DIM; probabilities at
-  // pb, stride KC).
+  // pb, stride KC), 16 VC dims a pass (bf16: the unpack order is within 32 dims, so a pass keeps it).
   void values(Scratch& w, float* ob, const void* pb, int64_t tiles) const {
-    __m512 acc[PR][DIM / 16];
-    for (int i = 0; i < PR; ++i)
-      for (int c = 0; c < DIM / 16; ++c) acc[i][c] = _mm512_loadu_ps(ob + i * DIM + 16 * c);
+    for (int d0 = 0; d0 < DIM; d0 += 16 * VC) {
+      __m512 acc[PR][VC];
+      for (int i = 0; i < PR; ++i)
+        for (int c = 0; c < VC; ++c) acc[i][c] = _mm512_loadu_ps(ob + i * DIM + d0 + 16 * c);
 #ifdef __AVX512BF16__
-    if constexpr (kBf16<T>) {
-      const uint32_t* p32 = static_cast<const uint32_t*>(pb);  // bf16 pairs, KC / 2 per row
-      for (int64_t jp = 0; jp < 8 * tiles; ++jp) {
-        const uint32_t* vj = w.vp.data() + jp * DIM;
-        __m512i vz[DIM / 16];
-        for (int c = 0; c < DIM / 16; ++c) vz[c] = _mm512_loadu_si512(vj + 16 * c);
-        for (int i = 0; i < PR; ++i) {
-          const __m512bh pz = (__m512bh)_mm512_set1_epi32(int32_t(p32[i * (KC / 2) + jp]));
-          for (int c = 0; c < DIM / 16; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pz, (__m512bh)vz[c]);
+      if constexpr (kBf16<T>) {
+        const uint32_t* p32 = static_cast<const uint32_t*>(pb);  // bf16 pairs, KC / 2 per row
+        for (int64_t jp = 0; jp < 8 * tiles; ++jp) {
+          const uint32_t* vj = vpack(w, jp, d0);
+          __m512i vz[VC];
+          for (int c = 0; c < VC; ++c) vz[c] = _mm512_loadu_si512(vj + 16 * c);
+          for (int i = 0; i < PR; ++i) {
+            const __m512bh pz = (__m512bh)_mm512_set1_epi32(int32_t(p32[i * (KC / 2) + jp]));
+            for (int c = 0; c < VC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pz, (__m512bh)vz[c]);
+          }
         }
-      }
-    } else
+      } else
 #endif
-    {
-      const float* pf = static_cast<const float*>(pb);
-      for (int64_t j = 0; j < 16 * tiles; ++j) {
-        const float* vj = reinterpret_cast<const float*>(w.vrow[j]);
-        __m512 vz[DIM / 16];
-        for (int c = 0; c < DIM / 16; ++c) vz[c] = _mm512_loadu_ps(vj + 16 * c);
-        for (int i = 0; i < PR; ++i) {
-          const __m512 pz = _mm512_set1_ps(pf[i * KC + j]);
-          for (int c = 0; c < DIM / 16; ++c) acc[i][c] = _mm512_fmadd_ps(pz, vz[c], acc[i][c]);
+      {
+        const float* pf = static_cast<const float*>(pb);
+        for (int64_t j = 0; j < 16 * tiles; ++j) {
+          const float* vj = reinterpret_cast<const float*>(w.vrow[j]) + d0;
+          __m512 vz[VC];
+          for (int c = 0; c < VC; ++c) vz[c] = _mm512_loadu_ps(vj + 16 * c);
+          for (int i = 0; i < PR; ++i) {
+            const __m512 pz = _mm512_set1_ps(pf[i * KC + j]);
+            for (int c = 0; c < VC; ++c) acc[i][c] = _mm512_fmadd_ps(pz, vz[c], acc[i][c]);
+          }
         }
       }
+      for (int i = 0; i < PR; ++i)
+        for (int c = 0; c < VC; ++c) _mm512_storeu_ps(ob + i * DIM + d0 + 16 * c, acc[i][c]);
     }
-    for (int i = 0; i < PR; ++i)
-      for (int c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(ob + i * DIM + 16 * c, acc[i][c]);
   }
 
   // Row r of the item: scale, cap, mask; the online softmax (keys [k0, k0 + 16 tiles), [a, b] visible).
@@ -359,7 +375,7 @@ struct Kernel : Args<DIM, T> {
   static constexpr int SR = W == 8 ? 6 : 2;  // score rows: SR x NV accumulators + NV of K + a broadcast
   static constexpr int VW = 2;               // value micro-kernel: 2 W dims at a time,
   static constexpr int PR = 4;               // of PR rows: PR x 2 accumulators + 2 of V + a broadcast (6 rows:
-                                             // GCC spills accumulators)
+                                             // GCC spills accumulators); every head size in DIM / (VW W) passes
 
   // Per-thread buffers.
   struct Scratch {
@@ -710,13 +726,16 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     p();
   };
   const int64_t dim = q.size(2);
-  TORCH_CHECK(dim == 64 || dim == 128, "paged_prefill supports head sizes 64 and 128, got ", dim);
+  TORCH_CHECK(dim == 64 || dim == 128 || dim == 256, "paged_prefill supports head sizes 64, 128 and 256, got ",
+              dim);
   if (q.scalar_type() == at::kFloat) {
     if (dim == 64) run(Prefill<Fp32Kernel<64>>{});
-    else run(Prefill<Fp32Kernel<128>>{});
+    else if (dim == 128) run(Prefill<Fp32Kernel<128>>{});
+    else run(Prefill<Fp32Kernel<256>>{});
   } else if (q.scalar_type() == at::kBFloat16) {
     if (dim == 64) run(Prefill<Bf16Kernel<64>>{});
-    else run(Prefill<Bf16Kernel<128>>{});
+    else if (dim == 128) run(Prefill<Bf16Kernel<128>>{});
+    else run(Prefill<Bf16Kernel<256>>{});
   } else {
     TORCH_CHECK(false, "paged_prefill supports float32 and bfloat16, got ", q.scalar_type());
   }
@@ -729,6 +748,7 @@ void register_prefill(pybind11::module& m) {
         pybind11::arg("softcap"), pybind11::arg("out"), pybind11::arg("k_pack_bytes") = int64_t(8) << 20,
         pybind11::call_guard<pybind11::gil_scoped_release>());  // as paged_decode (decode_attention.cpp)
   m.attr("prefill_dtypes") = pybind11::make_tuple("float32", "bfloat16");  // at every level
+  m.attr("prefill_head_sizes") = pybind11::make_tuple(64, 128, 256);        // at every level, in both dtypes
   // Whether bf16 prefill multiplies bf16-rounded probabilities (the AVX512-BF16 path) rather than fp32 ones.
 #ifdef TANDEM_PREFILL_BF16_PROBS
   m.attr("prefill_bf16_probs") = true;
