@@ -11,8 +11,10 @@
 // (round-to-nearest-even, as c10::BFloat16 does): x1 * cos and x2 * sin before the subtract, SiLU(gate) before
 // the multiply by up, the residual sum before the norm, the normalised row before HF's `weight * x.to(bf16)`.
 // RoPE is the same products and sums in the same order (this file is compiled without FMA contraction), and
-// SiLU is PyTorch's own vector arithmetic (Sleef's exp, as Vectorized<float> calls it), so both are exact in
-// fp32 and bf16 (SiLU for widths of whole 16-lane vectors: PyTorch finishes a row's tail with a scalar exp).
+// SiLU is PyTorch's own arithmetic at the same instruction-set level (engine/cpu/kernels.py builds this file
+// at PyTorch's): Sleef's 16-lane exp with AVX-512 (exact for widths of whole 32-value iterations), its 8-lane
+// exp with AVX2 over the values PyTorch's loop takes as vectors and the scalar exp over its tail (exact for
+// every width), the scalar exp at the default level; so both are exact in fp32 and bf16.
 // The norm's fp32 sum of squares is summed in another order than PyTorch's cascade, so where the normalised
 // value sits on a bf16 rounding boundary it can round the other way (1 ulp; <= 2 in the output after the
 // weight's multiply) on ~1e-5 of the outputs (157 of 2.1M at 512 x 4096; tests/test_cpu_fused.py). In fp32
@@ -133,8 +135,8 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, at::Tensor* 
         v[i] = rp ? rnd<T>(f32(xr[i]) + f32(rp[r * d + i])) : f32(xr[i]);
         if (rp) rop[r * d + i] = static_cast<T>(v[i]);
       }
-      // In the order of PyTorch's own 8-lane fp32 sum (a plain running sum rounds the other way on ~5e-4 of
-      // the outputs; this, like the AVX-512 path's 16 lanes, on ~1e-5)
+      // In the order of PyTorch's own 8-lane fp32 sum: a plain running sum's larger rounding error put several
+      // times more outputs on the other side of a bf16 rounding boundary (tests/test_cpu_fused.py's bound)
       const float acc = torch_sum_of_squares<8>(v.data(), d);
       const float inv = 1.f / std::sqrt(acc / static_cast<float>(d) + feps);
       for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(f32(wp[i]) * rnd<T>(v[i] * inv));

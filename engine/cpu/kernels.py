@@ -82,7 +82,7 @@ def _cpu_flags() -> set[str]:
 def isas() -> tuple[str, ...]:
     """The levels this CPU can run, best first ("default" everywhere; the SIMD ones on x86-64 CPUs with the
     features their builds use)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not _x86():
         return ("default",)
     flags = _cpu_flags()
     return tuple(isa for isa, need in _CPU_FLAGS.items() if need <= flags)
@@ -100,13 +100,23 @@ def current_isa() -> str:
     return torch_isa if torch_isa in isas() else "default"
 
 
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _flags_for(isa: str) -> list[str]:
+    """The compiler's target flags: the level's, on x86-64; elsewhere (one portable level) this CPU's own."""
+    return ISA_FLAGS[isa] if _x86() else ["-march=native"]
+
+
 def _isa_tag(isa: str) -> str:
-    """For "avx512" (-march=native) a digest of this CPU's feature flags, so a home directory shared by
-    different machines never loads an .so with instructions the CPU lacks; the other levels name fixed
-    instruction sets."""
-    if isa != "avx512":
+    """For -march=native builds ("avx512", and every build off x86-64) a digest of this CPU's feature flags, so a
+    home directory shared by different machines never loads an .so with instructions the CPU lacks; the other
+    levels name fixed instruction sets."""
+    if _flags_for(isa) != ["-march=native"]:
         return isa
-    return "avx512_" + hashlib.sha1(" ".join(sorted(_cpu_flags())).encode()).hexdigest()[:10]
+    digest = hashlib.sha1((platform.machine() + " ".join(sorted(_cpu_flags()))).encode()).hexdigest()[:10]
+    return f"{isa}_{digest}"
 
 
 @functools.cache
@@ -130,7 +140,7 @@ def _build(isa: str):
                   f"about a minute)...", file=sys.stderr, flush=True)
         start = time.monotonic()
         module = cpp_extension.load(name=name, sources=[str(src) for src in _SOURCES],
-                                    extra_cflags=_CFLAGS + ISA_FLAGS[isa], extra_ldflags=["-fopenmp"],
+                                    extra_cflags=_CFLAGS + _flags_for(isa), extra_ldflags=["-fopenmp"],
                                     verbose=False)
         if not built:
             print(f"tandem: CPU kernels for {isa} built in {time.monotonic() - start:.0f} s", file=sys.stderr,
