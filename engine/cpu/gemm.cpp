@@ -33,6 +33,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -179,12 +181,7 @@ template <typename T>
 constexpr int kMR = std::is_same<T, float>::value ? 2 : 1;
 #endif
 
-inline float widen(at::BFloat16 v) {  // exact: a bf16's bits are the top half of its fp32
-  const uint32_t bits = uint32_t(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using tandem_simd::widen;
 
 template <int R, int V>
 inline void store_sums(const vf (&acc)[R][V], float* sums) {

@@ -354,13 +354,7 @@ inline vf exp_nonpositive(vf x) {
   return p * (vf)((ni + 127) << 23);
 }
 
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {  // exact: a bf16's bits are the top half of its fp32
-  const uint32_t bits = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using tandem_simd::widen;
 
 template <int DIM, typename T>
 struct Kernel : Args<DIM, T> {

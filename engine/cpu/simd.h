@@ -1,5 +1,24 @@
-// AVX-512 helpers shared by the CPU attention kernels (decode_attention.cpp, prefill_attention.cpp).
+// Helpers shared by the CPU kernels: bf16 widening (every level; gemm.cpp and prefill_attention.cpp), and the
+// AVX-512 ones of the attention kernels (decode_attention.cpp, prefill_attention.cpp).
 #pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace tandem_simd {
+
+// A value as fp32; exact for bf16, whose bits are the top half of its fp32.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+}  // namespace tandem_simd
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
