@@ -160,13 +160,9 @@ inline void micro(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int
 #pragma GCC push_options
 #pragma GCC optimize("no-associative-math")
 #define TANDEM_GEMM_BF16 1
-#if defined(__AVX__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+using tandem_simd::kLanes;
+using tandem_simd::vf;
+using tandem_simd::vu;
 typedef float vf_u __attribute__((vector_size(4 * kLanes), aligned(4)));  // loads and stores at any float's address
 typedef uint32_t vu_u __attribute__((vector_size(4 * kLanes), aligned(4)));
 constexpr int kVecs = kHalf / kLanes;  // vectors a row of 24 columns

@@ -306,15 +306,10 @@ struct Avx512 : Args<DIM, T> {
 
 namespace portable {
 
-// W floats a register: 8 where the build has AVX (a ymm register), else SSE2's 4.
-#if defined(__AVX__)
-constexpr int W = 8;
-#else
-constexpr int W = 4;
-#endif
-typedef float vf __attribute__((vector_size(4 * W)));
-typedef int32_t vi __attribute__((vector_size(4 * W)));
-typedef uint32_t vu __attribute__((vector_size(4 * W)));
+constexpr int W = tandem_simd::kLanes;  // floats a register (simd.h)
+using tandem_simd::vf;
+using tandem_simd::vi;
+using tandem_simd::vu;
 constexpr int NV = 16 / W;  // registers per 16-key tile
 
 inline vf load(const float* p) {

@@ -1,5 +1,6 @@
-// Helpers shared by the CPU kernels: bf16 widening (every level; gemm.cpp and prefill_attention.cpp), and the
-// AVX-512 ones of the attention kernels (decode_attention.cpp, prefill_attention.cpp).
+// Helpers shared by the CPU kernels: the portable paths' vectors and bf16 widening (every level; gemm.cpp and
+// prefill_attention.cpp), and the AVX-512 ones of the attention kernels (decode_attention.cpp,
+// prefill_attention.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -8,6 +9,17 @@
 #include <cstring>
 
 namespace tandem_simd {
+
+// The portable paths' vectors (GCC vector extensions): the widest registers the build has, 8 floats in a ymm
+// register where it has AVX (x86-64-v3: a * b + c contracts to one FMA), else SSE2's 4 in an xmm one.
+#if defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 
 // A value as fp32; exact for bf16, whose bits are the top half of its fp32.
 inline float widen(float x) { return x; }
