@@ -75,28 +75,21 @@ class Panels:
         return self.kernels.gemm_linear(x, self.panels, bias, self.out_features)
 
 
-class Plain:
-    """A weight neither Tandem's GEMM nor oneDNN runs here (TANDEM_CPU_GEMM=0 with bf16 below AVX-512, where
-    oneDNN refuses to pack bf16): kept as it is, through F.linear, rather than failing at load."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight.detach()
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, bias)
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels | Plain:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels:
+    """The weight packed for Tandem's GEMM, else for oneDNN; the loader packs only where `available` says one
+    of them runs the dtype, so this refuses (naming why) rather than handing oneDNN a packing it cannot run."""
     if (kernels := tandem_gemm(weight.dtype)) is not None:
         return Panels(weight, kernels)
     if not onednn_runs(weight.dtype):
-        return Plain(weight)
+        raise ValueError(f"cannot pack a {weight.dtype} linear here: Tandem's CPU GEMM is off or unavailable "
+                         f"(TANDEM_CPU_GEMM, TANDEM_CPU_KERNELS) and oneDNN does not run {weight.dtype} on this "
+                         "CPU; keep the plain nn.Linear (cpu_linear.available() says when)")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T (+ bias) with W packed by `pack_weight`."""
-    if isinstance(packed, (Panels, Plain)):
+    if isinstance(packed, Panels):
         return packed(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -153,9 +146,8 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        kind = "tandem gemm packed" if isinstance(self.packed, Panels) else \
-            "plain (F.linear)" if isinstance(self.packed, Plain) else "onednn packed"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+        kind = "tandem gemm" if isinstance(self.packed, Panels) else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind} packed"
 
 
 class FusedGateUp(PackedLinear):
