@@ -213,13 +213,13 @@ class _LazyResult(Future):
 
 
 def make_pipeline_engine(config):
-    """The engine for `pipeline_parallel_size > 1`: the driver here, the stages as Ray actors. The same entry
+    """The engine core for `pipeline_parallel_size > 1`: the driver here, the stages as Ray actors. The same entry
     point also makes the tensor-parallel engine (cluster/tensor_parallel.py), so installs made before it
     existed find it without reinstalling."""
     if config.tensor_parallel_size > 1 and config.pipeline_parallel_size == 1:
         from cluster.tensor_parallel import make_tensor_parallel_engine
 
         return make_tensor_parallel_engine(config)
-    from engine.pipeline import PipelineEngine
+    from engine.pipeline import PipelineEngineCore
 
-    return PipelineEngine(config, lambda specs: RayStageGroup(specs, stage_num_cpus=config.pp_stage_num_cpus))
+    return PipelineEngineCore(config, lambda specs: RayStageGroup(specs, stage_num_cpus=config.pp_stage_num_cpus))

@@ -57,6 +57,6 @@ class GenerateChunk:
     @classmethod
     def from_output(cls, out: RequestOutput) -> "GenerateChunk":
         return cls(out.request_id, out.delta_text, out.delta_token_ids, out.delta_logprobs, out.finished,
-                   out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens,
+                   out.finish_reason, len(out.prompt_token_ids), out.num_output_tokens, out.num_cached_tokens,
                    out.error, out.arrival_time, out.first_scheduled_time, out.first_token_time,
                    out.finish_time, out.output_time, prompt_logprobs=out.prompt_logprobs, index=out.index)

@@ -1,7 +1,8 @@
 """The engine replica: a Serve deployment whose replicas are Ray actors, each owning one engine.
 
-The engine loop runs in its own thread (engine.AsyncLLM); each request streams its outputs through an
-asyncio queue back to this actor's event loop and on to the caller.
+The engine core runs in a child process of the replica (engine/core_proc.py; or on a thread of it with
+core_process=False); the replica keeps AsyncLLM's frontend, and each request streams its outputs through its
+collector back to this actor's event loop and on to the caller.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ class EngineRequestError(RuntimeError):
 class EngineReplica:
     """One engine per replica: one GPU when CUDA is visible (inside the actor it is cuda:0), else CPU."""
 
-    def __init__(self, engine_config: dict, all_cores: bool = False):
+    def __init__(self, engine_config: dict, all_cores: bool = False, core_process: bool = False):
         self.config = replica_engine_config(engine_config, all_cores)
-        self.llm = AsyncLLM(self.config)
+        self.llm = AsyncLLM(self.config, core_process=core_process)
         self.metrics = EngineMetrics(self.llm)
         # Everything alive now (model, tokenizer, libraries) lives as long as the replica: keep it out of the
         # cyclic GC's full collections, which otherwise scan it every few thousand steps and stall the loop

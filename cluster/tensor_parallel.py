@@ -110,8 +110,8 @@ def _fields(spec: TPWorkerSpec) -> dict:
 
 
 def make_tensor_parallel_engine(config):
-    """The engine for `tensor_parallel_size > 1`: rank 0 here, the other ranks as Ray actors."""
-    from engine.tp import TensorParallelEngine
+    """The engine core for `tensor_parallel_size > 1`: rank 0 here, the other ranks as Ray actors."""
+    from engine.tp import TensorParallelEngineCore
 
-    return TensorParallelEngine(config, lambda template: RayTPWorkerGroup(
+    return TensorParallelEngineCore(config, lambda template: RayTPWorkerGroup(
         template, num_cpus=config.tp_worker_num_cpus))

@@ -1,53 +1,87 @@
-"""Async streaming API: the engine loop in its own thread, one asyncio queue per request.
+"""Async streaming API: a frontend (tokenization, text, stop strings, one output slot per request) over an
+engine core that runs either in a thread of this process or in a process of its own.
 
-This is what the Ray replica actor wraps. Other threads never touch engine state: submissions and aborts
-go through an inbox the loop drains at the top of each tick; outputs come back through
-loop.call_soon_threadsafe onto each request's asyncio.Queue.
+In process (`core_process=False`, what tests and tools use): the engine loop (LLMEngine: core plus output
+processing) runs in a thread; submissions and aborts go through an inbox the loop drains at the top of each
+tick, outputs come back through loop.call_soon_threadsafe onto each request's collector.
+
+Core process (`core_process=True`, what a Serve replica uses): the core runs in a child process
+(engine/core_proc.py) and this process keeps only the frontend. An output thread receives one message per
+core tick (per sample, the new token ids and their logprobs), turns it into RequestOutputs
+(engine/output_processor.py), tells the core about stop strings it found, and hands the outputs to their
+callers. The core's loop then never shares a GIL with Serve's HTTP and streaming code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 
+from transformers import AutoTokenizer
+
 from engine.config import EngineConfig
-from engine.llm_engine import create_engine
+from engine.llm_engine import create_engine, tokenize
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepRecord, merge_outputs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, sibling_params
 
 logger = logging.getLogger(__name__)
 
 SUMMARY_PERIOD_S = 0.5
 SUMMARY_MAX_HASHES = 4096
 STATS_PERIOD_S = 0.005  # while busy, the stats snapshot is refreshed at most this often (always when idle)
+OUTPUT_POLL_MS = 200  # the output thread checks the core process is alive at least this often
+STEP_RECORDS_MAX = 4096
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop thread died; every in-flight and future request fails with this."""
+    """The engine loop or core process died; every in-flight and future request fails with this."""
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
-        self.engine = create_engine(config or EngineConfig(**kwargs))
-        self.tokenizer = self.engine.tokenizer
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+    def __init__(self, config: EngineConfig | None = None, core_process: bool = False, **kwargs):
+        config = config or EngineConfig(**kwargs)
         self._streams: dict[str, _Collector] = {}
-        self._lock = threading.Lock()  # guards _streams between the loop thread and callers
+        self._lock = threading.Lock()  # guards _streams (and the processor in core-process mode) across threads
         self._stopping = False
         self.dead: BaseException | None = None
-        self._stats: dict = self.engine.stats()
-        self.prefix_summary: list[int] = []  # recent cached block hashes, refreshed by the loop thread
+        self.prefix_summary: list[int] = []  # recent cached block hashes, refreshed by the loop / output thread
         self._summary_time = 0.0
         self._stats_time = 0.0
-        self._progress_time = time.monotonic()  # the loop's last completed tick (the watchdog reads it)
+        self._progress_time = time.monotonic()  # the last completed tick / core message (the watchdog reads it)
         self._has_work = False
-        self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
+        self.core_process = core_process
+        if core_process:
+            from engine.core_client import CoreProcess  # (pyzmq only where a core process runs)
+
+            self.engine = None
+            self.config = config
+            self._core = CoreProcess(config)
+            self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+            self._processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+            self._stats_blob: bytes | None = None
+            self._stats_cache: tuple[bytes | None, object] = (None, None)
+            self._core_health: str | None = None
+            self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
+            self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
+            target, name = self._run_outputs, "tandem-core-outputs"
+        else:
+            self.engine = create_engine(config)
+            self.config = self.engine.config
+            self.tokenizer = self.engine.tokenizer
+            self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+            self._wake = threading.Event()
+            self._stats = self.engine.stats()
+            target, name = self._run, "tandem-engine-loop"
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()
 
     # ---- caller side (asyncio) ---------------------------------------------------------------------------
@@ -55,9 +89,39 @@ class AsyncLLM:
                        request_id: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as they are committed. Leaving the iteration early
         (client gone, task cancelled) aborts the request and frees its blocks. `lora_request`: the LoRA
-        adapter to run under (engine.lora.LoRARequest or an adapter name; None = the base model)."""
+        adapter to run under (engine.lora.LoRARequest or an adapter name; None = the base model).
+        A request the engine refuses raises ValueError naming the problem, before any output."""
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
+        q = _Collector(asyncio.get_running_loop(), (params or SamplingParams()).n
+                       if isinstance(params, SamplingParams) else 1)
+        if self.core_process:
+            self._submit_to_process(prompt, params, request_id, lora_request, q)
+        else:
+            await self._submit_in_process(prompt, params, request_id, lora_request, q)
+        if self.dead is not None:  # died between the health check and the submission
+            self._fail_all(EngineDeadError(f"engine loop died: {self.dead!r}"))
+        unfinished = len(q.items)  # n > 1: the samples' outputs interleave (RequestOutput.index)
+        first = True
+        try:
+            while unfinished:
+                items = await q.get()
+                for item in items:
+                    if first and item.rejected:
+                        unfinished = 0
+                        raise ValueError(item.error)
+                    first = False
+                    unfinished -= item.finished
+                    yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                if unfinished and self.core_process:  # its late outputs are dropped
+                    self._processor.discard(request_id, len(q.items))
+            if unfinished:
+                self.abort(request_id)
+
+    async def _submit_in_process(self, prompt, params, request_id, lora_request, q) -> None:
         # raises ValueError on bad input (an unknown or unsupported adapter too: read from disk on first use)
         if lora_request is None:
             seq = self.engine.make_sequence(prompt, params, request_id)
@@ -70,65 +134,148 @@ class AsyncLLM:
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(compiled)), timeout)
             except asyncio.TimeoutError:
                 raise self.engine.structured.timed_out(seq.params, compiled, timeout) from None
-        n = seq.params.n
-        q = _Collector(asyncio.get_running_loop(), n)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = q
-        self._send(("add", seq))
-        if self.dead is not None:  # died between the health check and the submission
-            self._fail_all(EngineDeadError(f"engine loop died: {self.dead!r}"))
-        unfinished = n  # n > 1: the samples' outputs interleave (RequestOutput.index), each ends on its own
+        self._inbox.put(("add", seq))
+        self._wake.set()
+
+    def _submit_to_process(self, prompt, params, request_id, lora_request, q) -> None:
+        """Tokenize and check here (errors raise at once); grammars and adapters are the core's, which
+        refuses a request it cannot run with a rejected output (raised as ValueError by generate)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = tokenize(self.tokenizer, prompt)
+        self._limits.check(ids, params)
+        samples = [params] + [sibling_params(params, i) for i in range(1, params.n)]
+        arrival = time.monotonic()
+        with self._lock:
+            if request_id in self._streams or self._processor.has(request_id):
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = q
+            self._processor.add(request_id, text, ids, params, arrival, True, samples)
         try:
-            while unfinished:
-                items = await q.get()
-                for item in items:
-                    unfinished -= item.finished
-                    yield item
-        finally:
+            self._send("add", (request_id, ids, params, lora_request, arrival))
+        except EngineDeadError:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if unfinished:
-                self._send(("abort", request_id))
+                self._processor.discard(request_id, len(samples))
+            raise
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        if self.core_process:
+            self._send("abort", request_id)
+        else:
+            self._inbox.put(("abort", request_id))
+            self._wake.set()
 
     def check_health(self) -> None:
-        """Raises EngineDeadError when the engine cannot serve: its loop died, its device faulted, or it has
-        had work but made no progress for stall_timeout_s (a hung step)."""
+        """Raises EngineDeadError when the engine cannot serve: its loop or core process died, its device
+        faulted, or it has had work but made no progress for stall_timeout_s (a hung step)."""
         if self.dead is not None or not self._thread.is_alive():
             raise EngineDeadError(f"engine loop is not running: {self.dead!r}")
-        broken = self.engine.health_error()
+        if self.core_process:
+            code = self._core.exitcode()
+            if code is not None:
+                raise EngineDeadError(f"the engine core process exited with code {code}")
+            broken = self._core_health
+        else:
+            broken = self.engine.health_error()
         if broken is not None:
             raise EngineDeadError(broken)
         stalled = time.monotonic() - self._progress_time
-        if self._has_work and stalled > self.engine.config.stall_timeout_s:
+        if self._has_work and stalled > self.config.stall_timeout_s:
             raise EngineDeadError(f"engine loop made no progress for {stalled:.0f} s while it had work "
-                                  f"(stall_timeout_s={self.engine.config.stall_timeout_s:g})")
+                                  f"(stall_timeout_s={self.config.stall_timeout_s:g})")
 
-    def stats(self) -> dict:
-        """A snapshot refreshed by the loop thread after every tick."""
-        return dict(self._stats)
+    def stats(self):
+        """A snapshot refreshed by the loop (or the core process) while it runs."""
+        if not self.core_process:
+            return self._stats
+        blob, cached = self._stats_cache
+        if blob is not self._stats_blob:
+            blob = self._stats_blob
+            cached = pickle.loads(blob) if blob is not None else None
+            self._stats_cache = (blob, cached)
+        return cached
 
     def drain_step_records(self) -> list[StepRecord]:
         """Per-step timing records since the last drain (for the metrics exporter, any thread)."""
-        return self.engine.drain_step_records()
+        source = self._records if self.core_process else self.engine.step_records
+        records = []
+        while source:
+            records.append(source.popleft())
+        return records
 
     def shutdown(self) -> None:
-        """Stop the loop; requests still streaming fail with EngineDeadError (nobody would serve them)."""
+        """Stop the loop (and the core process); requests still streaming fail with EngineDeadError."""
+        if self._stopping:
+            return
         self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=30)
+        if self.core_process:
+            with self._send_lock:
+                self._core.close()
+            self._thread.join(timeout=30)
+        else:
+            self._wake.set()
+            self._thread.join(timeout=30)
         self._fail_all(EngineDeadError("the engine shut down (the replica is being removed); retry the request"))
-        self.engine.shutdown()
+        if not self.core_process:
+            self.engine.shutdown()
 
-    def _send(self, command: tuple) -> None:
-        self._inbox.put(command)
-        self._wake.set()
+    # ---- core process: the output thread -------------------------------------------------------------------
+    def _send(self, kind: str, arg) -> None:
+        """To the core. An abort or finish the core cannot receive any more is moot (it is gone with its
+        requests); a new request that cannot be sent fails as the engine being dead."""
+        with self._send_lock:
+            delivered = self._stopping or self._core.send(kind, arg)
+        if not delivered and kind == "add":
+            raise EngineDeadError("the engine core process is not reachable")
 
-    # ---- loop thread ---------------------------------------------------------------------------------------
+    def _run_outputs(self) -> None:
+        from engine.core_proc import DEAD, OUT, decode_outputs, decode_records
+
+        core = self._core
+        try:
+            while not self._stopping:
+                msg = core.recv(OUTPUT_POLL_MS)
+                if msg is None:
+                    with self._lock:
+                        self._has_work = bool(self._streams)
+                    code = core.exitcode()
+                    if code is not None and not self._stopping:
+                        raise EngineDeadError(f"the engine core process exited with code {code}")
+                    continue
+                self._progress_time = time.monotonic()
+                if msg[0] == DEAD:
+                    raise EngineDeadError(msg[1])
+                if msg[0] != OUT:
+                    continue
+                _, rows, stats, records, summary, health = msg
+                if stats is not None:
+                    self._stats_blob, self._core_health = stats, health
+                if records:
+                    self._records.extend(decode_records(records))
+                if summary is not None:
+                    self.prefix_summary = summary
+                if rows:
+                    with self._lock:
+                        outputs, stopped = self._processor.process(decode_outputs(rows))
+                        self._has_work = bool(self._streams)
+                    if stopped:
+                        self._send("finish", stopped)
+                    self._deliver(outputs)
+        except BaseException as exc:  # the core is gone: fail every waiting caller, never hang them
+            if self._stopping:
+                return
+            logger.error("engine core lost: %s", exc)
+            self.dead = exc
+            self._fail_all(exc if isinstance(exc, EngineDeadError) else
+                           EngineDeadError(f"engine core lost: {type(exc).__name__}: {exc}"))
+
+    # ---- in process: the loop thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stopping:
@@ -180,10 +327,11 @@ class AsyncLLM:
         if sink is None:  # caller left before the loop saw the request
             return
         try:
-            self.engine.add_sequence(seq, stream=True, sink=sink)
+            self.engine.add_sequence(seq, stream=True)
         except (ValueError, RuntimeError) as exc:  # a bad request, or an engine that turned unhealthy
             self._push(seq.request_id, exc)
 
+    # ---- both ----------------------------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a tick's outputs to their callers: one wake-up per caller event loop, not one per output
         (each call_soon_threadsafe writes to the loop's self-pipe)."""
@@ -221,7 +369,7 @@ class _Collector:
     An output the caller has not taken yet is merged with the next one of the same sample (its deltas
     prepended), so a caller that falls behind the engine (a busy event loop, thousands of tokens a second)
     receives fewer, larger outputs instead of a growing backlog of wake-ups; one that keeps up gets every
-    commit on its own. The engine reads `items` to skip building outputs nobody has taken. An exception
+    commit on its own. An exception
     ends the stream (raised by get() before anything pending). Lives on the caller's event loop: put() and
     get() run only there."""
 

@@ -77,8 +77,32 @@ class IncrementalDetokenizer:
         self._matcher = stop_matcher(self._stops) if len(self._stops) >= AHO_MIN_STOPS else None
         self._include_stop = params.include_stop_str_in_output
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self.text = ""
-        self._emitted = 0
+        # The text is the fixed pieces no stop string can cut any more, plus a tail of at most `_hold` (plus
+        # the newest piece's) characters a stop string may still end in: a token costs its piece and the
+        # hold, never the length of the text so far (a 16k-token output costs the same per token at its end
+        # as at its start). `text` joins them on demand.
+        self._parts: list[str] = []
+        self._tail = ""
+        self._fixed_len = 0
+        self._sent = 0  # _parts already handed out by take_delta
+        self._joined = ("", 0)  # "".join(_parts[:n]) and n, kept for repeated `text` reads
+
+    @property
+    def text(self) -> str:
+        """The output text so far (stop string cut off, unless include_stop_str_in_output)."""
+        joined, n = self._joined
+        if n != len(self._parts):
+            joined = joined + "".join(self._parts[n:])
+            self._joined = (joined, len(self._parts))
+        return joined + self._tail
+
+    def text_upto(self, n_chars: int) -> str:
+        """The first n_chars characters of the text (a snapshot of an earlier, shorter output)."""
+        return self.text[:n_chars]
+
+    @property
+    def num_chars(self) -> int:
+        return self._fixed_len + len(self._tail)
 
     def add(self, token_id: int, check_stops: bool = True) -> bool:
         """Append one token; True when a stop string completed (the text is then cut at it).
@@ -94,12 +118,20 @@ class IncrementalDetokenizer:
             self._context.append(token_id)
         if not piece:
             return False
-        if not self._stops:  # most requests: nothing to search
-            self.text += piece
+        if not self._stops:  # most requests: nothing to search, nothing held back
+            self._parts.append(piece)
+            self._fixed_len += len(piece)
             return False
-        search_from = max(0, len(self.text) - self._hold)
-        self.text += piece
-        return check_stops and self._cut_at_stop(search_from)
+        search_from = max(0, len(self._tail) - self._hold)  # the tail always holds the last _hold chars
+        self._tail += piece
+        if check_stops and self._cut_at_stop(search_from):
+            return True
+        if len(self._tail) > self._hold:  # what a later stop string can no longer reach becomes fixed
+            cut = len(self._tail) - self._hold
+            self._parts.append(self._tail[:cut])
+            self._fixed_len += cut
+            self._tail = self._tail[cut:]
+        return False
 
     def _stream_step(self, token_id: int) -> str | None:
         """A token that does not decode on its own: through a DecodeStream primed with the whole-character
@@ -111,19 +143,25 @@ class IncrementalDetokenizer:
         return piece
 
     def _cut_at_stop(self, search_from: int) -> bool:
-        found = find_stop(self.text, search_from, self._stops, self._matcher)
+        found = find_stop(self._tail, search_from, self._stops, self._matcher)
         if found is None:
             return False
         start, length = found
-        self.text = self.text[: start + length] if self._include_stop else self.text[:start]
+        self._tail = self._tail[: start + length] if self._include_stop else self._tail[:start]
         return True
 
     def take_delta(self, finished: bool) -> str:
-        """The text not yet streamed, minus the tail that might still turn into a stop string."""
-        end = len(self.text) if finished else max(self._emitted, len(self.text) - self._hold)
-        delta = self.text[self._emitted:end]
-        self._emitted = end
-        return delta
+        """The text not yet streamed, minus the tail that might still turn into a stop string (all of it
+        once finished)."""
+        if finished and self._tail:
+            self._parts.append(self._tail)
+            self._fixed_len += len(self._tail)
+            self._tail = ""
+        parts, sent = self._parts, self._sent
+        if sent == len(parts):
+            return ""
+        self._sent = len(parts)
+        return parts[sent] if sent + 1 == len(parts) else "".join(parts[sent:])
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,657 +1,95 @@
-"""The engine loop: launch step t+1, commit step t, finalize (sample) t+1 — Photon's pipelined decoding.
+"""The in-process engine: an engine core (engine/core.py) and the frontend's output processing in one thread.
 
-With pipeline_depth=2 the forward of t+1 is queued before the CPU commits t, so commit bookkeeping
-(appending tokens, detokenizing, stop checks, streaming) overlaps the forward. Sampling t+1 is queued after
-commit t, so everything sampling depends on (penalties, min_tokens, grammar masks) is current: a grammar
-matcher advances at commit t and the mask for t+1 is built from it at finalize, with no rollback ever.
-pipeline_depth=1 runs the same code with the commit right after its own finalize: the blocking baseline.
-Requests with a grammar wait outside the scheduler until it is compiled (engine.structured, on a thread pool).
+The offline `LLM` runs this, as vLLM's offline LLM keeps its core in process. `step()` runs one core tick and
+turns its token deltas into RequestOutputs (engine/output_processor.py); a stop string found there ends the
+request in the core at once. The core's state (scheduler, runner, block manager, stats) is reachable through
+this object for tests and tools (`engine.scheduler`, `engine.stats()`).
 """
 
 from __future__ import annotations
 
-import logging
-import time
 import uuid
-from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, replace
-from importlib.metadata import entry_points
 
-import torch
-from transformers import AutoTokenizer, GenerationConfig
-
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cpu.block_pool import CpuBlockPool
-from engine.detokenizer import IncrementalDetokenizer, token_texts
-from engine.executor import release_openmp_threads
-from engine.kv_offload import KVSwapError
-from engine.lora.registry import AdapterRegistry
+from engine.core import EngineCore, create_core, engine_plugin, is_device_fault  # noqa: F401 (re-exported)
 from engine.lora.request import LoRARequest
-from engine.lora.slots import AdapterSlots
-from engine.model_runner import ModelRunner
-from engine.models import load_hf_config, model_spec
-from engine import prompt_logprobs
-from engine.outputs import RequestOutput, StepRecord, TokenLogprob
-from engine.sampling_params import SamplingParams, sibling_params
-from engine.scheduler import Scheduler
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.slot import Step, StepResult
-from engine.step_runner import StepRunner
-from engine.structured import StructuredOutputManager
-
-logger = logging.getLogger(__name__)
-
-HOST_PHASES = ("schedule", "prepare", "commit", "finalize", "stream", "wait")
-COMPILE_POLL_S = 0.02  # idle wait for a grammar compile when nothing else can run
-# Step records kept for the metrics side to drain; older ones are dropped if nobody drains (offline use).
-STEP_RECORDS_MAX = 4096
 
 
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    stream: bool  # emit an output at every commit (else only the final one)
-    # Where a streamed request's outputs go (AsyncLLM's per-request slot): while its `item` still holds an
-    # output the caller has not taken, the engine builds none (the tokens go out with the next one).
-    sink: object | None = None
+def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as a string or as token ids; ValueError for anything else."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ValueError("prompt must be a string or a list of integer token ids")
+    return None, list(prompt)
 
 
 class LLMEngine:
-    """Single-device engine. Not thread-safe: one thread calls add_request/abort/step (the async engine
-    funnels other threads' calls through its inbox)."""
+    """An engine core plus the frontend's output processing, driven by one thread (not thread-safe)."""
 
-    def __init__(self, config: EngineConfig):
-        if config.max_num_batched_tokens is None:  # auto, resolved once: everything below reads the number
-            config = replace(config, max_num_batched_tokens=config.token_budget())
-        self.config = config
-        self.simulated = config.device == "sim"  # engine/sim: host side real, device time modelled
-        self.compute_device = _resolve_device(config.device)  # where forwards run (sim: host tensors)
-        self.hf_config = load_hf_config(config.model)
-        self.spec = model_spec(self.hf_config)
-        self.dtype = _resolve_dtype(config.dtype, self.hf_config,
-                                    torch.device("cuda") if self.simulated else self.compute_device)
-        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
-                                 self.spec.max_position_embeddings)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
-        token_texts(self.tokenizer.backend_tokenizer, True)  # the detokenizer's table, built now, not mid-request
-        num_cpu_blocks = self._num_cpu_blocks()
-        self.runner, num_blocks = self._make_runner(num_cpu_blocks)
-        # EngineConfig.pipeline_depth, resolved: None is 2 where the forward overlaps the loop, else 1
-        self.pipeline_depth = self.config.pipeline_depth or (2 if self.runner.forward_overlaps_loop else 1)
-        self.device = self.runner.device  # where sampling runs (the driver's CPU under pipeline parallelism)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
-        # Multi-LoRA (engine/lora): adapter names -> host weights, and the device slots' LRU; None when off.
-        self.loras = AdapterRegistry(self.spec, config.max_lora_rank, config.lora_modules, config.lora_dir) \
-            if config.enable_lora else None
-        self.lora_slots = AdapterSlots(config.max_loras) if config.enable_lora else None
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   policy=config.scheduler, admission_margin=config.admission_margin,
-                                   cpu_pool=self.cpu_pool, one_step_per_seq=self.runner.one_step_per_seq,
-                                   lora_slots=self.lora_slots)
-        self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
-                                                  sorted(self.eos_token_ids))
-        self.requests: dict[str, _Request] = {}
-        self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
-        self.inflight: Step | None = None
-        self.counters = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
-                         "requests_finished": 0, "zombie_rows": 0, "constrained_tokens": 0}
-        self.last_step_timing: dict[str, float] = {}
-        # Host time of the loop by phase (seconds, cumulative); "stream" is added by AsyncLLM's delivery,
-        # "wait" is the commit blocked on the device (not host work).
-        self.host_time = dict.fromkeys(HOST_PHASES, 0.0)
-        self._block_size, self._caching = config.block_size, config.enable_prefix_caching  # read per token
-        self._stream_interval = config.stream_interval
-        self.step_records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
-        self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
-        self.fault: str | None = None  # set once the device raised an error: the engine serves no more
+    def __init__(self, config: EngineConfig | None = None, core: EngineCore | None = None):
+        self.core = core if core is not None else create_core(config)
+        self.tokenizer = self.core.tokenizer
+        self.processor = OutputProcessor(self.tokenizer.backend_tokenizer)
 
-    def _make_runner(self, num_cpu_blocks: int) -> tuple[StepRunner, int]:
-        """The runner, and the KV blocks its memory profiling pass left room for (engine/memory.py)."""
-        if self.simulated:
-            from engine.sim.runner import SimRunner
+    def __getattr__(self, name: str):
+        """The core's state and methods (scheduler, runner, block_manager, stats(), check_integrity(), ...)."""
+        if name == "core":  # not set yet (failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.core, name)
 
-            runner = SimRunner(self.config, self.spec, self.dtype, self.max_model_len, self.tokenizer,
-                               num_cpu_blocks)
-        else:
-            runner = ModelRunner(self.config, self.hf_config, self.spec, self.compute_device, self.dtype,
-                                 self.max_model_len, num_cpu_blocks)
-        return runner, runner.num_kv_blocks
-
-    def health_error(self) -> str | None:
-        """Why the engine cannot serve any more (None while it can); the replica's health check reads it, so
-        Serve replaces a replica whose device faulted instead of letting it fail every request forever."""
-        return self.fault
-
-    def inflight_steps(self) -> list[Step]:
-        """Launched steps not yet committed, oldest first."""
-        return [self.inflight] if self.inflight is not None else []
-
-    # ---- requests -----------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False,
                     lora_request: LoRARequest | str | None = None) -> str:
         """Validate and queue a request; raises ValueError naming the problem (nothing else is touched).
-        `lora_request`: the LoRA adapter to run it under (a LoRARequest, or a name from lora_modules /
-        lora_dir); None = the base model."""
+        `stream`: an output at every commit (else only the final one). `lora_request`: the LoRA adapter to
+        run it under (a LoRARequest, or a name from lora_modules / lora_dir); None = the base model."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
+        if self.processor.has(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = self.make_sequence(prompt, params, request_id, lora_request)
         self.add_sequence(seq, stream)
         return request_id
 
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None,
-                      request_id: str, lora_request: LoRARequest | str | None = None) -> Sequence:
-        """Tokenize and validate (reads only immutable engine state, and the adapter registry, which locks:
-        safe from any thread)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
-        self._check_prompt(ids, params)
-        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
-            raise ValueError(f"prompt_logprobs is not supported by this engine ({type(self.runner).__name__})")
-        if params.n > 1:
-            self._check_n(params.n)
-        adapter = self._adapter(lora_request) if lora_request is not None else None
-        seq = self._sequence(request_id, text, ids, params, adapter, 0)
-        if params.n > 1:  # siblings: own seeds (seed + index) and detokenizers, no second prompt scoring
-            seq.forks = [self._sequence(request_id, text, ids, sibling_params(params, i), adapter, i)
-                         for i in range(1, params.n)]
-        return seq
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams | None, request_id: str,
+                      lora_request: LoRARequest | str | None = None) -> Sequence:
+        text, ids = tokenize(self.tokenizer, prompt)
+        return self.core.make_sequence(ids, params, request_id, lora_request, prompt=text)
 
-    def _sequence(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, adapter,
-                  index: int) -> Sequence:
-        seq = Sequence(request_id, text, ids, params, self.eos_token_ids, self.max_model_len,
-                       self.spec.vocab_size, self.device, index)
-        if adapter is not None:
-            seq.lora, seq.hash_root = adapter, adapter.key
-        seq.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, ids, params)
-        return seq
+    def add_sequence(self, seq: Sequence, stream: bool = False) -> None:
+        samples = [seq, *(seq.forks or ())]
+        self.processor.add(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.params, seq.arrival_time,
+                           stream, [s.params for s in samples])
+        try:
+            self.core.add_sequence(seq)
+        except BaseException:
+            self.processor.discard(seq.request_id, len(samples))
+            raise
 
-    def _check_n(self, n: int) -> None:
-        if not self.runner.supports_forks:
-            raise ValueError(f"n > 1 is not supported by this engine ({type(self.runner).__name__}); send n "
-                             f"separate requests")
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}): all n samples run "
-                             f"together; got n={n}")
-
-    def add_sequence(self, seq: Sequence, stream: bool, sink: object | None = None) -> None:
-        """Queue a validated sequence. One whose grammar is still compiling waits outside the scheduler
-        (nothing else waits for it); a grammar already known not to compile raises ValueError here."""
-        if self.fault is not None:
-            raise RuntimeError(f"the engine is unhealthy ({self.fault}); no new requests")
-        if seq.key in self.requests:
-            raise ValueError(f"request_id {seq.request_id!r} is already in use")
-        compiled = self.structured.compile_async(seq.params)
-        if compiled is not None and compiled.done():
-            compiled.result()  # raises the compile error, before anything is queued
-        self.requests[seq.key] = _Request(seq, stream, sink)
-        for sibling in seq.forks or ():
-            self.requests[sibling.key] = _Request(sibling, stream, sink)
-        self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
-        if compiled is None or compiled.done():
-            self._admit(seq, compiled)
-        else:
-            self.compiling.append((seq, compiled))
-
-    def _admit(self, seq: Sequence, compiled: Future | None) -> None:
-        for s in [seq, *(seq.forks or ())]:
-            s.constraint = self.structured.constraint(s.params, compiled and compiled.result())
-        self.scheduler.add(seq)
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Move requests whose grammar finished compiling to the scheduler; fail those it rejected and those
-        still waiting past grammar_compile_timeout_s since they arrived."""
-        outputs, waiting = [], []
-        timeout = self.config.grammar_compile_timeout_s
-        for seq, compiled in self.compiling:
-            try:
-                if not compiled.done():
-                    if time.monotonic() - seq.arrival_time <= timeout:
-                        waiting.append((seq, compiled))
-                        continue
-                    raise self.structured.timed_out(seq.params, compiled, timeout)
-                self._admit(seq, compiled)
-            except ValueError as exc:
-                outputs += self._end(self.requests[seq.key], "abort", error=str(exc))
-        self.compiling = waiting
-        return outputs
-
-    def _adapter(self, lora_request: LoRARequest | str):
-        """The loaded adapter a request names; ValueError when LoRA is off or the adapter is unknown or bad."""
-        if self.loras is None:
-            raise ValueError("lora_request: this engine has no LoRA adapters (set enable_lora, lora_modules "
-                             "or lora_dir)")
-        return self.loras.resolve(lora_request)
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must be a string or a list of integer token ids")
-        return None, list(prompt)
-
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                             f"(the prompt must leave room for at least one generated token)")
-        for name, tids in (("stop_token_ids", params.stop_token_ids),
-                           ("allowed_token_ids", params.allowed_token_ids or ()),
-                           ("logit_bias", params.logit_bias or {})):
-            bad = [t for t in tids if t >= self.spec.vocab_size]
-            if bad:
-                raise ValueError(f"{name} token ids must be in [0, {self.spec.vocab_size}); got {bad[:5]}")
-        blocks = -(-(len(ids) + 1) // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
-                             f"({self.block_manager.num_blocks} blocks of {self.config.block_size})")
+    def step(self) -> list[RequestOutput]:
+        return self._process(self.core.step())
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        """Stop a request (all its n samples) now; returns their final outputs (none when it is unknown or
-        already finished). Blocks are freed at once, or when an in-flight step drains (zombie)."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return []
-        self.compiling = [(seq, f) for seq, f in self.compiling if seq is not req.seq]
-        outputs = []
-        for key in [request_id] + [(request_id, i) for i in range(1, req.seq.params.n)]:
-            req = self.requests.get(key)
-            if req is not None and not req.seq.finalized:
-                outputs += self._end(req, "abort")
-        self._note_idle()
+        return self._process(self.core.abort(request_id))
+
+    def _process(self, core_outputs) -> list[RequestOutput]:
+        outputs, stopped = self.processor.process(core_outputs)
+        if stopped:  # stop strings: the core ends those samples now (their late tokens are dropped)
+            self.core.finish(stopped, "stop")
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.inflight is not None
-
-    # ---- the loop -----------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One tick: launch the next step, commit the previous one, finalize (sample) the launched one."""
-        outputs = self._admit_compiled() if self.compiling else []
-        launched = None
-        was_idle = self.inflight is None  # a commit below may free blocks: only then can nothing run
-        slot = self.runner.free_slot()
-        clock, ht = time.perf_counter, self.host_time
-        t0 = clock()
-        if slot is not None and self.scheduler.has_work():
-            sched = self.scheduler.schedule()
-            t1 = clock()
-            ht["schedule"] += t1 - t0
-            if sched:
-                launched = self.runner.launch(sched, slot, self.inflight)
-                t0 = clock()
-                ht["prepare"] += t0 - t1
-        if self.inflight is not None:
-            outputs += self._commit(self.inflight)
-            self.inflight = None
-        if launched is not None:
-            t1 = clock()
-            self.runner.finalize(launched)
-            ht["finalize"] += clock() - t1
-            if self.pipeline_depth == 1:
-                outputs += self._commit(launched)
-            else:
-                self.inflight = launched
-        elif was_idle and self.scheduler.has_work():
-            outputs += self._end_stuck()
-        elif self.inflight is None and self.compiling and not outputs:
-            self._wait_for_compile()
-        self._note_idle()
-        return outputs
-
-    def _wait_for_compile(self) -> None:
-        """Only grammars are left to wait for: sleep until one compiles instead of spinning."""
-        wait_futures([f for _, f in self.compiling], timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
-
-    def _note_idle(self) -> None:
-        if not self.has_unfinished():
-            self._last_commit_time = None  # the time until the next request is idle, not a bubble
-            if self.simulated:
-                self.runner.note_idle()
-
-    def _end_stuck(self) -> list[RequestOutput]:
-        """Nothing could run and nothing is in flight: the running requests hold the whole KV cache and
-        still need more. End the oldest (its KV budget is exhausted) so the others can go on."""
-        stuck = self.scheduler.stuck()
-        if not stuck:
-            return []
-        seq = stuck[0]
-        logger.warning("request %s needs more KV blocks than the cache holds; ending it", seq.request_id)
-        return self._end(self.requests[seq.key], "length",
-                         error="KV cache exhausted: the request needs more blocks than the engine has")
-
-    def _commit(self, step: Step) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        try:
-            result = self.runner.wait(step)
-        except KVSwapError:
-            raise  # offloaded KV is lost: fatal for the engine, not just this step
-        except Exception as exc:  # a failed forward fails its requests, not the engine...
-            if is_device_fault(exc):  # ...unless the device itself failed
-                return self._device_failed(step, exc)
-            logger.exception("step %d failed", step.id)
-            return self._fail_step(step, exc)
-        t1 = time.perf_counter()
-        self.host_time["wait"] += t1 - t0
-        self._record_timing(step, result, t1 - t0)
-        try:
-            if result.prompt_logprobs is not None:
-                prompt_logprobs.commit(result.prompt_logprobs)
-            return self._commit_tokens(step, result)
-        finally:
-            self.host_time["commit"] += time.perf_counter() - t1
-
-    def _commit_tokens(self, step: Step, result: StepResult) -> list[RequestOutput]:
-        """Append each sampling row's token, emit outputs, release what drained: one pass over the step's
-        chunks (a sequence appears in at most one chunk of a step)."""
-        outputs, requests, tokens = [], self.requests, result.tokens
-        row = generated = zombies = 0
-        for c in step.chunks + step.forks if step.forks else step.chunks:  # forks' rows come last
-            seq = c.seq
-            seq.inflight_refs -= 1
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = step.launch_time
-            if c.samples:
-                seq.num_pending -= 1
-                if seq.finalized:
-                    zombies += 1  # rode along after finishing: nothing to commit
-                elif self._append_token(seq, tokens[row], result, row):
-                    generated += 1
-                row += 1
-            req = requests.get(seq.key)
-            if req is not None and req.seq is seq and (seq.finish_reason is not None or req.stream):
-                out = self._maybe_finish(req)
-                if out is not None:
-                    outputs.append(out)
-            if not seq.inflight_refs:
-                self.scheduler.release_if_idle(seq)
-        self.counters["generation_tokens"] += generated
-        self.counters["zombie_rows"] += zombies
-        return outputs
-
-    def _append_token(self, seq: Sequence, token: int, result: StepResult, row: int) -> bool:
-        """Commit one sampled token (False when its constraint rejected it and the request ends)."""
-        if seq.constraint is not None and not self._accept_constrained(seq, token):
-            return False
-        ids = seq.token_ids
-        ids.append(token)
-        n = len(ids)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        if seq.logprobs is not None:
-            k = seq.params.logprobs
-            top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
-            seq.logprobs.append(TokenLogprob(token, result.logprobs[row], top))
-        if self._caching and min(seq.num_computed, n) // self._block_size > len(seq.block_hashes):
-            self.block_manager.cache_full_blocks(seq, min(seq.num_computed, n))  # a block just filled up
-        p = seq.params
-        min_ok = not p.min_tokens or n - len(seq.prompt_token_ids) >= p.min_tokens
-        if token in seq.eos_token_ids or (p.stop_token_ids and token in p.stop_token_ids):
-            if min_ok:
-                seq.finish_reason = "stop"
-                return True
-        if seq.detok.add(token, check_stops=min_ok):
-            seq.finish_reason = "stop"
-        elif seq.constraint is not None and seq.constraint.terminated:
-            seq.finish_reason = "stop"  # the grammar ended on its stop token (also under ignore_eos)
-        elif n >= seq.max_total_len:
-            seq.finish_reason = "length"
-        return True
-
-    def _accept_constrained(self, seq: Sequence, token: int) -> bool:
-        """Advance the request's matcher with its newly committed token (the only place it advances).
-
-        A rejected token was sampled from a row whose constraints left nothing allowed (e.g. min_tokens
-        banning the stop token of a finished grammar): the request ends without it, as "stop" when the
-        output is already a complete match."""
-        if seq.constraint.accept(token):
-            self.counters["constrained_tokens"] += 1
-            return True
-        complete = seq.constraint.completed
-        logger.warning("request %s: constraints allowed no token (min_tokens or allowed_token_ids "
-                       "against the grammar); ending it as %s", seq.request_id,
-                       "stop" if complete else "abort")
-        seq.finish_reason = "stop" if complete else "abort"
-        return False
-
-    def _maybe_finish(self, req: _Request) -> RequestOutput | None:
-        seq = req.seq
-        if seq.finish_reason is not None and not seq.finalized:
-            return self._finish(req, seq.finish_reason)
-        new = seq.num_output_tokens - seq.num_emitted_tokens
-        if req.stream and new > 0 and (new >= self._stream_interval or seq.num_emitted_tokens == 0) and \
-                (req.sink is None or req.sink.items[seq.index] is None):  # read across threads: a stale value only
-            return self._output(seq)                            # delays or merges an output, never loses one
-        return None
-
-    def _finish(self, req: _Request, reason: str, error: str | None = None) -> RequestOutput:
-        seq = req.seq
-        seq.finalized = True
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        self.scheduler.release_if_idle(seq)
-        del self.requests[seq.key]
-        self.counters["requests_finished"] += seq.index == 0
-        out = self._output(seq)
-        out.error = error
-        return out
-
-    def _end(self, req: _Request, reason: str, error: str | None = None) -> list[RequestOutput]:
-        """_finish, and the same for siblings not forked yet (n > 1): they only ever run as forks of it."""
-        outputs = [self._finish(req, reason, error)]  # (the scheduler frees the siblings' seats)
-        forks, req.seq.forks = req.seq.forks, None
-        for sibling in forks or ():
-            outputs.append(self._finish(self.requests[sibling.key], reason, error))
-        return outputs
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        start = seq.num_emitted_tokens
-        seq.num_emitted_tokens = seq.num_output_tokens
-        out_ids = seq.output_token_ids
-        now = time.monotonic()
-        out = RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=out_ids, text=seq.detok.text, finished=seq.finalized, finish_reason=seq.finish_reason,
-            logprobs=None if seq.logprobs is None else list(seq.logprobs),
-            delta_token_ids=out_ids[start:], delta_text=seq.detok.take_delta(seq.finalized),
-            delta_logprobs=None if seq.logprobs is None else seq.logprobs[start:],
-            num_cached_tokens=seq.num_cached, arrival_time=seq.arrival_time, index=seq.index,
-            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
-            finish_time=now if seq.finalized else None, output_time=now)
-        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
-            out.prompt_logprobs, seq.prompt_logprobs_sent = list(seq.prompt_logprobs), True
-        return out
-
-    def _fail_step(self, step: Step, exc: Exception, error: str | None = None) -> list[RequestOutput]:
-        outputs = []
-        for c in [*step.chunks, *step.forks]:
-            c.seq.inflight_refs -= 1
-            if c.samples:
-                c.seq.num_pending -= 1
-            req = self.requests.get(c.seq.key)
-            if req is not None and req.seq is c.seq and not c.seq.finalized:
-                why = error or f"engine step failed: {type(exc).__name__}"
-                outputs += self._end(req, "abort", error=why)
-            self.scheduler.release_if_idle(c.seq)
-        return outputs
-
-    def _device_failed(self, step: Step, exc: Exception) -> list[RequestOutput]:
-        """A CUDA error is sticky (every later call fails too): fail every request now, refuse new ones, and
-        report unhealthy so the replica is replaced."""
-        logger.error("device fault in step %d: %s: %s; the engine is unhealthy", step.id, type(exc).__name__, exc)
-        self.fault = f"device fault: {type(exc).__name__}: {exc}"
-        outputs = self._fail_step(step, exc, self.fault)
-        for req in list(self.requests.values()):
-            if not req.seq.finalized:
-                outputs.append(self._finish(req, "abort", error=self.fault))
-        self.compiling = []
-        return outputs
-
-    def _record_timing(self, step: Step, result: StepResult, wait_s: float) -> None:
-        now = time.monotonic()
-        period = now - self._last_commit_time if self._last_commit_time is not None else None
-        self._last_commit_time = now
-        self.counters["steps"] += 1
-        self.counters["graph_steps"] += step.graph_size is not None
-        # forward/sample/device_period: the device timeline (CUDA events; the worker's clock on CPU);
-        # period_s: between commits on the host.
-        self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,
-                                 "period_s": period or 0.0, "device_period_s": result.period_s,
-                                 "num_tokens": step.num_tokens, "num_seqs": len(step.chunks),
-                                 "num_samples": len(step.sample_chunks), "graph_size": step.graph_size,
-                                 "finalize_s": step.finalize_s, "commit_wait_s": wait_s,
-                                 "sample_wait_s": result.sample_wait_s}
-        self.step_records.append(StepRecord(len(step.chunks), step.num_tokens, result.forward_s,
-                                            result.sample_s, period))
-
-    def drain_step_records(self) -> list[StepRecord]:
-        """Take the step records accumulated since the last drain. Safe from another thread: the loop
-        only appends, and deque append/popleft are atomic."""
-        records = []
-        while self.step_records:
-            records.append(self.step_records.popleft())
-        return records
-
-    # ---- sizing and stats ---------------------------------------------------------------------------------
-    def _num_cpu_blocks(self) -> int:
-        cfg = self.config
-        if not cfg.swap_space_gb:
-            return cfg.num_cpu_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype)
-        return int(cfg.swap_space_gb * 1024**3) // per_block
-
-    def stats(self) -> dict:
-        bm, sched = self.block_manager, self.scheduler
-        offloader = self.runner.offloader
-        return {
-            "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free,
-            "cpu_blocks_total": self.cpu_pool.num_blocks, "cpu_blocks_free": self.cpu_pool.num_free,
-            "num_preemptions": sched.num_preemptions, "num_offloads": sched.num_offloads,
-            "num_swap_ins": sched.num_swap_ins, "num_soft_resets": sched.num_soft_resets,
-            "kv_tokens_discarded": sched.kv_tokens_discarded,
-            "num_forks": sched.num_forks, "num_cow_copies": sched.num_cow_copies,
-            "blocks_swapped_out": offloader.blocks_out if offloader else 0,
-            "blocks_swapped_in": offloader.blocks_in if offloader else 0,
-            "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
-            "num_waiting": len(sched.waiting), "num_running": len(sched.running),
-            "num_swapped": len(sched.swapped),
-            "device": str(self.compute_device), "dtype": str(self.dtype).removeprefix("torch."),
-            "pipeline_depth": self.pipeline_depth, "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "num_compiling": len(self.compiling),
-            "executor": type(self.runner.executor).__name__,
-            "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
-            "cuda_graph_max_batch_size": self.runner.max_graph_batch_size(),
-            **self.counters,
-            **{f"host_{phase}_s": t for phase, t in self.host_time.items()},
-            **{f"host_{phase}_us_per_step": 1e6 * t / max(1, self.counters["steps"])
-               for phase, t in self.host_time.items()},
-            **(self.runner.device_stats() if self.simulated else {}),
-            **(self.runner.memory.stats() if getattr(self.runner, "memory", None) is not None else {}),
-            **(self._lora_stats() if self.lora_slots is not None else {}),
-        }
-
-    def _lora_stats(self) -> dict:
-        slots = self.lora_slots
-        return {"lora_resident": slots.resident(), "lora_loads": slots.num_loads,
-                "lora_evictions": slots.num_evictions, "max_loras": slots.max_loras}
-
-    def check_integrity(self) -> None:
-        """Assert block accounting; when idle, every block must be free."""
-        live = {id(r.seq): r.seq for r in self.requests.values()}
-        for step in self.inflight_steps():  # zombies: finished, blocks held until their step drains
-            live.update((id(c.seq), c.seq) for c in [*step.chunks, *step.forks])
-        live = [s for s in live.values() if not s.released]
-        self.block_manager.check_integrity(live)
-        self.cpu_pool.check_integrity(c for s in self.scheduler.swapped for c in s.cpu_blocks)
-        if self.lora_slots is not None:
-            self.lora_slots.check_integrity(live)
-        if not self.has_unfinished():
-            assert self.block_manager.num_free == self.block_manager.num_blocks, "blocks leaked"
-            assert self.cpu_pool.num_free == self.cpu_pool.num_blocks, "cpu blocks leaked"
-
-    def shutdown(self) -> None:
-        self.runner.shutdown()
-        self.structured.shutdown()
-
-
-_DEVICE_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError) if e)
-
-
-def is_device_fault(exc: BaseException) -> bool:
-    """An error the device raised (a CUDA error, or running out of device memory after the KV cache was sized),
-    as opposed to one a step's inputs caused. Older torch raises CUDA errors as plain RuntimeErrors."""
-    return isinstance(exc, _DEVICE_ERRORS) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "sim":
-        return torch.device("cpu")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but CUDA is not available")
-    return torch.device(device)
-
-
-def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-ENGINE_PLUGINS = "tandem.engines"  # entry-point group of engines other packages provide
+        return self.core.has_unfinished()
 
 
 def create_engine(config: EngineConfig) -> LLMEngine:
-    """The engine `config` asks for: single-device, pipeline-parallel or tensor-parallel.
+    """The in-process engine for `config`: single-device, pipeline-parallel or tensor-parallel core."""
+    return LLMEngine(core=create_core(config))
 
-    The pipeline-parallel engine drives Ray stage actors, so it lives with them in cluster/pipeline.py and is
-    found through the `tandem.engines` entry point named "pipeline" (pyproject.toml): this package never
-    imports Ray or cluster/. The tensor-parallel engine's Ray workers come through the same entry point; a
-    simulated device models tensor parallelism in its cost model instead (engine/sim), so it stays here."""
-    if config.pipeline_parallel_size > 1 or (config.tensor_parallel_size > 1 and config.device != "sim"):
-        engine = engine_plugin("pipeline")(config)
-    else:
-        engine = LLMEngine(config)
-    release_openmp_threads()  # forwards may run on another thread (AsyncLLM's loop): see there
-    return engine
-
-
-def engine_plugin(name: str):
-    """The factory(config) -> engine registered under `name` in the `tandem.engines` entry-point group."""
-    found = entry_points(group=ENGINE_PLUGINS, name=name)
-    if not found:
-        raise ValueError(f"no {name!r} engine is installed (entry point group {ENGINE_PLUGINS!r}); "
-                         f"reinstall tandem (pip install -e .) so its cluster package registers it")
-    return next(iter(found)).load()

@@ -6,18 +6,25 @@ Pure CPU Python. `schedule()` plans the next step and advances each planned sequ
 previous step is committed, so planning must not wait for results. Block copies it decides on (swap-out
 of a preempted sequence, swap-in of a resumed one) travel with the next planned step as `SwapOp`s; the
 runner executes them, in order, before that step's forward.
+
+`update_from_output(step, result)` is the one place a step's results change request state: it appends each
+sampled token, decides the finishes the core knows of (EOS, stop token ids, length, a grammar's end) and
+releases what drained. Stop strings are the frontend's (they need text): it ends a request through the
+engine core's finish().
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SCHEDULER_POLICIES
 from engine.cpu.block_pool import CpuBlockPool
+from engine.outputs import TokenLogprob
 from engine.sequence import Sequence, SeqStatus
 
 logger = logging.getLogger(__name__)
@@ -85,12 +92,12 @@ class Scheduler:
     still in the device prefix cache are taken from there, the rest copied back: nothing is recomputed.
     Without a host pool, or when it lacks room, the victim is soft-reset instead: its blocks are freed
     and it is requeued first in line to recompute prompt + generated tokens, its sampling and
-    detokenizer state untouched.
+    output state untouched.
     """
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None,
-                 one_step_per_seq: bool = False, lora_slots=None):
+                 one_step_per_seq: bool = False, lora_slots=None, caching: bool | None = None):
         if policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
         self.bm = block_manager
@@ -119,6 +126,9 @@ class Scheduler:
         self.kv_tokens_discarded = 0  # KV positions soft resets threw away (to be recomputed)
         self.num_forks = 0  # n > 1 siblings forked off a computed prompt (its prefill not repeated)
         self.num_cow_copies = 0  # shared blocks copied before a write
+        self._caching = block_manager.enable_prefix_caching if caching is None else caching
+        # Committed tokens, rows that rode along after their request finished, tokens a grammar accepted.
+        self.counters = {"generation_tokens": 0, "zombie_rows": 0, "constrained_tokens": 0}
 
     # ---- queue management ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -153,6 +163,76 @@ class Scheduler:
                 self.lora_slots.release(seq)
             if not self._offload(seq):
                 self._soft_reset(seq)
+
+    # ---- results -------------------------------------------------------------------------------------
+    def update_from_output(self, step, result) -> list[Sequence]:
+        """Apply a committed step (engine.slot.Step) and its StepResult: append each sampling row's token,
+        set the finishes known here, release sequences nothing in flight reads any more. Returns the
+        sequences this step touched, in step order (a sequence appears in at most one chunk of a step);
+        the engine core reports their news and ends the finished ones."""
+        tokens, changed = result.tokens, []
+        row = generated = zombies = 0
+        for c in step.chunks + step.forks if step.forks else step.chunks:  # forks' rows come last
+            seq = c.seq
+            seq.inflight_refs -= 1
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = step.launch_time
+            if c.samples:
+                seq.num_pending -= 1
+                if seq.finalized:
+                    zombies += 1  # rode along after finishing: nothing to commit
+                elif self._append_token(seq, tokens[row], result, row):
+                    generated += 1
+                row += 1
+            changed.append(seq)
+            if not seq.inflight_refs and seq.finish_reason is None:
+                self.release_if_idle(seq)  # (a finished one is released when the core ends it)
+        self.counters["generation_tokens"] += generated
+        self.counters["zombie_rows"] += zombies
+        return changed
+
+    def _append_token(self, seq: Sequence, token: int, result, row: int) -> bool:
+        """Commit one sampled token (False when its constraint rejected it and the request ends)."""
+        if seq.constraint is not None and not self._accept_constrained(seq, token):
+            return False
+        ids = seq.token_ids
+        ids.append(token)
+        n = len(ids)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        if seq.logprobs is not None:
+            k = seq.params.logprobs
+            top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
+            seq.logprobs.append(TokenLogprob(token, result.logprobs[row], top))
+        bs = self.bm.block_size
+        if self._caching and min(seq.num_computed, n) // bs > len(seq.block_hashes):
+            self.bm.cache_full_blocks(seq, min(seq.num_computed, n))  # a block just filled up
+        p = seq.params
+        if token in seq.eos_token_ids or (p.stop_token_ids and token in p.stop_token_ids):
+            if not p.min_tokens or n - len(seq.prompt_token_ids) >= p.min_tokens:
+                seq.finish_reason, seq.stop_token = "stop", True
+                return True
+        if seq.constraint is not None and seq.constraint.terminated:
+            seq.finish_reason = "stop"  # the grammar ended on its stop token (also under ignore_eos)
+        elif n >= seq.max_total_len:
+            seq.finish_reason = "length"
+        return True
+
+    def _accept_constrained(self, seq: Sequence, token: int) -> bool:
+        """Advance the request's matcher with its newly committed token (the only place it advances).
+
+        A rejected token was sampled from a row whose constraints left nothing allowed (e.g. min_tokens
+        banning the stop token of a finished grammar): the request ends without it, as "stop" when the
+        output is already a complete match."""
+        if seq.constraint.accept(token):
+            self.counters["constrained_tokens"] += 1
+            return True
+        complete = seq.constraint.completed
+        logger.warning("request %s: constraints allowed no token (min_tokens or allowed_token_ids "
+                       "against the grammar); ending it as %s", seq.request_id,
+                       "stop" if complete else "abort")
+        seq.finish_reason = "stop" if complete else "abort"
+        return False
 
     # ---- planning ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -387,7 +467,7 @@ class Scheduler:
 
     def _soft_reset(self, seq: Sequence) -> None:
         """Free the blocks and requeue at the front; the generated tokens are now part of what to
-        recompute, and the sequence keeps its sampler and detokenizer state, so its output continues."""
+        recompute, and the sequence keeps its sampler state, so its output continues."""
         self.num_soft_resets += 1
         self.kv_tokens_discarded += seq.num_computed
         self.bm.free(seq)

@@ -49,7 +49,7 @@ class Sequence:
     __slots__ = ("request_id", "params", "prompt", "prompt_token_ids", "token_ids", "num_pending",
                  "num_computed", "num_cached", "block_table", "block_hashes", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
-                 "logprobs", "detok", "eos_token_ids", "max_total_len", "pending_src", "released",
+                 "logprobs", "stop_token", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
                  "lora", "lora_slot", "hash_root",
@@ -90,13 +90,15 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # launch time of the first step that included it
         self.first_token_time: float | None = None
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
-        self.detok = None  # engine.detokenizer.IncrementalDetokenizer, set by the engine
+        # SamplingParams.logprobs: the committed tokens' TokenLogprobs not yet reported (the core hands them
+        # out with each output and starts a new list: a request's logprobs are never copied twice).
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.stop_token = False  # finished on an EOS / stop token id (its text is not part of the output)
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         budget = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         self.max_total_len = min(budget, max_model_len)
         self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token
-        self.num_emitted_tokens = 0
+        self.num_emitted_tokens = 0  # output tokens already reported (CoreOutput.new_token_ids)
         self.preempted = False  # offload / soft reset requested; applied when inflight_refs drains
         # While swapped: the host block holding each block-table entry (engine/cpu/block_pool.py).
         self.cpu_blocks: list[int] | None = None

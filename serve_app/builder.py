@@ -128,6 +128,12 @@ class AppConfig(BaseModel):
     # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
     # node, PACK/SPREAD let it span nodes.
     pp_placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
+    # Each engine replica runs its engine core (scheduler, KV, runner, sampler) in a child process and keeps
+    # only the frontend (text, stop strings, streams) in the replica (engine/core_proc.py), so the core's
+    # loop never waits on Serve's code for the GIL (docs/serving.md#the-engine-core-process). False runs the
+    # core on a thread of the replica. Pipeline- and tensor-parallel engines drive Ray actors from the core
+    # and keep it in the replica.
+    engine_core_process: bool = True
     # API keys (vLLM's --api-key): with any set, every /v1/* route needs `Authorization: Bearer <key>`.
     # None: the TANDEM_API_KEY environment variable of the process building the app (comma-separated).
     api_key: str | list[str] | None = None
@@ -262,12 +268,16 @@ def build_app(args: dict | None = None) -> serve.Application:
                     cfg.api_keys, cfg.limits.model_dump())
     ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
                           tool_parser=cfg.tool_parser)
+    core_process = cfg.engine_core_process and engine_cfg.pipeline_parallel_size == 1 and \
+        (engine_cfg.tensor_parallel_size == 1 or device == "sim")
     if cfg.colocated_on(device):
         max_in_flight = None if cfg.max_queued_requests < 0 else \
             _engine_max_ongoing(cfg, engine_cfg) + cfg.max_queued_requests
         return _colocated_deployment(cfg, engine_cfg, device).bind(
-            dataclasses.asdict(engine_cfg), all_cores, max_in_flight, *ingress_args, **ingress_kwargs)
-    engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg), all_cores)
+            dataclasses.asdict(engine_cfg), all_cores, max_in_flight, *ingress_args, core_process=core_process,
+            **ingress_kwargs)
+    engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg), all_cores,
+                                                               core_process)
     scaling: dict[str, Any] = {"num_replicas": cfg.ingress_replicas}
     if cfg.ingress_max_replicas is not None and cfg.ingress_max_replicas > cfg.ingress_replicas:
         scaling = {"autoscaling_config": AutoscalingConfig(

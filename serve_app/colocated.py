@@ -113,8 +113,9 @@ class ColocatedIngress(OpenAIIngress):
     """OpenAIIngress with its engine in the same replica. Serve's health probe and routing stats
     are the engine's, as on an engine replica; /health counts this replica's engine."""
 
-    async def __init__(self, engine_config: dict, all_cores: bool, max_in_flight: int | None, *args, **kwargs):
-        self.replica = EngineReplica(engine_config, all_cores)
+    async def __init__(self, engine_config: dict, all_cores: bool, max_in_flight: int | None, *args,
+                       core_process: bool = False, **kwargs):
+        self.replica = EngineReplica(engine_config, all_cores, core_process)
         await super().__init__(LocalEngine(self.replica, max_in_flight), *args, **kwargs)
 
     async def check_health(self) -> None:

@@ -17,13 +17,12 @@ from collections import deque
 from typing import Callable
 
 from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.llm_engine import LLMEngine
 from engine.models.tp import check_shardable
-from engine.outputs import RequestOutput
+from engine.outputs import CoreOutput
 from engine.pipeline.runner import PipelineRunner, StageGroup
 from engine.pipeline.stage import StageSpec, split_layers
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from engine.slot import Step
 from engine.step_buffers import BufferLimits
 from engine.step_runner import StepRunner
@@ -31,7 +30,7 @@ from engine.step_runner import StepRunner
 StageGroupFactory = Callable[[list[StageSpec]], StageGroup]
 
 
-class PipelineEngine(LLMEngine):
+class PipelineEngineCore(EngineCore):
     def __init__(self, config: EngineConfig, make_stages: StageGroupFactory):
         self._make_stages = make_stages
         self.pending: deque[Step] = deque()  # launched microbatches, oldest first
@@ -60,12 +59,8 @@ class PipelineEngine(LLMEngine):
                           seed=cfg.seed, tensor_parallel_size=tp)
                 for i, layers in enumerate(split_layers(self.spec.num_layers, p))]
 
-    def make_sequence(self, prompt, params: SamplingParams | None, request_id: str,
-                      lora_request=None) -> Sequence:
-        seq = super().make_sequence(prompt, params, request_id, lora_request)
-        if not self.config.pp_cpu_sampling:
-            _check_stage_sampling(seq.params)
-        return seq
+    def _stage_sampling(self) -> bool:
+        return not self.config.pp_cpu_sampling  # requests are checked against what the last stage samples
 
     def health_error(self) -> str | None:
         stages = self.runner.stages
@@ -77,7 +72,7 @@ class PipelineEngine(LLMEngine):
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self.pending)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[CoreOutput]:
         """One tick: launch a microbatch into a free slot if any sequence is free to run; commit the oldest
         in-flight one when the pipeline is full or nothing new could start."""
         outputs = self._admit_compiled() if self.compiling else []
@@ -97,7 +92,7 @@ class PipelineEngine(LLMEngine):
         self._note_idle()
         return outputs
 
-    def _idle_tick(self, had_outputs: bool) -> list[RequestOutput]:
+    def _idle_tick(self, had_outputs: bool) -> list[CoreOutput]:
         if self.scheduler.has_work():
             return self._end_stuck()
         if self.compiling and not had_outputs:
@@ -113,13 +108,6 @@ class PipelineEngine(LLMEngine):
         return self.runner.stages.busy_seconds()
 
 
-def _check_stage_sampling(params: SamplingParams) -> None:
-    """Sampling on the last stage (the ablation of SiPipe's CPU sampling) has no per-request state there."""
-    unsupported = [name for name, used in (
-        ("seed", params.seed is not None), ("logprobs", params.logprobs is not None),
-        ("penalties", params.needs_penalties), ("min_tokens", params.min_tokens > 0),
-        ("logit_bias", bool(params.logit_bias)), ("structured output / allowed_token_ids", params.constrained),
-    ) if used]
-    if unsupported:
-        raise ValueError(f"pp_cpu_sampling=False samples on the last stage, which does not support "
-                         f"{', '.join(unsupported)}; use pp_cpu_sampling=True")
+def PipelineEngine(config: EngineConfig, make_stages: StageGroupFactory) -> LLMEngine:
+    """The in-process engine (LLMEngine) over a pipeline-parallel core."""
+    return LLMEngine(core=PipelineEngineCore(config, make_stages))

@@ -1,6 +1,6 @@
 """Tensor-parallel engine: the single-device engine with a TPModelRunner as rank 0 of a group of N ranks.
 
-Scheduling, sampling, commit, detokenization and the two-slot pipeline are the plain LLMEngine's; the runner
+Scheduling, sampling, commit and the two-slot pipeline are the plain EngineCore's; the runner
 (engine/tp/runner.py) broadcasts each step to the worker ranks inside its forward job. The workers are
 started by a factory the caller provides (cluster/tensor_parallel.py: Ray actors in the replica's placement
 group), so this package needs no Ray.
@@ -15,9 +15,10 @@ import dataclasses
 from typing import Callable, Protocol
 
 from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.llm_engine import LLMEngine
 from engine.models.tp import check_shardable
-from engine.outputs import RequestOutput
+from engine.outputs import CoreOutput
 from engine.slot import Step
 from engine.tp.runner import TensorParallelError, TPModelRunner
 from engine.tp.worker import TPWorkerSpec
@@ -47,7 +48,7 @@ def rank_config(config: EngineConfig) -> EngineConfig:
         cpu_kv_cache_bytes=None if config.cpu_kv_cache_bytes is None else config.cpu_kv_cache_bytes // n)
 
 
-class TensorParallelEngine(LLMEngine):
+class TensorParallelEngineCore(EngineCore):
     def __init__(self, config: EngineConfig, make_workers: WorkerGroupFactory):
         self._make_workers = make_workers
         super().__init__(config)
@@ -73,11 +74,16 @@ class TensorParallelEngine(LLMEngine):
     def health_error(self) -> str | None:
         return super().health_error() or self.runner.group_error()
 
-    def _fail_step(self, step: Step, exc: Exception, error: str | None = None) -> list[RequestOutput]:
-        """A broken group fails everything, like a device fault (LLMEngine._device_failed), once."""
+    def _fail_step(self, step: Step, exc: Exception, error: str | None = None) -> list[CoreOutput]:
+        """A broken group fails everything, like a device fault (EngineCore._device_failed), once."""
         if error is None and self.fault is None and isinstance(exc, TensorParallelError):
             return self._device_failed(step, exc)
         return super()._fail_step(step, exc, error)
 
     def stats(self) -> dict:
         return {**super().stats(), **self.runner.stats()}
+
+
+def TensorParallelEngine(config: EngineConfig, make_workers: WorkerGroupFactory) -> LLMEngine:
+    """The in-process engine (LLMEngine) over a tensor-parallel core."""
+    return LLMEngine(core=TensorParallelEngineCore(config, make_workers))

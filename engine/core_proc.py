@@ -1,0 +1,202 @@
+"""The engine core in a process of its own: a loop that runs the core and nothing of serving.
+
+Started by engine/core_client.py (`python -m engine.core_proc IN OUT`) as a child of the replica process, on
+the same host and the same device (it inherits the replica's CUDA_VISIBLE_DEVICES and CPU affinity). Why a
+child process and not a Ray actor: the replica's Ray actor already holds the GPU and the CPU reservation
+Serve placed it with; a child shares both with no second placement, starts without a round trip through the
+Ray scheduler, and dies with its replica (PR_SET_PDEATHSIG) so none outlives it.
+
+Transport: two ZeroMQ sockets over ipc:// (PUSH/PULL each way). Requests in are pickled (they carry
+SamplingParams and LoRA requests, a few per step at most); each tick's outputs go out as one message of
+plain tuples encoded with msgspec's msgpack (docs/engine.md#the-engine-core-process says what was measured).
+
+Messages in: ("add", (request_id, prompt_token_ids, params, lora_request, arrival_time)), ("abort",
+request_id), ("finish", [keys]) for stop strings the frontend found, ("shutdown", None).
+Messages out (msgpack): [OUT, outputs, stats_or_none, step_records, prefix_hashes_or_none, health_error],
+where `stats` is a pickled EngineStats and health_error the core's (None while it can serve); [READY, limits(pickled), eos ids]; [FAILED, pickled exception, text]; [DEAD, text] when
+the loop died.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from engine.core import create_core
+from engine.outputs import CoreOutput, StepRecord, TokenLogprob
+
+logger = logging.getLogger("tandem.core")
+
+READY, FAILED, OUT, DEAD = 0, 1, 2, 3
+STATS_PERIOD_S = 0.05  # while busy, the stats snapshot goes out at most this often (always when idle)
+SUMMARY_PERIOD_S = 0.5
+SUMMARY_MAX_HASHES = 4096
+IDLE_POLL_MS = 500  # while idle: how often the loop checks that its parent is alive
+HEARTBEAT_S = 0.25  # a busy core whose step produced nothing still reports this often (progress, stats)
+
+
+def encode_outputs(outputs: list[CoreOutput]) -> list:
+    """CoreOutputs as plain tuples (msgpack arrays): the common row is (id, index, [token])."""
+    rows = []
+    for o in outputs:
+        if (o.finish_reason is None and o.new_logprobs is None and o.prompt_logprobs is None
+                and o.first_token_time is None):
+            rows.append((o.request_id, o.index, o.new_token_ids))
+            continue
+        rows.append((o.request_id, o.index, o.new_token_ids, o.finish_reason, o.stop_token,
+                     _lps(o.new_logprobs), o.error, o.rejected, o.num_cached_tokens, o.first_scheduled_time,
+                     o.first_token_time, _lps(o.prompt_logprobs)))
+    return rows
+
+
+def decode_outputs(rows: list) -> list[CoreOutput]:
+    outputs = []
+    for r in rows:
+        if len(r) == 3:
+            outputs.append(CoreOutput(r[0], r[1], r[2]))
+            continue
+        outputs.append(CoreOutput(r[0], r[1], r[2], r[3], r[4], _from_lps(r[5]), r[6], r[7], r[8], r[9], r[10],
+                                  _from_lps(r[11])))
+    return outputs
+
+
+def _lps(logprobs):
+    if logprobs is None:
+        return None
+    return [None if lp is None else (lp.token_id, lp.logprob, lp.top, lp.rank) for lp in logprobs]
+
+
+def _from_lps(rows):
+    if rows is None:
+        return None
+    return [None if r is None else TokenLogprob(r[0], r[1], [tuple(t) for t in r[2]], r[3]) for r in rows]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it exits, however it exits."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the idle loop's parent check still ends it
+
+
+class CoreLoop:
+    def __init__(self, core, inp: zmq.Socket, out: zmq.Socket, parent: int):
+        self.core, self.inp, self.out, self.parent = core, inp, out, parent
+        self.encoder = msgspec.msgpack.Encoder()
+        self._stats_time = self._summary_time = self._sent_time = 0.0
+
+    def run(self) -> None:
+        core, poller = self.core, zmq.Poller()
+        poller.register(self.inp, zmq.POLLIN)
+        while True:
+            busy = core.has_unfinished()
+            if not busy:
+                self._send([], force=True)
+                if not poller.poll(IDLE_POLL_MS):
+                    if os.getppid() != self.parent:
+                        return  # orphaned (no PDEATHSIG here): nobody will read our outputs
+                    continue
+            outputs = []
+            if not self._drain_inbox(outputs):
+                return
+            if core.has_unfinished():
+                outputs += core.step()
+            self._send(outputs)
+
+    def _drain_inbox(self, outputs: list) -> bool:
+        core = self.core
+        while True:
+            try:
+                kind, arg = pickle.loads(self.inp.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return True
+            if kind == "add":
+                outputs += self._add(*arg)
+            elif kind == "abort":
+                outputs += core.abort(arg)
+            elif kind == "finish":
+                core.finish([tuple(k) if isinstance(k, list) else k for k in arg], "stop")
+            elif kind == "shutdown":
+                return False
+
+    def _add(self, request_id, ids, params, lora_request, arrival_time) -> list[CoreOutput]:
+        """Queue a request; one the core refuses comes back as a rejected output (the frontend raises it)."""
+        try:
+            seq = self.core.make_sequence(ids, params, request_id, lora_request, arrival_time=arrival_time)
+            self.core.add_sequence(seq)
+        except (ValueError, RuntimeError) as exc:
+            n = getattr(params, "n", 1)
+            return [CoreOutput(request_id, i, [], "abort", error=str(exc), rejected=True) for i in range(n)]
+        return []
+
+    def _send(self, outputs: list[CoreOutput], force: bool = False) -> None:
+        now = time.monotonic()
+        core = self.core
+        stats = summary = health = None
+        if force or now - self._stats_time > STATS_PERIOD_S:
+            stats, self._stats_time = pickle.dumps(core.stats()), now
+            health = core.health_error()
+        if force or now - self._summary_time > SUMMARY_PERIOD_S:
+            summary, self._summary_time = core.block_manager.recent_hashes(SUMMARY_MAX_HASHES), now
+        records = core.drain_step_records()
+        if not (outputs or stats or summary or records) and now - self._sent_time < HEARTBEAT_S:
+            return
+        self._sent_time = now
+        msg = (OUT, encode_outputs(outputs), stats,
+               [(r.num_seqs, r.num_tokens, r.forward_s, r.sample_s, r.period_s) for r in records], summary, health)
+        self.out.send(self.encoder.encode(msg), copy=False)
+
+
+def decode_records(rows: list) -> list[StepRecord]:
+    return [StepRecord(*r) for r in rows]
+
+
+def main(argv: list[str]) -> int:
+    in_addr, out_addr, parent = argv[0], argv[1], int(argv[2])
+    _die_with_parent()
+    if os.getppid() != parent:
+        return 1  # the parent died before PDEATHSIG was set
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s core: %(message)s")
+    ctx = zmq.Context()
+    inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inp.connect(in_addr)
+    out.connect(out_addr)
+    out.setsockopt(zmq.LINGER, 2000)
+    encoder = msgspec.msgpack.Encoder()
+    config = pickle.loads(inp.recv())
+    try:
+        core = create_core(config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the frontend, which raises it
+        try:
+            payload = pickle.dumps(exc)
+        except Exception:  # noqa: BLE001
+            payload = pickle.dumps(RuntimeError(repr(exc)))
+        out.send(encoder.encode((FAILED, payload, f"{type(exc).__name__}: {exc}")))
+        return 1
+    out.send(encoder.encode((READY, pickle.dumps(core.limits), sorted(core.eos_token_ids))))
+    try:
+        CoreLoop(core, inp, out, parent).run()
+    except BaseException as exc:  # noqa: BLE001 - the frontend fails every request and reports unhealthy
+        logger.exception("engine core loop died")
+        out.send(encoder.encode((DEAD, f"engine core loop died: {type(exc).__name__}: {exc}")))
+        return 1
+    finally:
+        try:
+            core.shutdown()
+        except Exception:  # noqa: BLE001
+            logger.exception("engine core shutdown failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
