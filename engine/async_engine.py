@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import create_engine
 from engine.outputs import RequestOutput, StepRecord, merge_outputs
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards _streams between the loop thread and callers
         self._stopping = False
         self.dead: BaseException | None = None
-        self._stats: dict = self.engine.stats()
+        self._stats: EngineStats = self.engine.stats()
         self.prefix_summary: list[int] = []  # recent cached block hashes, refreshed by the loop thread
         self._summary_time = 0.0
         self._stats_time = 0.0
@@ -108,9 +109,10 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop made no progress for {stalled:.0f} s while it had work "
                                   f"(stall_timeout_s={self.engine.config.stall_timeout_s:g})")
 
-    def stats(self) -> dict:
-        """A snapshot refreshed by the loop thread after every tick."""
-        return dict(self._stats)
+    def stats(self) -> EngineStats:
+        """The engine's latest snapshot (engine/stats.py), refreshed by the loop thread after ticks (see
+        _publish). Immutable, so every reader gets the same object, no copy."""
+        return self._stats
 
     def drain_step_records(self) -> list[StepRecord]:
         """Per-step timing records since the last drain (for the metrics exporter, any thread)."""

@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.tp import check_shardable
 from engine.outputs import RequestOutput
 from engine.slot import Step
+from engine.stats import EngineStats
 from engine.tp.runner import TensorParallelError, TPModelRunner
 from engine.tp.worker import TPWorkerSpec
 
@@ -79,5 +80,5 @@ class TensorParallelEngine(LLMEngine):
             return self._device_failed(step, exc)
         return super()._fail_step(step, exc, error)
 
-    def stats(self) -> dict:
-        return {**super().stats(), **self.runner.stats()}
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(super().stats(), **self.runner.stats())
