@@ -165,7 +165,7 @@ class TandemRunner:
         c = self.llm.engine.config  # the engine's: its token budget resolved
         return {"pipeline_depth": c.pipeline_depth, "max_num_seqs": c.max_num_seqs,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "block_size": c.block_size,
-                "num_kv_blocks": self.llm.stats()["kv_blocks_total"], "enable_prefix_caching": False,
+                "num_kv_blocks": self.llm.stats().kv_blocks_total, "enable_prefix_caching": False,
                 "cpu_executor_thread": c.cpu_executor_thread}
 
     def run(self, prompts: list[list[int]]) -> Run:

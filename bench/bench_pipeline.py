@@ -78,7 +78,7 @@ def timed_run(engine, prompts, params) -> dict:
     wall = time.perf_counter() - t0
     busy = engine.stage_busy_seconds() if pipelined else []
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "stage_busy": [b / wall for b in busy],
-            "steps": engine.stats()["steps"]}
+            "steps": engine.stats().steps}
 
 
 def measure(name: str, engine, prompts, params, repeats: int) -> dict:

@@ -251,8 +251,8 @@ def bench_direct(warm, prompts, args) -> list[Result]:
         s0 = llm.stats()
         measured = asyncio.run(run_direct(llm, subset, args, concurrency))
         s1 = llm.stats()
-        asked = s1["prefix_cache_queried_tokens"] - s0["prefix_cache_queried_tokens"]
-        rate = round((s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"]) / asked, 3)
+        asked = s1.prefix_cache_queried_tokens - s0.prefix_cache_queried_tokens
+        rate = round((s1.prefix_cache_hit_tokens - s0.prefix_cache_hit_tokens) / asked, 3)
         results.append(summarize("direct (AsyncLLM, 1 engine)", subset, concurrency, measured, rate))
     llm.shutdown()
     return results

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine import LLM, AsyncLLM, EngineConfig, SamplingParams  # noqa: E402
+from engine import LLM, AsyncLLM, EngineConfig, EngineStats, SamplingParams  # noqa: E402
 from engine.llm_engine import HOST_PHASES  # noqa: E402
 from engine.sim import SIM_MODELS  # noqa: E402
 from engine.sim.cost_model import PHOTON_TABLE, PHOTON_WORKLOAD  # noqa: E402
@@ -59,9 +59,10 @@ def model_dir(name: str) -> str:
     return str(SIM_MODELS / name)
 
 
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in after
-            if isinstance(after[k], (int, float)) and not isinstance(after[k], bool) and k in before}
+def delta(after: EngineStats, before: EngineStats) -> dict:
+    """The numeric stats' change between two snapshots of one engine (both report the same keys)."""
+    a, b = after.as_dict(), before.as_dict()
+    return {k: v - b[k] for k, v in a.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def host_per_step(d: dict) -> dict:

@@ -44,15 +44,15 @@ def modelled(spec, gpu: str, tp: int) -> dict:
 def engine_run(model: str, gpu: str, tp: int, requests: int, tokens: int) -> dict:
     llm = LLM(model, device="sim", sim_gpu=gpu, tensor_parallel_size=tp, max_model_len=4096, max_num_seqs=256)
     llm.generate(["hello"] * 4, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    before = llm.stats()["device_busy_s"]
+    before = llm.stats().device_busy_s
     outs = llm.generate(["tell me a story"] * requests, SamplingParams(max_tokens=tokens, ignore_eos=True))
     s = llm.stats()
     llm.shutdown()
-    busy = s["device_busy_s"] - before
+    busy = s.device_busy_s - before
     return {"output_tokens": sum(len(o.token_ids) for o in outs), "device_s": busy,
             "tok_per_device_s": sum(len(o.token_ids) for o in outs) / busy,
             "tok_per_gpu_s": sum(len(o.token_ids) for o in outs) / busy / tp,
-            "device_busy_fraction": s["device_busy_fraction"], "kv_blocks_per_rank": s["kv_blocks_total"]}
+            "device_busy_fraction": s.device_busy_fraction, "kv_blocks_per_rank": s.kv_blocks_total}
 
 
 def main() -> None:

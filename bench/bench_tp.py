@@ -97,11 +97,15 @@ def measure(llm, prompts, params, repeats: int) -> dict:
         outs = llm.generate(prompts, params)
         wall = time.perf_counter() - t0
         after = llm.stats()
-        steps = after["steps"] - before["steps"]
+        steps = after.steps - before.steps
+        tp = after.tensor_parallel_size is not None  # the tensor-parallel engine; tp=1 has no collectives
+
+        def change(key):
+            return getattr(after, key) - getattr(before, key) if tp else 0
+
         def per_step_ms(key):
-            return 1e3 * (after.get(key, 0.0) - before.get(key, 0.0)) / max(steps, 1)
-        comm_s = after.get("tp_collective_s", 0.0) - before.get("tp_collective_s", 0.0)
-        calls = after.get("tp_collectives", 0) - before.get("tp_collectives", 0)
+            return 1e3 * change(key) / max(steps, 1)
+        comm_s, calls = change("tp_collective_s"), change("tp_collectives")
         runs.append({"tok_s": sum(len(o.token_ids) for o in outs) / wall, "wall_s": wall, "steps": steps,
                      "collective_ms_per_step": per_step_ms("tp_collective_s"),
                      "all_reduce_ms_per_step": per_step_ms("tp_all_reduce_s"),

@@ -28,9 +28,12 @@ class EngineAutoscalingPolicy:
         if n == 0:
             return ctx.target_num_replicas, {}
         desired = ctx.total_num_requests / ctx.config.get_target_ongoing_requests()
+        # Per replica, what its record_autoscaling_stats() reported (cluster/replica.py sends every key each
+        # time). Serve leaves a signal out while no replica has reported it in its window (replicas just
+        # started, or their stats call failed): then it adds nothing to the rule, explicitly.
         metrics = ctx.aggregated_metrics or {}
-        waiting = sum(metrics.get("num_waiting", {}).values())
-        kv = list(metrics.get("kv_usage", {}).values())
+        waiting = sum(metrics["num_waiting"].values()) if "num_waiting" in metrics else 0.0
+        kv = list(metrics["kv_usage"].values()) if "kv_usage" in metrics else []
         if waiting > self.waiting_per_replica * n or (kv and sum(kv) / len(kv) > self.kv_usage_high):
             desired = max(desired, n + 1)
         return desired, {"engine_waiting": waiting}

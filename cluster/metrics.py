@@ -135,17 +135,19 @@ class EngineMetrics:
 
     # ---- flush thread ----------------------------------------------------------------------------------
     def collect(self) -> None:
+        # Typed stats (engine/stats.py), read by attribute: a renamed field raises here (the flush logs it)
+        # instead of exporting 0.
         stats = self.llm.stats()
         apply = self.buffer.apply
         for spec, key in m.TOTAL_STATS_KEYS.items():
-            apply(spec, float(stats.get(key, 0)))
-        apply(m.WAITING, float(stats.get("num_waiting", 0)))
-        apply(m.RUNNING, float(stats.get("num_running", 0)))
-        apply(m.SWAPPED, float(stats.get("num_swapped", 0)))
-        for pool, prefix in (("device", "kv_blocks"), ("cpu", "cpu_blocks")):
-            total, free = stats.get(f"{prefix}_total", 0), stats.get(f"{prefix}_free", 0)
+            apply(spec, float(getattr(stats, key)))
+        apply(m.WAITING, float(stats.num_waiting))
+        apply(m.RUNNING, float(stats.num_running))
+        apply(m.SWAPPED, float(stats.num_swapped))
+        for pool, total, free in (("device", stats.kv_blocks_total, stats.kv_blocks_free),
+                                  ("cpu", stats.cpu_blocks_total, stats.cpu_blocks_free)):
             apply(m.KV_BLOCKS, float(total), {m.POOL: pool})
-            apply(m.KV_USAGE, (total - free) / total if total else 0.0, {m.POOL: pool})
+            apply(m.KV_USAGE, (total - free) / total if total else 0.0, {m.POOL: pool})  # no CPU pool: 0
         for record in self.llm.drain_step_records():
             self._step(record)
 

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
-from engine import AsyncLLM, EngineConfig
+from engine import AsyncLLM, EngineConfig, EngineStats
 from engine.async_engine import EngineDeadError
 from cluster.metrics import EngineMetrics
 from cluster.protocol import GenerateChunk, GenerateRequest
@@ -95,26 +95,28 @@ class EngineReplica:
         """Serve's health probe: fails once the engine loop has died, so Serve replaces the replica."""
         self.llm.check_health()
 
-    async def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
         return self.llm.stats()
 
     def record_routing_stats(self) -> dict:
-        """Polled by the request router: load, KV pressure and a compact summary of cached prefixes."""
+        """Polled by the request router: load, KV pressure and a compact summary of cached prefixes. A plain
+        dict (Serve ships it to the router's process), built from the typed stats; every key is always sent,
+        so the router (cluster/router.py) indexes it and only a replica with no report yet is special."""
         s = self.llm.stats()
-        return {"num_waiting": s["num_waiting"], "num_running": s["num_running"],
-                "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"],
-                "kv_blocks_free": s["kv_blocks_free"], "kv_blocks_total": s["kv_blocks_total"],
+        return {"num_waiting": s.num_waiting, "num_running": s.num_running, "kv_usage": _kv_usage(s),
+                "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
                 "block_size": self.config.block_size,
-                "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
-                "prefix_cache_queried_tokens": s["prefix_cache_queried_tokens"],
+                "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+                "prefix_cache_queried_tokens": s.prefix_cache_queried_tokens,
                 "prefix_hashes": self.llm.prefix_summary,
-                "lora_adapters": s.get("lora_resident", [])}  # adapters in device slots (adapter affinity)
+                # adapters in device slots (adapter affinity); LoRA off: none
+                "lora_adapters": list(s.lora_resident) if s.lora_resident is not None else []}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Engine signals for the autoscaling policy (cluster.autoscaling)."""
         s = self.llm.stats()
-        return {"num_waiting": float(s["num_waiting"]), "num_running": float(s["num_running"]),
-                "kv_usage": 1.0 - s["kv_blocks_free"] / s["kv_blocks_total"]}
+        return {"num_waiting": float(s.num_waiting), "num_running": float(s.num_running),
+                "kv_usage": _kv_usage(s)}
 
     def shutdown(self) -> None:
         """Stop the metrics thread and the engine (idempotent)."""
@@ -130,3 +132,8 @@ class EngineReplica:
 
     def __del__(self):
         self.shutdown()
+
+
+def _kv_usage(s: EngineStats) -> float:
+    """The fraction of the device KV cache in use (the engine always has at least one block)."""
+    return 1.0 - s.kv_blocks_free / s.kv_blocks_total

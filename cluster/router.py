@@ -29,6 +29,16 @@ ROUTER_POLICIES = {
 DEFAULT_BLOCK_SIZE = 16
 
 
+_NO_HASHES: list[int] = []  # the prefix report of a replica not polled yet (one object: _reported_set caches by it)
+
+
+def _report(replica: RunningReplica) -> dict | None:
+    """The replica's latest record_routing_stats() report (cluster/replica.py), or None when Serve has not
+    polled it yet (a replica that just started: Serve gives an empty dict). A report always carries every
+    key, so readers index it: a key renamed on the replica side fails here instead of reading as 0."""
+    return replica.routing_stats or None
+
+
 def router_class(policy: str) -> str:
     """Import path of the router for `policy`; the error lists the valid names."""
     try:
@@ -65,9 +75,10 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         return [[r] for r in ranked]
 
     def load(self, replica: RunningReplica) -> float:
-        stats = replica.routing_stats or {}
-        return (self._inflight[replica.replica_id] + stats.get("num_waiting", 0)
-                + self.kv_weight * stats.get("kv_usage", 0.0))
+        report = _report(replica)
+        if report is None:  # not polled yet: all the router knows is what it sent there itself
+            return self._inflight[replica.replica_id]
+        return self._inflight[replica.replica_id] + report["num_waiting"] + self.kv_weight * report["kv_usage"]
 
     def best_prefix_replica(self, candidates: list[RunningReplica], hashes: list[int]) -> RunningReplica | None:
         """The candidate caching the longest prefix of `hashes` (ties: the less loaded); None if none."""
@@ -84,8 +95,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         if adapter is None:
             return None
         sent = self._adapter_sent.get(adapter)
-        holders = [r for r in candidates
-                   if adapter in ((r.routing_stats or {}).get("lora_adapters") or ()) or r.replica_id == sent]
+        holders = [r for r in candidates if r.replica_id == sent
+                   or ((report := _report(r)) is not None and adapter in report["lora_adapters"])]
         return min(holders, key=self.load) if holders else None
 
     def _reported_depth(self, replica: RunningReplica, hashes: list[int]) -> int:
@@ -99,7 +110,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
 
     def _reported_set(self, replica: RunningReplica) -> frozenset[int]:
         """The replica's reported hashes as a set, rebuilt only when a new report arrives."""
-        report = (replica.routing_stats or {}).get("prefix_hashes") or []
+        report = _report(replica)
+        report = report["prefix_hashes"] if report is not None else _NO_HASHES
         entry = self._reported.get(replica.replica_id)
         if entry is None or entry[0] is not report:  # holding the list keeps its id from being reused
             entry = (report, frozenset(report))
@@ -121,8 +133,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
             return []
         cached = self._hash_cache.get(request.request_id)
         if cached is None:
-            block_size = next((r.routing_stats.get("block_size") for r in candidates if r.routing_stats),
-                              DEFAULT_BLOCK_SIZE)
+            block_size = next((report["block_size"] for r in candidates if (report := _report(r)) is not None),
+                              DEFAULT_BLOCK_SIZE)  # no replica polled yet: the engine's default
             root = request.lora_request.hash_root if request.lora_request is not None else 0
             cached = prefix_hashes(request.prompt_token_ids, block_size, self.max_prefix_blocks, root)
             self._hash_cache[request.request_id] = cached

@@ -162,7 +162,8 @@ ENGINE_GAUGES = (WAITING, RUNNING, SWAPPED, KV_USAGE, KV_BLOCKS)
 STEP_HISTOGRAMS = (STEP_PERIOD, STEP_FORWARD, STEP_SAMPLE, STEP_BUBBLE, STEP_BUSY, BATCH_SIZE, STEP_TOKENS)
 ALL_METRICS = INGRESS_METRICS + ENGINE_TOTALS + ENGINE_GAUGES + STEP_HISTOGRAMS
 
-# Engine stats() key behind each total (a key the engine does not report yet counts as 0).
+# The engine.stats.EngineStats field behind each total. Every engine reports all of them; a name that is no
+# field fails the exporter's flush (and tests/test_engine_stats.py), never exports 0.
 TOTAL_STATS_KEYS = {
     PROMPT_TOKENS: "prompt_tokens", GENERATION_TOKENS: "generation_tokens",
     PREFIX_QUERIED: "prefix_cache_queried_tokens", PREFIX_HITS: "prefix_cache_hit_tokens",

@@ -7,6 +7,7 @@ from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
-__all__ = ["AsyncLLM", "DEFAULT_MODEL_DIR", "EngineConfig", "LLM", "LLMEngine", "LoRARequest", "RequestOutput",
-           "SamplingParams", "TokenLogprob"]
+__all__ = ["AsyncLLM", "DEFAULT_MODEL_DIR", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "LoRARequest",
+           "RequestOutput", "SamplingParams", "TokenLogprob"]

@@ -31,6 +31,7 @@ from engine.llm_engine import create_engine, tokenize
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepRecord, merge_outputs
 from engine.sampling_params import SamplingParams, sibling_params
+from engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ class AsyncLLM:
             self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
             self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
             self._processor = OutputProcessor(self.tokenizer.backend_tokenizer)
-            self._stats_blob: bytes | None = None
-            self._stats_cache: tuple[bytes | None, object] = (None, None)
+            self._stats_blob: bytes = self._core.stats_blob  # the core's snapshot as it started
+            self._stats_cache: tuple[bytes | None, EngineStats | None] = (None, None)
             self._core_health: str | None = None
             self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
             self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
@@ -79,7 +80,7 @@ class AsyncLLM:
             self.tokenizer = self.engine.tokenizer
             self._inbox: queue.SimpleQueue = queue.SimpleQueue()
             self._wake = threading.Event()
-            self._stats = self.engine.stats()
+            self._stats: EngineStats = self.engine.stats()
             target, name = self._run, "tandem-engine-loop"
         self._thread = threading.Thread(target=target, name=name, daemon=True)
         self._thread.start()
@@ -190,14 +191,15 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop made no progress for {stalled:.0f} s while it had work "
                                   f"(stall_timeout_s={self.config.stall_timeout_s:g})")
 
-    def stats(self):
-        """A snapshot refreshed by the loop (or the core process) while it runs."""
+    def stats(self) -> EngineStats:
+        """The engine's latest snapshot (engine/stats.py), refreshed by the loop thread (or the core process)
+        while it runs. Immutable, so every reader gets the same object, no copy."""
         if not self.core_process:
             return self._stats
         blob, cached = self._stats_cache
         if blob is not self._stats_blob:
             blob = self._stats_blob
-            cached = pickle.loads(blob) if blob is not None else None
+            cached = pickle.loads(blob)
             self._stats_cache = (blob, cached)
         return cached
 

@@ -44,6 +44,7 @@ from engine.sampling_params import SamplingParams, sibling_params
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.slot import Step, StepResult
+from engine.stats import EngineStats
 from engine.step_runner import StepRunner
 from engine.structured import StructuredOutputManager
 
@@ -486,27 +487,29 @@ class EngineCore:
         per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype)
         return int(cfg.swap_space_gb * 1024**3) // per_block
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state and counters (engine/stats.py: typed, immutable; a key that is
+        renamed here without renaming its field fails when the snapshot is built, not in a dashboard)."""
         bm, sched = self.block_manager, self.scheduler
         offloader = self.runner.offloader
-        return {
-            "kv_blocks_total": bm.num_blocks, "kv_blocks_free": bm.num_free,
-            "cpu_blocks_total": self.cpu_pool.num_blocks, "cpu_blocks_free": self.cpu_pool.num_free,
-            "num_preemptions": sched.num_preemptions, "num_offloads": sched.num_offloads,
-            "num_swap_ins": sched.num_swap_ins, "num_soft_resets": sched.num_soft_resets,
-            "kv_tokens_discarded": sched.kv_tokens_discarded,
-            "num_forks": sched.num_forks, "num_cow_copies": sched.num_cow_copies,
-            "blocks_swapped_out": offloader.blocks_out if offloader else 0,
-            "blocks_swapped_in": offloader.blocks_in if offloader else 0,
-            "prefix_cache_hit_tokens": bm.hit_tokens, "prefix_cache_queried_tokens": bm.queried_tokens,
-            "num_waiting": len(sched.waiting), "num_running": len(sched.running),
-            "num_swapped": len(sched.swapped),
-            "device": str(self.compute_device), "dtype": str(self.dtype).removeprefix("torch."),
-            "pipeline_depth": self.pipeline_depth, "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            "num_compiling": len(self.compiling),
-            "executor": type(self.runner.executor).__name__,
-            "grammar_compiles": self.structured.num_compiles, "attention_backend": self.runner.backend_name,
-            "cuda_graph_max_batch_size": self.runner.max_graph_batch_size(),
+        return EngineStats(
+            kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free,
+            cpu_blocks_total=self.cpu_pool.num_blocks, cpu_blocks_free=self.cpu_pool.num_free,
+            num_preemptions=sched.num_preemptions, num_offloads=sched.num_offloads,
+            num_swap_ins=sched.num_swap_ins, num_soft_resets=sched.num_soft_resets,
+            kv_tokens_discarded=sched.kv_tokens_discarded,
+            num_forks=sched.num_forks, num_cow_copies=sched.num_cow_copies,
+            blocks_swapped_out=offloader.blocks_out if offloader else 0,
+            blocks_swapped_in=offloader.blocks_in if offloader else 0,
+            prefix_cache_hit_tokens=bm.hit_tokens, prefix_cache_queried_tokens=bm.queried_tokens,
+            num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_swapped=len(sched.swapped),
+            device=str(self.compute_device), dtype=str(self.dtype).removeprefix("torch."),
+            pipeline_depth=self.pipeline_depth, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            num_compiling=len(self.compiling),
+            executor=type(self.runner.executor).__name__,
+            grammar_compiles=self.structured.num_compiles, attention_backend=self.runner.backend_name,
+            cuda_graph_max_batch_size=self.runner.max_graph_batch_size(),
             **self.counters, **self.scheduler.counters,
             **{f"host_{phase}_s": t for phase, t in self.host_time.items()},
             **{f"host_{phase}_us_per_step": 1e6 * t / max(1, self.counters["steps"])
@@ -514,11 +517,11 @@ class EngineCore:
             **(self.runner.device_stats() if self.simulated else {}),
             **(self.runner.memory.stats() if getattr(self.runner, "memory", None) is not None else {}),
             **(self._lora_stats() if self.lora_slots is not None else {}),
-        }
+        )
 
     def _lora_stats(self) -> dict:
         slots = self.lora_slots
-        return {"lora_resident": slots.resident(), "lora_loads": slots.num_loads,
+        return {"lora_resident": tuple(slots.resident()), "lora_loads": slots.num_loads,
                 "lora_evictions": slots.num_evictions, "max_loras": slots.max_loras}
 
     def check_integrity(self) -> None:

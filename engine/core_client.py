@@ -46,7 +46,7 @@ class CoreProcess:
                                      stdin=subprocess.DEVNULL, env=_child_env())
         try:
             self._in.send(pickle.dumps(config))
-            self.limits, self.eos_token_ids = self._handshake()
+            self.limits, self.eos_token_ids, self.stats_blob = self._handshake()
         except BaseException:
             self.close(timeout_s=0)
             raise
@@ -68,7 +68,7 @@ class CoreProcess:
             raise exc  # the core's own error (a bad model dir, a bad config value: ValueError naming it)
         if msg[0] != READY:
             raise CoreProcessError(f"unexpected first message from the engine core: {msg[0]!r}")
-        return pickle.loads(msg[1]), frozenset(msg[2])
+        return pickle.loads(msg[1]), frozenset(msg[2]), msg[3]
 
     def send(self, kind: str, arg) -> bool:
         """Queue a message for the core; False when it cannot be delivered (the core process is gone: with no

@@ -13,7 +13,8 @@ plain tuples encoded with msgspec's msgpack (docs/engine.md#the-engine-core-proc
 Messages in: ("add", (request_id, prompt_token_ids, params, lora_request, arrival_time)), ("abort",
 request_id), ("finish", [keys]) for stop strings the frontend found, ("shutdown", None).
 Messages out (msgpack): [OUT, outputs, stats_or_none, step_records, prefix_hashes_or_none, health_error],
-where `stats` is a pickled EngineStats and health_error the core's (None while it can serve); [READY, limits(pickled), eos ids]; [FAILED, pickled exception, text]; [DEAD, text] when
+where `stats` is a pickled EngineStats and health_error the core's (None while it can serve); [READY, limits(pickled), eos ids,
+stats]; [FAILED, pickled exception, text]; [DEAD, text] when
 the loop died.
 """
 
@@ -183,7 +184,7 @@ def main(argv: list[str]) -> int:
             payload = pickle.dumps(RuntimeError(repr(exc)))
         out.send(encoder.encode((FAILED, payload, f"{type(exc).__name__}: {exc}")))
         return 1
-    out.send(encoder.encode((READY, pickle.dumps(core.limits), sorted(core.eos_token_ids))))
+    out.send(encoder.encode((READY, pickle.dumps(core.limits), sorted(core.eos_token_ids), pickle.dumps(core.stats()))))
     try:
         CoreLoop(core, inp, out, parent).run()
     except BaseException as exc:  # noqa: BLE001 - the frontend fails every request and reports unhealthy

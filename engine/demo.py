@@ -38,7 +38,7 @@ async def _main(args: argparse.Namespace) -> None:
         else:
             for i, prompt in enumerate(_BUILTIN):
                 await _answer(llm, prompt, chat=i % 2 == 1, params=params)
-        print(f"\nstats: {llm.stats()}")
+        print(f"\nstats: {llm.stats().as_dict()}")
     finally:
         llm.shutdown()
 

@@ -11,6 +11,7 @@ from engine.llm_engine import create_engine
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 
 class LLM:
@@ -88,7 +89,8 @@ class LLM:
         while self.engine.has_unfinished():
             self.engine.step()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
+        """The engine's typed snapshot (engine/stats.py): `stats.num_waiting`, or `stats["num_waiting"]`."""
         return self.engine.stats()
 
     def check_integrity(self) -> None:

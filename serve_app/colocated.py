@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from cluster.protocol import GenerateChunk
 from cluster.replica import EngineReplica
+from engine import EngineStats
 from serve_app.ingress import OpenAIIngress
 
 
@@ -121,7 +122,7 @@ class ColocatedIngress(OpenAIIngress):
     async def check_health(self) -> None:
         await self.replica.check_health()
 
-    async def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
         return await self.replica.stats()
 
     def record_routing_stats(self) -> dict:

@@ -6,6 +6,7 @@ export through a real Ray cluster is tests/test_metrics_e2e.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -14,6 +15,8 @@ from cluster.metrics import EngineMetrics, IngressMetrics, MetricsBuffer, Reques
 from cluster.protocol import GenerateChunk
 from dashboards import metrics as m
 from engine.outputs import RequestOutput, StepRecord
+from engine.stats import EngineStats
+from test_engine_stats import make_stats
 
 IDLE_PERIOD = 3600.0  # the flush thread never fires on its own: tests call flush()
 
@@ -39,32 +42,31 @@ class Recorded:
 
 
 class FakeLLM:
-    def __init__(self, stats: dict, records: list[StepRecord] = ()):
+    def __init__(self, stats: EngineStats, records: list[StepRecord] = ()):
         self._stats, self.records = stats, list(records)
 
-    def stats(self) -> dict:
-        return dict(self._stats)
+    def stats(self) -> EngineStats:
+        return self._stats
 
     def drain_step_records(self) -> list[StepRecord]:
         out, self.records = self.records, []
         return out
 
 
-STATS = {"kv_blocks_total": 200, "kv_blocks_free": 150, "cpu_blocks_total": 0, "cpu_blocks_free": 0,
-         "num_waiting": 3, "num_running": 2, "num_preemptions": 4, "num_soft_resets": 4, "num_offloads": 0,
-         "prompt_tokens": 1000, "generation_tokens": 77, "prefix_cache_hit_tokens": 32,
-         "prefix_cache_queried_tokens": 64, "steps": 9}  # no num_swapped / num_swap_ins: not reported yet
+STATS = make_stats(kv_blocks_total=200, kv_blocks_free=150, num_waiting=3, num_running=2, num_preemptions=4,
+                   num_soft_resets=4, prompt_tokens=1000, generation_tokens=77, prefix_cache_hit_tokens=32,
+                   prefix_cache_queried_tokens=64, steps=9)  # no CPU pool
 
 
 @pytest.fixture
 def engine_metrics():
-    llm = FakeLLM(dict(STATS))
+    llm = FakeLLM(STATS)
     em = EngineMetrics(llm, period_s=IDLE_PERIOD, factory=Recorded)
     yield em, llm, em.buffer.metrics
     em.stop()
 
 
-def test_engine_state_becomes_gauges_and_missing_keys_read_as_zero(engine_metrics):
+def test_engine_state_becomes_gauges(engine_metrics):
     em, llm, metrics = engine_metrics
     em.buffer.flush()
     assert metrics[m.KV_USAGE.name].values({m.POOL: "device"}) == [0.25]
@@ -73,10 +75,26 @@ def test_engine_state_becomes_gauges_and_missing_keys_read_as_zero(engine_metric
     assert metrics[m.WAITING.name].values() == [3.0] and metrics[m.SWAPPED.name].values() == [0.0]
     assert metrics[m.PREEMPTIONS.name].values() == [4.0] and metrics[m.SWAP_INS.name].values() == [0.0]
     assert metrics[m.GENERATION_TOKENS.name].values() == [77.0]
-    llm._stats.update(kv_blocks_free=200, num_running=0, num_waiting=0)  # idle again
+    llm._stats = dataclasses.replace(STATS, kv_blocks_free=200, num_running=0, num_waiting=0)  # idle again
     em.buffer.flush()
     assert metrics[m.KV_USAGE.name].values({m.POOL: "device"})[-1] == 0.0
     assert metrics[m.RUNNING.name].values()[-1] == 0.0
+
+
+def test_exporter_reads_every_stat_by_a_field_that_every_engine_reports():
+    """The totals' stats keys are EngineStats fields outside the optional groups: never None, never absent."""
+    fields = {f.name for f in dataclasses.fields(EngineStats) if f.default is not None}
+    assert set(m.TOTAL_STATS_KEYS.values()) <= fields
+
+
+def test_a_renamed_stat_fails_the_flush_instead_of_exporting_zero(engine_metrics, monkeypatch):
+    """A snapshot cannot lack a field (EngineStats refuses to be built without one), so the exporter reads
+    by attribute; a name that is no field (renamed on one side only) raises, where `.get(key, 0)` exported 0."""
+    em, _, metrics = engine_metrics
+    monkeypatch.setitem(m.TOTAL_STATS_KEYS, m.STEPS, "num_steps")  # renamed: the engine says "steps"
+    with pytest.raises(AttributeError, match="num_steps"):
+        em.buffer.flush()
+    assert metrics[m.STEPS.name].values() == []
 
 
 def test_step_records_become_step_histograms(engine_metrics):

@@ -18,12 +18,14 @@ from ray.serve.request_router import ReplicaID
 
 from cluster.autoscaling import EngineAutoscalingPolicy, default_target_ongoing
 from cluster.protocol import GenerateRequest
+from cluster.replica import EngineReplica
 from cluster.router import PrefixAwareRouter, router_class
-from engine import LLM, SamplingParams, cpu_alloc
+from engine import LLM, EngineConfig, EngineStats, SamplingParams, cpu_alloc
 from engine.block_manager import prefix_hashes
 from engine.lora import LoRARequest
 from serve_app import AppConfig, build_app
 from serve_app.builder import COLOCATED_DEPLOYMENT, app_is_colocated
+from test_engine_stats import make_stats
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="app")
 BS = 16
@@ -42,8 +44,10 @@ def replica(name: str, waiting: int = 0, kv_usage: float = 0.0, hashes: list[int
 
 
 def stats(waiting: int = 0, kv_usage: float = 0.0, hashes: list[int] | None = None) -> dict:
+    """A report as EngineReplica.record_routing_stats sends it (every key, every time)."""
     return {"num_waiting": waiting, "num_running": 0, "kv_usage": kv_usage, "kv_blocks_free": 100,
-            "kv_blocks_total": 100, "block_size": BS, "prefix_hashes": list(hashes or [])}
+            "kv_blocks_total": 100, "block_size": BS, "prefix_cache_hit_tokens": 0,
+            "prefix_cache_queried_tokens": 0, "prefix_hashes": list(hashes or []), "lora_adapters": []}
 
 
 _counter = iter(range(10**9))
@@ -220,6 +224,58 @@ def test_engine_report_and_router_hashes_agree():
         llm.shutdown()
 
 
+def replica_reports(s: EngineStats, prefix_summary: list[int] = ()) -> tuple[dict, dict]:
+    """(record_routing_stats(), record_autoscaling_stats()) of an EngineReplica whose engine reports `s`."""
+    replica = EngineReplica.__new__(EngineReplica)  # the two methods read only the engine and its config
+    replica.llm = SimpleNamespace(stats=lambda: s, prefix_summary=list(prefix_summary))
+    replica.config = EngineConfig(block_size=BS)
+    replica._shut_down = True  # no engine or metrics thread to stop when it is collected
+    return replica.record_routing_stats(), replica.record_autoscaling_stats()
+
+
+def test_the_router_reads_the_replicas_report_by_key(router):
+    """The replica builds its report from the typed stats, and it carries every key the router reads."""
+    tokens = prompt(17, 3)
+    report, _ = replica_reports(make_stats(num_waiting=2, kv_blocks_total=100, kv_blocks_free=75),
+                                prefix_hashes(tokens, BS, 64))
+    assert set(report) == set(stats())
+    cached = FakeReplica(ReplicaID(unique_id="cached", deployment_id=DEPLOYMENT), report)
+    assert router.load(cached) == 2 + router.kv_weight * 0.25
+    assert choose(router, [replica("idle"), cached], pending(tokens))[0] == "cached"
+    lora, _ = replica_reports(make_stats(kv_blocks_total=100, kv_blocks_free=100, lora_resident=("sql",),
+                                         lora_loads=1, lora_evictions=0, max_loras=2))
+    assert report["lora_adapters"] == [] and lora["lora_adapters"] == ["sql"]
+
+
+def test_a_report_missing_a_key_fails_instead_of_reading_as_zero(router):
+    broken = replica("broken", waiting=5)
+    del broken.routing_stats["num_waiting"]  # renamed on the replica side
+    with pytest.raises(KeyError, match="num_waiting"):
+        router.load(broken)
+
+
+def test_a_replica_not_polled_yet_is_ranked_by_what_this_router_sent_it(router):
+    """Serve gives a replica it has not polled yet an empty report: its load is this router's own in-flight
+    count, it holds no prefixes or adapters, and the block size is the engine's default."""
+    new, busy = FakeReplica(ReplicaID(unique_id="new", deployment_id=DEPLOYMENT)), replica("busy", waiting=3)
+    assert router.load(new) == 0 and choose(router, [busy, new], pending(prompt(18, 2))) == ["new", "busy"]
+    router.on_request_routed(pending([1, 2]), new.replica_id, None)
+    assert router.load(new) == 1
+    assert router.best_prefix_replica([new], prefix_hashes(prompt(18, 2), BS, 64)) is None
+    assert router.best_adapter_replica([new], "sql") is None
+    assert choose(router, [new], pending(prompt(19, 2))) == ["new"]  # hashes at DEFAULT_BLOCK_SIZE
+
+
+def test_autoscaling_reads_the_signals_the_replica_sends():
+    """Serve aggregates each replica's record_autoscaling_stats() per key: the policy reads those keys."""
+    _, queueing = replica_reports(make_stats(num_waiting=9, kv_blocks_total=100, kv_blocks_free=100))
+    _, hot = replica_reports(make_stats(kv_blocks_total=100, kv_blocks_free=4))
+    _, calm = replica_reports(make_stats(num_waiting=1, kv_blocks_total=100, kv_blocks_free=50))
+    assert decide(ctx(1, ongoing=1, reports=[queueing])) == 2  # 9 waiting > 2 per replica: one more
+    assert decide(ctx(1, ongoing=1, reports=[hot])) == 2  # KV 96% used > 90%
+    assert decide(ctx(1, ongoing=1, reports=[calm])) == pytest.approx(0.5)
+
+
 def test_router_policy_registry_lists_valid_names():
     assert router_class("prefix_aware") == "cluster.router:PrefixAwareRouter"
     with pytest.raises(ValueError, match="prefix_aware") as exc:
@@ -230,9 +286,14 @@ def test_router_policy_registry_lists_valid_names():
 # ---- autoscaling policy ----------------------------------------------------------------------------------
 
 def ctx(n: int, ongoing: float, target: float = 2.0, waiting: list[float] | None = None,
-        kv: list[float] | None = None, current_target: int | None = None) -> AutoscalingContext:
+        kv: list[float] | None = None, current_target: int | None = None,
+        reports: list[dict] | None = None) -> AutoscalingContext:
+    """`reports`: each replica's record_autoscaling_stats(), aggregated per key as Serve does."""
     ids = [ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT) for i in range(n)]
     metrics = {}
+    for rid, report in zip(ids, reports or ()):
+        for name, value in report.items():
+            metrics.setdefault(name, {})[rid] = value
     if waiting is not None:
         metrics["num_waiting"] = dict(zip(ids, waiting))
     if kv is not None:

@@ -13,6 +13,7 @@ in process (engine/pipeline/local.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Callable
 
@@ -24,6 +25,7 @@ from engine.outputs import CoreOutput
 from engine.pipeline.runner import PipelineRunner, StageGroup
 from engine.pipeline.stage import StageSpec, split_layers
 from engine.slot import Step
+from engine.stats import EngineStats
 from engine.step_buffers import BufferLimits
 from engine.step_runner import StepRunner
 
@@ -99,9 +101,9 @@ class PipelineEngineCore(EngineCore):
             self._wait_for_compile()
         return []
 
-    def stats(self) -> dict:
-        return {**super().stats(), "pipeline_parallel_size": self.config.pipeline_parallel_size,
-                "microbatches_in_flight": len(self.pending)}
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(super().stats(), pipeline_parallel_size=self.config.pipeline_parallel_size,
+                                   microbatches_in_flight=len(self.pending))
 
     def stage_busy_seconds(self) -> list[float]:
         """Each stage's busy time (prepare + forward) since the last call: the benchmark's busy fraction."""

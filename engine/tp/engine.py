@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.tp import check_shardable
 from engine.outputs import CoreOutput
 from engine.slot import Step
+from engine.stats import EngineStats
 from engine.tp.runner import TensorParallelError, TPModelRunner
 from engine.tp.worker import TPWorkerSpec
 
@@ -80,8 +81,8 @@ class TensorParallelEngineCore(EngineCore):
             return self._device_failed(step, exc)
         return super()._fail_step(step, exc, error)
 
-    def stats(self) -> dict:
-        return {**super().stats(), **self.runner.stats()}
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(super().stats(), **self.runner.stats())
 
 
 def TensorParallelEngine(config: EngineConfig, make_workers: WorkerGroupFactory) -> LLMEngine:
