@@ -46,7 +46,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the (stri
 from fastapi.responses import StreamingResponse
 from ray import serve
 
-from engine import AsyncLLM, SamplingParams
+from engine import LLM, AsyncLLM, SamplingParams
 from serve_app import build_app
 from serve_app.builder import COLOCATED_DEPLOYMENT, app_is_colocated, apply_cluster_env, engine_transport
 
@@ -159,6 +159,23 @@ async def run_direct(llm: AsyncLLM, prompts: list[str], args, concurrency: int):
     return time.perf_counter() - t0, ttfts, e2es, tokens
 
 
+def run_offline(args, prompts: list[str], concurrency: int):
+    """LLM.generate over `prompts` with `concurrency` sequences at a time (max_num_seqs): the engine's own rate,
+    no asyncio, no streaming. TTFT counts from the batch's start (every request arrives at once)."""
+    llm = LLM(**{**engine_args(args), "max_num_seqs": concurrency})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    try:
+        llm.generate(prompts[:concurrency], params)  # warm-up
+        t0, start = time.perf_counter(), time.monotonic()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+    ttfts = [((o.first_token_time or start) - start) * 1e3 for o in outs]
+    e2es = [((o.finish_time or start) - start) * 1e3 for o in outs]
+    return wall, ttfts, e2es, sum(len(o.token_ids) for o in outs)
+
+
 def summarize(setting: str, prompts, concurrency: int, measured, hit_rate=None) -> Result:
     wall, ttfts, e2es, tokens, *events = measured
     return Result(setting, len(prompts), concurrency, round(wall, 3), round(tokens / wall, 1),
@@ -266,7 +283,8 @@ def machine() -> str:
 
 # ---- --mode path: the serving path at engine speeds it cannot hide behind -----------------------------------
 SERVE_DEFAULTS = "http, Serve's thread defaults"  # Tandem with Serve's own user-code thread and router loop
-OTHER_TRANSPORT = "http, the other engine_transport"  # grpc on the simulated device, ray on CPU (auto's other)
+OTHER_TRANSPORT = "http, the other engine_transport"
+CORE_IN_REPLICA = "http, core on a replica thread"  # engine_core_process=False: the engine loop in the replica  # grpc on the simulated device, ray on CPU (auto's other)
 SIM_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine", "sim", "models")
 
 
@@ -295,11 +313,30 @@ def actor_pids(title_part: str) -> list[int]:
 
 def serve_pids(app: str) -> dict[str, int]:
     """pid of the HTTP proxy, the ingress replica and the engine replica (one of each in this benchmark); the
-    colocated app's one replica is both, reported as "ingress+engine"."""
+    colocated app's one replica is both, reported as "ingress+engine". "core": the engine core process the
+    replica runs (engine/core_proc.py), where it runs one."""
     roles = {"ProxyActor": "proxy", f"{app}:OpenAIIngress": "ingress", f"{app}:EchoIngress": "ingress",
              f"{app}:EngineReplica": "engine", f"{app}:EchoEngine": "engine",
              f"{app}:{COLOCATED_DEPLOYMENT}": "ingress+engine"}
-    return {role: pids[0] for key, role in roles.items() if (pids := actor_pids(key))}
+    pids = {role: pids[0] for key, role in roles.items() if (pids := actor_pids(key))}
+    core = core_pids()
+    if core:
+        pids["core"] = core[0]
+    return pids
+
+
+def core_pids() -> list[int]:
+    """pids of engine core processes (`python -m engine.core_proc ...`)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"engine.core_proc" in argv[:4]:
+            found.append(int(entry))
+    return found
 
 
 def cpu_seconds(pid: int) -> float:
@@ -339,6 +376,9 @@ def bench_path(args, prompts, warm) -> list[dict]:
         rows.append({"setting": "direct", **asdict(summarize("direct", subset, c, measured)),
                      "cpu_s_per_1k_tokens": cpu})
     llm.shutdown()
+    for c in args.levels:  # the engine's own offline rate: LLM.generate with c sequences at a time
+        subset = level_prompts(prompts, c, args)
+        rows.append({"setting": "offline", **asdict(summarize("offline", subset, c, run_offline(args, subset, c)))})
     ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="tdb"),
              namespace="tandem_bench", logging_level="ERROR")
     port = free_port()
@@ -346,7 +386,8 @@ def bench_path(args, prompts, warm) -> list[dict]:
     try:
         tandem = {**engine_args(args), "served_model_name": "tandem-default", **args.app}
         defaults = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
-        settings = [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem))]
+        settings = [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem)),
+                    (CORE_IN_REPLICA, build_app({**tandem, "engine_core_process": False}))]
         if not app_is_colocated(tandem):  # colocated (one CPU replica by default): no engine hop to transport
             settings.append((OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})))
         settings.append((SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults})))

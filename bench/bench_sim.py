@@ -13,8 +13,9 @@ streams     n concurrent streams on h100 (requests of 128-512 prompt and 128-512
             "arrivals" runs 2n with at most n in flight, so new prompts keep joining decode steps. Device busy fraction (median of --repeats), tok/s,
             and the host time per step by phase (schedule / prepare / commit / finalize / stream) for
             Qwen2.5-0.5B and Llama-3.1-8B, with this engine's kernels and with a fused forward's; through the
-            engine itself ("engine": LLM.generate) and through AsyncLLM with n asyncio callers ("async": the
-            serving path, whose per-token hand-off to the callers' event loop shares the GIL).
+            engine itself ("engine": LLM.generate) and through AsyncLLM with n asyncio callers: "async" with the
+            core on a thread (its per-token hand-off to the callers' event loop shares the GIL), "proc" with the
+            core in a process of its own, as a Serve replica runs it.
 throughput  the nano-vllm workload (256 sequences, prompt and output lengths uniform in [100, 1024],
             ignore_eos, temperature 0.6) on h100 for Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B: tok/s against
             the simulated device's own ceiling (output tokens / device busy time) and the busy fraction.
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from engine import LLM, AsyncLLM, EngineConfig, EngineStats, SamplingParams  # noqa: E402
-from engine.llm_engine import HOST_PHASES  # noqa: E402
+from engine.core import HOST_PHASES  # noqa: E402
 from engine.sim import SIM_MODELS  # noqa: E402
 from engine.sim.cost_model import PHOTON_TABLE, PHOTON_WORKLOAD  # noqa: E402
 from gpu_models import machine  # noqa: E402
@@ -197,22 +198,22 @@ def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: 
             llm.shutdown()
 
     async def go():
-        llm = AsyncLLM(cfg)
+        llm = AsyncLLM(cfg, core_process=path == "proc")
         try:
             await closed_loop(llm, [([1, 2, 3, 4] * 8, SamplingParams(max_tokens=8))] * 2, 2)  # warm-up
             settle()
-            await asyncio.sleep(0.05)
-            before = llm.engine.stats()
+            await asyncio.sleep(0.2)  # (a core process sends its idle snapshot when it goes idle)
+            before = llm.stats()
             t0 = time.perf_counter()
             tokens = await closed_loop(llm, reqs, n)
             wall = time.perf_counter() - t0
-            await asyncio.sleep(0.05)
-            return tokens, wall, delta(llm.engine.stats(), before)
+            await asyncio.sleep(0.2)
+            return tokens, wall, delta(llm.stats(), before)
         finally:
             llm.shutdown()
 
     speed = host_speed()
-    tokens, wall, d = asyncio.run(go()) if path == "async" else offline()
+    tokens, wall, d = asyncio.run(go()) if path in ("async", "proc") else offline()
     return {"host_mops": speed, "device": "simulated h100", "model": model, "kernels": kernels, "depth": depth,
             "path": path, "workload": workload, "streams": n,
             "requests": len(reqs), "busy": round(busy_fraction(d), 4), "tok_s": round(tokens / wall),

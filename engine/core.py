@@ -38,7 +38,6 @@ from engine.lora.request import LoRARequest
 from engine.lora.slots import AdapterSlots
 from engine.model_runner import ModelRunner
 from engine.models import load_hf_config, model_spec
-from engine import prompt_logprobs
 from engine.outputs import CoreOutput, StepRecord
 from engine.sampling_params import SamplingParams, sibling_params
 from engine.scheduler import Scheduler
@@ -378,8 +377,6 @@ class EngineCore:
         self.host_time["wait"] += t1 - t0
         self._record_timing(step, result, t1 - t0)
         try:
-            if result.prompt_logprobs is not None:
-                prompt_logprobs.commit(result.prompt_logprobs)
             return self._outputs(self.scheduler.update_from_output(step, result))
         finally:
             self.host_time["commit"] += time.perf_counter() - t1
@@ -392,15 +389,14 @@ class EngineCore:
                 continue  # a zombie, or a sample the frontend ended meanwhile
             if seq.finish_reason is not None:
                 outputs.append(self._finish(seq, seq.finish_reason))
-            elif seq.num_output_tokens - seq.num_emitted_tokens >= interval or not seq.num_emitted_tokens:
-                outputs.append(self._output(seq))
+            else:
+                new = seq.num_output_tokens - seq.num_emitted_tokens
+                if new and (new >= interval or not seq.num_emitted_tokens):
+                    outputs.append(self._output(seq))
         return outputs
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, rejected: bool = False) -> CoreOutput:
-        seq.finalized = True
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        self.scheduler.release_if_idle(seq)
+        self.scheduler.finish(seq, reason)
         del self.requests[seq.key]
         self.counters["requests_finished"] += seq.index == 0
         out = self._output(seq)

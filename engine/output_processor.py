@@ -22,7 +22,7 @@ class RequestState:
     """One sample of a request, as the frontend knows it."""
 
     __slots__ = ("request_id", "index", "prompt", "prompt_token_ids", "params", "detok", "token_ids",
-                 "logprobs", "finished", "arrival_time", "stream", "_min_tokens", "_stopped")
+                 "logprobs", "finished", "arrival_time", "stream", "prompt_logprobs", "_min_tokens", "_stopped")
 
     def __init__(self, request_id: str, index: int, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, detok: IncrementalDetokenizer, arrival_time: float, stream: bool):
@@ -34,6 +34,7 @@ class RequestState:
         self.finished = False
         self.arrival_time = arrival_time
         self.stream = stream  # an output at every core report (else only the final one)
+        self.prompt_logprobs = None  # the core's (on its first report), until an output carries them
         self._min_tokens = params.min_tokens
         self._stopped = False
 
@@ -78,6 +79,8 @@ class OutputProcessor:
             if state is None:
                 continue  # ended here already (a stop string, an abort): the core's late news is dropped
             finish = co.finish_reason
+            if co.prompt_logprobs is not None:
+                state.prompt_logprobs = co.prompt_logprobs
             if self._append(state, co):
                 if finish is None:
                     stopped.append(key)
@@ -114,6 +117,7 @@ class OutputProcessor:
         detok = state.detok
         delta_text = detok.take_delta(finished)
         n = len(state.token_ids)
+        prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
         snap = _Snapshot(state, n, detok.num_chars if finished else detok._fixed_len)
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, snap, snap, finished=finished,
@@ -122,4 +126,4 @@ class OutputProcessor:
             num_cached_tokens=co.num_cached_tokens, arrival_time=state.arrival_time,
             first_scheduled_time=co.first_scheduled_time, first_token_time=co.first_token_time,
             finish_time=now if finished else None, output_time=now, error=co.error,
-            prompt_logprobs=co.prompt_logprobs, index=state.index, num_output_tokens=n, rejected=co.rejected)
+            prompt_logprobs=prompt_logprobs, index=state.index, num_output_tokens=n, rejected=co.rejected)

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine import prompt_logprobs
 from engine.block_manager import BlockManager
 from engine.config import SCHEDULER_POLICIES
 from engine.cpu.block_pool import CpuBlockPool
@@ -170,6 +171,8 @@ class Scheduler:
         set the finishes known here, release sequences nothing in flight reads any more. Returns the
         sequences this step touched, in step order (a sequence appears in at most one chunk of a step);
         the engine core reports their news and ends the finished ones."""
+        if result.prompt_logprobs is not None:
+            prompt_logprobs.commit(result.prompt_logprobs)  # scored prompt positions, into their sequences
         tokens, changed = result.tokens, []
         row = generated = zombies = 0
         for c in step.chunks + step.forks if step.forks else step.chunks:  # forks' rows come last
@@ -185,11 +188,18 @@ class Scheduler:
                     generated += 1
                 row += 1
             changed.append(seq)
-            if not seq.inflight_refs and seq.finish_reason is None:
-                self.release_if_idle(seq)  # (a finished one is released when the core ends it)
+            if not seq.inflight_refs and (seq.finalized or seq.finish_reason is None):
+                self.release_if_idle(seq)  # (one that finished just now is released when the core ends it)
         self.counters["generation_tokens"] += generated
         self.counters["zombie_rows"] += zombies
         return changed
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence: finalized, out of the queues, its blocks freed now or when its steps drain."""
+        seq.finalized = True
+        seq.finish_reason = reason
+        self.remove(seq)
+        self.release_if_idle(seq)
 
     def _append_token(self, seq: Sequence, token: int, result, row: int) -> bool:
         """Commit one sampled token (False when its constraint rejected it and the request ends)."""

@@ -67,7 +67,7 @@ class EngineStats:
     requests_finished: int
     zombie_rows: int
     constrained_tokens: int
-    # ---- host time of the loop by phase (engine.llm_engine.HOST_PHASES): seconds, and microseconds per step
+    # ---- host time of the loop by phase (engine.core.HOST_PHASES): seconds, and microseconds per step
     host_schedule_s: float
     host_prepare_s: float
     host_commit_s: float

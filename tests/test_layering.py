@@ -1,7 +1,7 @@
 """The engine package knows neither Ray nor the Ray side (cluster/): docs/architecture.md's layering, checked.
 
 The pipeline-parallel engine, which drives Ray stage actors, reaches the engine through the `tandem.engines`
-entry point instead (engine.llm_engine.create_engine)."""
+entry point instead (engine.core.create_core)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,55 @@ def test_importing_the_engine_loads_no_ray():
 
 
 def test_the_pipeline_engine_is_found_through_its_entry_point():
-    from engine.llm_engine import engine_plugin
+    from engine.core import engine_plugin
 
     factory = engine_plugin("pipeline")
     assert factory.__module__ == "cluster.pipeline"
+
+
+# ---- the engine core and its frontend ------------------------------------------------------------------------
+FRONTEND = {"engine.detokenizer", "engine.output_processor", "engine.llm_engine", "engine.async_engine",
+            "engine.llm", "engine.core_client"}
+CORE_ENTRY = ("engine.core", "engine.core_proc")
+ENGINE_IMPORT = re.compile(r"^\s*(?:from\s+(engine(?:\.\w+)*)\s+import\s+([\w ,()]+)|import\s+(engine(?:\.\w+)*))",
+                           re.M)
+
+
+def _module_file(name: str) -> Path | None:
+    path = ENGINE.parent.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _engine_imports(name: str) -> set[str]:
+    """The engine modules `name` imports, at any depth of its source (function-level imports included), not
+    counting the `engine` package's own __init__ (which re-exports the public API, frontend included)."""
+    found = set()
+    for base, names, plain in ENGINE_IMPORT.findall(_module_file(name).read_text()):
+        mod = base or plain
+        if base:  # `from engine.x import y`: y may be a submodule
+            for sub in (n.strip(" ()") for n in names.split(",")):
+                if sub and _module_file(f"{base}.{sub}") is not None:
+                    found.add(f"{base}.{sub}")
+        if mod != "engine" and _module_file(mod) is not None:
+            found.add(mod)
+    return found
+
+
+def test_the_engine_core_imports_nothing_of_the_frontend():
+    """The core (engine/core.py, and the loop of its process) reaches no frontend module: detokenization,
+    output processing and the serving API live in the replica's process, never in the core's loop."""
+    seen, todo, reached_from = set(), list(CORE_ENTRY), {}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for dep in _engine_imports(name) - seen:
+            reached_from.setdefault(dep, name)
+            todo.append(dep)
+    assert "engine.scheduler" in seen and "engine.model_runner" in seen  # the walk does follow the core
+    bad = {m: reached_from[m] for m in seen & FRONTEND}
+    assert bad == {}, f"frontend modules reached from the core (module: imported by): {bad}"

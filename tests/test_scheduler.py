@@ -1,11 +1,13 @@
 """Scheduler and Sequence accounting: token budget, chunked prefill, policies, admission, preemption.
 
-Steps are committed the way engine/llm_engine.py `_commit` does it. `Driver(depth=2)` plans step t+1 before
+Steps are committed by the scheduler's own Scheduler.update_from_output, as the engine core commits them, and
+finished with Scheduler.finish, as the core ends a request. `Driver(depth=2)` plans step t+1 before
 committing step t (the engine's default pipelined loop); `Driver(depth=1)` commits each step right after
 planning it (pipeline_depth=1). Every expected chunk and block id below is worked out by hand.
 """
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +15,7 @@ from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
+from engine.slot import StepResult
 
 BS = 4
 TOKEN = 300  # every sampled token (never the eos id 0)
@@ -40,27 +43,19 @@ def make_sched(num_blocks=32, *, max_num_seqs=8, budget=64, policy="fifo", margi
 
 
 def commit(sched, out):
-    """What LLMEngine._commit does with a step's result (every sampled token is TOKEN)."""
-    touched = {}
-    for c in out.chunks:
-        c.seq.inflight_refs -= 1
-        touched[c.seq.request_id] = c.seq
-    for c in out.chunks:
-        if c.samples:
-            c.seq.num_pending -= 1
-            if not c.seq.finalized:
-                c.seq.token_ids.append(TOKEN)
-    for seq in touched.values():
-        if not seq.finalized and len(seq.token_ids) >= seq.max_total_len:
-            finish(sched, seq)
-        sched.release_if_idle(seq)
+    """Commit a planned step the way the engine core does: its results (every sampled token is TOKEN) through
+    Scheduler.update_from_output, then end whatever finished (EngineCore._finish)."""
+    step = SimpleNamespace(chunks=out.chunks, forks=out.forks, launch_time=0.0)
+    rows = sum(c.samples for c in [*out.chunks, *out.forks])
+    result = StepResult([TOKEN] * rows, None, None, None, 0.0, 0.0)
+    for seq in sched.update_from_output(step, result):
+        if seq.finish_reason is not None and not seq.finalized:
+            sched.finish(seq, seq.finish_reason)
 
 
 def finish(sched, seq):
-    """LLMEngine._finish: finalize, take out of the queues, free now or when its steps drain."""
-    seq.finalized = True
-    sched.remove(seq)
-    sched.release_if_idle(seq)
+    """EngineCore._finish (an abort, say): finalize, take out of the queues, free now or when its steps drain."""
+    sched.finish(seq, "abort")
 
 
 class Driver:

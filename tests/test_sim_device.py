@@ -281,9 +281,10 @@ def test_a_slowed_host_shows_bubbles_and_pipelining_hides_a_fast_one(monkeypatch
         llm = sim_llm(LLAMA8B, pipeline_depth=depth)  # ~7.5 ms device steps at 4 rows
         engine = llm.engine
         if slow_s:
-            commit = engine._commit_tokens
-            monkeypatch.setattr(engine, "_commit_tokens", lambda step, result: (time.sleep(slow_s),
-                                                                                  commit(step, result))[1])
+            sched = engine.scheduler
+            commit = sched.update_from_output
+            monkeypatch.setattr(sched, "update_from_output", lambda step, result: (time.sleep(slow_s),
+                                                                                   commit(step, result))[1])
         llm.generate(prompts, params)
         fraction = llm.stats()["device_busy_fraction"]
         llm.shutdown()
@@ -328,7 +329,7 @@ def test_a_device_fault_fails_every_request_and_marks_the_engine_unhealthy(monke
 
     async def serve_after_fault():
         allm = AsyncLLM(model=QWEN, device="sim", max_model_len=2048, max_num_seqs=8)
-        allm.engine.fault = "device fault: injected"
+        allm.engine.core.fault = "device fault: injected"
         try:
             with pytest.raises(EngineDeadError, match="injected"):
                 allm.check_health()

@@ -1,0 +1,230 @@
+"""The engine core in a process of its own (engine/core_proc.py) behind AsyncLLM's frontend.
+
+Oracle: the same engine in process (LLMEngine, itself checked against transformers in
+test_correctness_hf.py) on the same prompts; moving the core into another process must not change a token or a
+character. Faults: a core that dies or hangs makes the frontend unhealthy and fails its streams, and no core
+process outlives its frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+from engine.async_engine import AsyncLLM, EngineDeadError
+from engine.llm_engine import LLMEngine
+from engine.config import EngineConfig
+
+PROMPTS = ["Hello there", "The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is not alive
+        return f.read().split()[2] != "Z"
+
+
+def _wait_gone(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def proc_llm():
+    llm = AsyncLLM(EngineConfig(max_model_len=512), core_process=True)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM(max_model_len=512)
+    yield llm
+    llm.shutdown()
+
+
+async def _collect(llm: AsyncLLM, prompt, params: SamplingParams):
+    outs = []
+    async for out in llm.generate(prompt, params):
+        outs.append(out)
+    return outs
+
+
+def _final(outs, n=1):
+    return sorted((o for o in outs if o.finished), key=lambda o: o.index)[:n]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0),
+    SamplingParams(max_tokens=40, temperature=0, stop=[" the", "\n\n"]),
+    SamplingParams(max_tokens=16, temperature=0.8, seed=7, logprobs=2),
+    SamplingParams(max_tokens=12, temperature=0.9, seed=3, n=3),
+    SamplingParams(max_tokens=20, temperature=0, min_tokens=10, stop=["."]),
+], ids=["greedy", "stop-strings", "seeded-logprobs", "n3", "min-tokens"])
+def test_core_process_matches_the_in_process_engine(proc_llm, offline, params):
+    async def run():
+        return await asyncio.gather(*(_collect(proc_llm, p, params) for p in PROMPTS))
+
+    streamed = asyncio.run(run())
+    expected = offline.generate(PROMPTS, params)
+    got = [o for outs in streamed for o in _final(outs, params.n)]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert (g.token_ids, g.text, g.finish_reason) == (e.token_ids, e.text, e.finish_reason)
+        if params.logprobs is not None:
+            assert [(lp.token_id, round(lp.logprob, 4)) for lp in g.logprobs] == \
+                [(lp.token_id, round(lp.logprob, 4)) for lp in e.logprobs]
+    for outs in streamed:  # the deltas add up to the final output, sample by sample
+        for final in _final(outs, params.n):
+            mine = [o for o in outs if o.index == final.index]
+            assert sum((o.delta_token_ids for o in mine), []) == final.token_ids
+            assert "".join(o.delta_text for o in mine) == final.text
+            assert [o.num_output_tokens for o in mine] == sorted(o.num_output_tokens for o in mine)
+
+
+def test_bad_requests_raise_value_errors_naming_the_problem(proc_llm):
+    async def first(prompt, params, **kw):
+        async for _ in proc_llm.generate(prompt, params, **kw):
+            pass
+
+    with pytest.raises(ValueError, match="stop_token_ids"):  # checked in the frontend against the core's limits
+        asyncio.run(first("hi", SamplingParams(max_tokens=2, stop_token_ids=[10**7])))
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(first(list(range(1, 600)), SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="no LoRA adapters"):  # refused by the core, raised here
+        asyncio.run(first("hi", SamplingParams(max_tokens=2), lora_request="nope"))
+    with pytest.raises(ValueError, match="regex"):  # a grammar that does not compile, refused by the core
+        asyncio.run(first("hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="(unclosed"))))
+    outs = asyncio.run(_collect(proc_llm, "still serving", SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert outs[-1].finished and outs[-1].num_output_tokens == 3
+    proc_llm.check_health()
+
+
+def test_a_caller_that_leaves_frees_its_blocks_in_the_core(proc_llm):
+    async def leave_early():
+        async for out in proc_llm.generate("Tell me a long story", SamplingParams(max_tokens=400, ignore_eos=True)):
+            if out.num_output_tokens >= 5:
+                break
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = proc_llm.stats()
+        if s.num_running == 0 and s.kv_blocks_free == s.kv_blocks_total:
+            break
+        time.sleep(0.05)
+    s = proc_llm.stats()
+    assert (s.num_running, s.num_waiting, s.kv_blocks_free) == (0, 0, s.kv_blocks_total)
+
+
+def test_the_core_reports_only_new_tokens_at_every_step():
+    """Each of the core's outputs carries the tokens since the previous one, whatever the request's length:
+    per step, a request costs the same at its 400th token as at its first."""
+    engine = LLMEngine(EngineConfig(max_model_len=512))
+    engine.add_request("Tell me", SamplingParams(max_tokens=400, ignore_eos=True), request_id="r", stream=True)
+    sizes = []
+    while engine.core.has_unfinished():
+        for out in engine.core.step():
+            sizes.append(len(out.new_token_ids))
+            engine.processor.process([out])
+    assert sum(sizes) == 400 and max(sizes) == 1
+    engine.shutdown()
+
+
+def test_a_killed_core_fails_its_streams_and_the_engine_reports_unhealthy():
+    llm = AsyncLLM(EngineConfig(max_model_len=512), core_process=True)
+    pid = llm._core.proc.pid
+
+    async def run():
+        task = asyncio.create_task(_collect(llm, "Tell me", SamplingParams(max_tokens=450, ignore_eos=True)))
+        while not llm.stats().num_running:
+            await asyncio.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exited with code -9"):
+            await task
+
+    try:
+        asyncio.run(run())
+        with pytest.raises(EngineDeadError):
+            llm.check_health()
+        with pytest.raises(EngineDeadError):  # no new request is taken
+            asyncio.run(_collect(llm, "hi", SamplingParams(max_tokens=2)))
+    finally:
+        llm.shutdown()
+
+
+def test_a_hung_core_makes_the_engine_unhealthy_after_stall_timeout():
+    llm = AsyncLLM(EngineConfig(max_model_len=512, stall_timeout_s=1.0), core_process=True)
+    pid = llm._core.proc.pid
+
+    async def run():
+        task = asyncio.create_task(_collect(llm, "Tell me", SamplingParams(max_tokens=450, ignore_eos=True)))
+        while not llm.stats().num_running:
+            await asyncio.sleep(0.02)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            llm.check_health()  # not yet: a step may take a while
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    llm.check_health()
+                except EngineDeadError as exc:
+                    return str(exc), task
+                await asyncio.sleep(0.1)
+            return None, task
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    try:
+        error, task = asyncio.run(run())
+        assert error is not None and "no progress" in error
+    finally:
+        llm.shutdown()
+    assert _wait_gone(pid)
+
+
+def test_shutdown_stops_the_core_process():
+    llm = AsyncLLM(EngineConfig(max_model_len=512), core_process=True)
+    pid = llm._core.proc.pid
+    assert _alive(pid)
+    llm.shutdown()
+    assert _wait_gone(pid, 5)
+
+
+def test_no_core_process_outlives_a_killed_frontend(tmp_path):
+    """The replica's process killed outright (SIGKILL: no shutdown, no atexit): its core goes too."""
+    script = textwrap.dedent("""
+        import sys, time
+        from engine.async_engine import AsyncLLM
+        from engine.config import EngineConfig
+        llm = AsyncLLM(EngineConfig(max_model_len=256), core_process=True)
+        print(llm._core.proc.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert _alive(core_pid)
+        parent.kill()
+        parent.wait(timeout=30)
+        assert _wait_gone(core_pid), "the core process outlived its frontend"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
