@@ -41,9 +41,10 @@ class EngineRequestError(RuntimeError):
 class EngineReplica:
     """One engine per replica: one GPU when CUDA is visible (inside the actor it is cuda:0), else CPU."""
 
-    def __init__(self, engine_config: dict, all_cores: bool = False, core_process: bool = False):
+    def __init__(self, engine_config: dict, all_cores: bool = False, core_process: bool = False,
+                 stream_events_per_s: float | None = None):
         self.config = replica_engine_config(engine_config, all_cores)
-        self.llm = AsyncLLM(self.config, core_process=core_process)
+        self.llm = AsyncLLM(self.config, core_process=core_process, stream_events_per_s=stream_events_per_s)
         self.metrics = EngineMetrics(self.llm)
         # Everything alive now (model, tokenizer, libraries) lives as long as the replica: keep it out of the
         # cyclic GC's full collections, which otherwise scan it every few thousand steps and stall the loop

@@ -47,8 +47,18 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig | None = None, core_process: bool = False, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, core_process: bool = False,
+                 stream_events_per_s: float | None = None, **kwargs):
+        """`core_process`: run the engine core in a child process (what Serve replicas do). `stream_events_per_s`:
+        pace streams so that all of them together get at most about this many outputs a second (a stream's
+        interval is the number of open streams over it; its first output and its finish are never held): under
+        load each output carries more tokens, and the serving path, which costs per output, keeps up. None:
+        every commit is handed out as soon as the caller takes it."""
         config = config or EngineConfig(**kwargs)
+        if stream_events_per_s is not None and not stream_events_per_s > 0:
+            raise ValueError(f"stream_events_per_s must be > 0 (or None for no pacing); got {stream_events_per_s!r}")
+        self._pace = None if stream_events_per_s is None else \
+            (lambda: len(self._streams) / stream_events_per_s)
         self._streams: dict[str, _Collector] = {}
         self._lock = threading.Lock()  # guards _streams (and the processor in core-process mode) across threads
         self._stopping = False
@@ -95,7 +105,7 @@ class AsyncLLM:
         self.check_health()
         request_id = request_id or uuid.uuid4().hex
         q = _Collector(asyncio.get_running_loop(), (params or SamplingParams()).n
-                       if isinstance(params, SamplingParams) else 1)
+                       if isinstance(params, SamplingParams) else 1, self._pace)
         if self.core_process:
             self._submit_to_process(prompt, params, request_id, lora_request, q)
         else:
@@ -371,20 +381,25 @@ class _Collector:
     An output the caller has not taken yet is merged with the next one of the same sample (its deltas
     prepended), so a caller that falls behind the engine (a busy event loop, thousands of tokens a second)
     receives fewer, larger outputs instead of a growing backlog of wake-ups; one that keeps up gets every
-    commit on its own. An exception
-    ends the stream (raised by get() before anything pending). Lives on the caller's event loop: put() and
-    get() run only there."""
+    commit on its own. With a pacing interval (AsyncLLM's stream_events_per_s), get() hands out at most one
+    batch per interval, except that a finish (or an error) is handed out at once: later commits merge into
+    what waits. An exception ends the stream (raised by get() before anything pending). Lives on the caller's
+    event loop: put() and get() run only there."""
 
-    __slots__ = ("loop", "items", "error", "_pending", "_waiter")
+    __slots__ = ("loop", "items", "error", "_pending", "_waiter", "_interval", "_next_at", "_finished")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1, interval=None):
         self.loop = loop
         self.items: list[RequestOutput | None] = [None] * n  # by RequestOutput.index
         self.error: BaseException | None = None
         self._pending = 0  # slots holding an output
         self._waiter: asyncio.Future | None = None
+        self._interval = interval  # () -> seconds between handed-out batches; None: no pacing
+        self._next_at = 0.0  # loop time before which get() holds what is pending (pacing)
+        self._finished = False  # a pending output ends its sample: hand it out now
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        first = not self._pending  # get() is waiting for anything at all: wake it (it paces with a timer)
         if isinstance(item, BaseException):
             self.error = item
         else:
@@ -392,16 +407,29 @@ class _Collector:
             if pending is None:
                 self._pending += 1
             self.items[item.index] = item if pending is None else merge_outputs(pending, item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._finished |= item.finished
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and (
+                first or self._interval is None or self.error is not None or self._finished):
+            waiter.set_result(None)
 
     async def get(self) -> list[RequestOutput]:
         """The outputs pending (at least one), in sample order; raises the stream's exception."""
-        while not self._pending and self.error is None:
-            self._waiter = self.loop.create_future()
+        while self.error is None:
+            if self._pending:
+                wait = 0.0 if self._interval is None or self._finished else self._next_at - self.loop.time()
+                if wait <= 0:
+                    break
+                self._waiter = self.loop.create_future()  # paced: merge until the interval ends (or a finish)
+                self.loop.call_later(wait, _wake, self._waiter)
+            else:
+                self._waiter = self.loop.create_future()
             await self._waiter
         if self.error is not None:
             raise self.error
+        if self._interval is not None:
+            self._next_at = self.loop.time() + self._interval()
+        self._finished = False
         if len(self.items) == 1:
             item, self.items[0], self._pending = self.items[0], None, 0
             return [item]
@@ -409,6 +437,11 @@ class _Collector:
         self.items = [None] * len(self.items)
         self._pending = 0
         return items
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _put_all(items: list[tuple[_Collector, RequestOutput]]) -> None:

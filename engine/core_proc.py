@@ -21,6 +21,7 @@ the loop died.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -184,6 +185,10 @@ def main(argv: list[str]) -> int:
             payload = pickle.dumps(RuntimeError(repr(exc)))
         out.send(encoder.encode((FAILED, payload, f"{type(exc).__name__}: {exc}")))
         return 1
+    # What lives now (model, tokenizer, libraries) lives as long as the core: out of the cyclic GC's full
+    # collections, which would otherwise scan it every few thousand steps and stall the loop.
+    gc.collect()
+    gc.freeze()
     out.send(encoder.encode((READY, pickle.dumps(core.limits), sorted(core.eos_token_ids), pickle.dumps(core.stats()))))
     try:
         CoreLoop(core, inp, out, parent).run()

@@ -128,12 +128,20 @@ class AppConfig(BaseModel):
     # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
     # node, PACK/SPREAD let it span nodes.
     pp_placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
-    # Each engine replica runs its engine core (scheduler, KV, runner, sampler) in a child process and keeps
-    # only the frontend (text, stop strings, streams) in the replica (engine/core_proc.py), so the core's
-    # loop never waits on Serve's code for the GIL (docs/serving.md#the-engine-core-process). False runs the
-    # core on a thread of the replica. Pipeline- and tensor-parallel engines drive Ray actors from the core
-    # and keep it in the replica.
-    engine_core_process: bool = True
+    # Where each engine replica runs its engine core (scheduler, KV, runner, sampler): true, in a child process,
+    # the replica keeping only the frontend (text, stop strings, streams), so the core's loop never waits on
+    # Serve's code for the GIL (engine/core_proc.py); false, on a thread of the replica. None (auto): a process
+    # on a GPU, a thread on CPU and on the simulated device, where 2-core VMs measured the process 12-17%
+    # (CPU) and 16% (simulated H100, 64 streams) slower over HTTP: the process needs a core of its own
+    # (docs/serving.md#the-engine-core-process). Pipeline- and tensor-parallel engines drive Ray actors from
+    # the core and always keep it on a replica thread.
+    engine_core_process: bool | None = None
+    # Streams are paced so that one engine replica's streams together get at most about this many chunks a
+    # second (a stream's interval: open streams / this; its first chunk and its finish are never held). The
+    # serving path (proxy, ingress, replica) costs per chunk, not per token: under load each chunk carries
+    # more tokens instead of the path falling behind the engine. None: every commit is its own chunk whenever
+    # the path keeps up (docs/serving.md#streams-coalesce-by-themselves says what each measured).
+    stream_events_per_s: float | None = Field(default=1000.0, gt=0)
     # API keys (vLLM's --api-key): with any set, every /v1/* route needs `Authorization: Bearer <key>`.
     # None: the TANDEM_API_KEY environment variable of the process building the app (comma-separated).
     api_key: str | list[str] | None = None
@@ -268,16 +276,16 @@ def build_app(args: dict | None = None) -> serve.Application:
                     cfg.api_keys, cfg.limits.model_dump())
     ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
                           tool_parser=cfg.tool_parser)
-    core_process = cfg.engine_core_process and engine_cfg.pipeline_parallel_size == 1 and \
-        (engine_cfg.tensor_parallel_size == 1 or device == "sim")
+    core_process = (device == "cuda" if cfg.engine_core_process is None else cfg.engine_core_process) and \
+        engine_cfg.pipeline_parallel_size == 1 and (engine_cfg.tensor_parallel_size == 1 or device == "sim")
     if cfg.colocated_on(device):
         max_in_flight = None if cfg.max_queued_requests < 0 else \
             _engine_max_ongoing(cfg, engine_cfg) + cfg.max_queued_requests
         return _colocated_deployment(cfg, engine_cfg, device).bind(
             dataclasses.asdict(engine_cfg), all_cores, max_in_flight, *ingress_args, core_process=core_process,
-            **ingress_kwargs)
+            stream_events_per_s=cfg.stream_events_per_s, **ingress_kwargs)
     engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg), all_cores,
-                                                               core_process)
+                                                               core_process, cfg.stream_events_per_s)
     scaling: dict[str, Any] = {"num_replicas": cfg.ingress_replicas}
     if cfg.ingress_max_replicas is not None and cfg.ingress_max_replicas > cfg.ingress_replicas:
         scaling = {"autoscaling_config": AutoscalingConfig(

@@ -228,3 +228,39 @@ def test_no_core_process_outlives_a_killed_frontend(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_paced_streams_merge_commits_and_never_hold_the_first_output_or_the_finish():
+    """stream_events_per_s=8 with one open stream: at most one output every 125 ms; the first output (TTFT) and
+    the finish are handed out as soon as they are committed; the deltas add up to the same tokens and text."""
+    interval = 1 / 8
+    llm = AsyncLLM(EngineConfig(max_model_len=512), stream_events_per_s=8)
+    oracle = LLM(max_model_len=512)
+
+    async def run(params):
+        got = []
+        async for out in llm.generate("Tell me a story", params):
+            got.append((time.monotonic(), out))
+        return got
+
+    held_finishes = []  # (how long a finish would have waited for its interval, how long it waited)
+    try:
+        for max_tokens in (170, 250, 330, 410, 490):  # a few hundred ms each: several intervals
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+            got = asyncio.run(run(params))
+            outs, times = [o for _, o in got], [t for t, _ in got]
+            expected = oracle.generate(["Tell me a story"], params)[0]
+            assert sum((o.delta_token_ids for o in outs), []) == expected.token_ids
+            assert "".join(o.delta_text for o in outs) == expected.text
+            assert len(outs[0].delta_token_ids) == 1  # the first token was not held back
+            gaps = [b - a for a, b in zip(times, times[1:-1])]  # the finish may follow sooner
+            assert all(g >= interval - 0.005 for g in gaps), gaps
+            assert len(outs) < max_tokens // 4 and max(len(o.delta_token_ids) for o in outs) > 1
+            finish = outs[-1].finish_time
+            held_finishes.append((times[-2] + interval - finish, times[-1] - finish))
+    finally:
+        llm.shutdown()
+        oracle.shutdown()
+    telling = [(would, did) for would, did in held_finishes if would > 0.04]
+    assert telling, f"no finish fell early in its interval: {held_finishes}"
+    assert all(did < 0.03 for _, did in telling), held_finishes  # handed out when made, not held

@@ -2,7 +2,7 @@
 
 Oracle: the offline engine (`engine.LLM()`) on the same embedded model and the same token ids; greedy decoding
 is deterministic, so text and token counts must match exactly. One cluster for the whole module (fixture);
-the replica-killing test runs last because it changes the cluster.
+the core-killing and replica-killing tests run last because they change the cluster.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 @pytest.fixture(scope="module")
 def cluster():
-    with serve_cluster({"num_replicas": 2}) as c:
+    with serve_cluster({"num_replicas": 2, "engine_core_process": True}) as c:  # (auto: a thread on CPU)
         yield c
 
 
@@ -501,6 +501,60 @@ def _stream_outcome(url: str, body: dict, started: threading.Event, results: lis
         results[idx] = results[idx] or ("lost", time.monotonic() - t0, time.monotonic())
 
 
+def _core_processes() -> dict[int, int]:
+    """Engine core processes (engine/core_proc.py) alive on this host: pid -> parent pid (its replica)."""
+    found = {}
+    for proc in psutil.process_iter(["cmdline", "ppid", "status"]):
+        cmd = proc.info["cmdline"] or []
+        if "engine.core_proc" in cmd[:4] and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found[proc.pid] = proc.info["ppid"]
+    return found
+
+
+def test_killing_a_replicas_core_process_mid_stream(cluster, client):
+    """The engine core process of one replica dies (SIGKILL) while it streams: that replica's streams end with a
+    replica_died error, the other's complete, new requests succeed, Serve replaces the replica (its health check
+    fails), and every core process left belongs to a live replica (none orphaned)."""
+    wait_for(lambda: len(cluster.engine_replica_actors()) == 2 and len(_core_processes()) == 2, 60,
+             what="two engine replicas with a core process each")
+    cores = _core_processes()
+    assert len(set(cores.values())) == 2, f"one core process per replica: {cores}"
+    n = 6
+    results: list = [None] * n
+    started = [threading.Event() for _ in range(n)]
+    body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    threads = [threading.Thread(target=_stream_outcome, daemon=True,
+                                args=(cluster.api_url + "/completions", {**body, "prompt": f"{PROMPTS[i]} c"},
+                                      started[i], results, i)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for ev in started:
+        assert ev.wait(60), "stream did not start"
+    victim = next(iter(cores))
+    psutil.Process(victim).kill()
+    killed = time.monotonic()
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), f"streams hung: {results}"
+    kinds = [r[0] for r in results]
+    assert set(kinds) <= {"done", "error"}, results
+    assert "error" in kinds, f"no stream saw the kill: {results}"
+    for r in results:
+        if r[0] == "error":
+            assert r[1]["code"] == "replica_died" and "Traceback" not in r[1]["message"], r
+            assert r[-1] - killed < 5, f"failure reported {r[-1] - killed:.1f} s after the kill: {r}"
+    for i in range(4):  # the other replica keeps serving while Serve replaces this one
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=8, temperature=0)
+        assert r.choices[0].finish_reason in ("stop", "length")
+    wait_for(lambda: cluster.running_replicas() == 2 and len(cluster.engine_replica_actors()) == 2
+             and len(_core_processes()) == 2 and victim not in _core_processes(), 120, 1,
+             what="Serve to replace the replica whose core died")
+    alive = {p.pid for p in psutil.process_iter()}
+    assert all(parent in alive for parent in _core_processes().values()), "a core process outlived its replica"
+    r = client.chat.completions.create(model=MODEL, messages=user(QUESTIONS[0]), max_tokens=8, temperature=0)
+    assert r.choices[0].message.content is not None
+
+
 def test_killing_one_replica_mid_stream(cluster, client):
     """Runs last: kills an engine replica. Streams end (completed or with an error event) instead of hanging,
     new requests succeed, and Serve restores two running replicas."""
@@ -544,3 +598,6 @@ def test_killing_one_replica_mid_stream(cluster, client):
     r = client.chat.completions.create(model=MODEL, messages=user(QUESTIONS[0]), max_tokens=8, temperature=0)
     assert r.choices[0].message.content is not None
     assert httpx.get(f"{cluster.base_url}/health", timeout=30).status_code == 200
+    wait_for(lambda: len(_core_processes()) == 2, 30, 0.5, what="the killed replica's core process to go")
+    alive = {p.pid for p in psutil.process_iter()}
+    assert all(parent in alive for parent in _core_processes().values()), "a core process outlived its replica"
