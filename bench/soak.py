@@ -3,12 +3,17 @@
 engine replica killed half-way; reports what was served, errors by kind, KV blocks leaked and replica RSS.
 
     RAY_AUTH_MODE=disabled python bench/soak.py --minutes 10 --json bench/results/soak_cpu.json
+    RAY_AUTH_MODE=disabled python bench/soak.py --device sim --core-process --kill core --clients 32 \
+        --json bench/results/soak_sim_core.json
 
 Starts its own Ray cluster (own temp dir, loopback only) and a 2-replica app with an API key. `--clients`
 threads each loop until the deadline: a normal request (streamed or not, chat or completion, greedy or
 sampled, 8-96 tokens), of which `--disconnect` leave early (a stream after a few events, a whole response
 after a short read timeout), or with chance `--bad` a bad request from BAD (each has the status it must
-get). At half time one EngineReplica actor is killed (ray.kill, as a crash would); Serve replaces it.
+get). At half time one EngineReplica actor is killed (ray.kill, as a crash would), or with `--kill core` the
+engine core process of one replica (SIGKILL; with `--core-process`, engine/core_proc.py); Serve replaces the
+replica. `--device sim` serves the SIMULATED H100 (Qwen2.5-0.5B shape): GPU-rate steps, so the host runs at
+the load a GPU would put on it. Core processes count in the RSS check.
 
 Pass/fail lines at the end (exit 1 on a failure): no 5xx or stream error outside the kill's window (the
 requests in flight on the killed replica fail with replica_died, nothing else), every bad request got its
@@ -24,6 +29,7 @@ import collections
 import json
 import os
 import random
+import signal
 import tempfile
 import threading
 import time
@@ -33,7 +39,7 @@ import httpx
 import ray
 from ray import serve
 
-from bench_serve import actor_pids, free_port, machine  # bench/ is this script's directory
+from bench_serve import SIM_MODEL, actor_pids, core_pids, free_port, machine  # bench/ is this script's directory
 from serve_app import build_app
 from serve_app.builder import apply_cluster_env
 
@@ -169,9 +175,9 @@ def engine_actors() -> list[str]:
 
 
 def engine_rss_mb() -> dict[int, float]:
-    """pid -> resident MB of every engine replica process."""
+    """pid -> resident MB of every engine replica process and engine core process."""
     out = {}
-    for pid in actor_pids(f"ServeReplica:{APP}:{ENGINE}"):
+    for pid in actor_pids(f"ServeReplica:{APP}:{ENGINE}") + core_pids():
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
@@ -221,6 +227,11 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=60.0, help="RSS baseline is taken after this")
     p.add_argument("--rss-slack-mb", type=float, default=64.0)
     p.add_argument("--no-kill", action="store_true")
+    p.add_argument("--kill", choices=["replica", "core"], default="replica",
+                   help="at half time kill a replica actor, or one replica's engine core process")
+    p.add_argument("--device", choices=["cpu", "sim"], default="cpu")
+    p.add_argument("--core-process", action="store_true", help="engine_core_process: true (auto keeps the "
+                                                                  "core on a replica thread on cpu and sim)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -233,7 +244,13 @@ def main() -> int:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = {"num_replicas": 2, "api_key": KEY, "device": "cpu", "max_queued_requests": 256}
+    app = {"num_replicas": 2, "api_key": KEY, "device": args.device, "max_queued_requests": 256}
+    if args.device == "sim":
+        app.update(model=os.path.normpath(os.path.join(SIM_MODEL, "qwen2.5-0.5b")), sim_gpu="h100",
+                   served_model_name=MODEL,
+                   engine={"max_model_len": 2048})
+    if args.core_process:
+        app["engine_core_process"] = True
     serve.run(build_app(app), name=APP, route_prefix="/")
     tally, samples, health, stop = Tally(), [], [], threading.Event()
     start = time.monotonic()
@@ -249,11 +266,21 @@ def main() -> int:
     if not args.no_kill:
         time.sleep(max(0.0, start + args.minutes * 30 - time.monotonic()))
         victim = engine_actors()[0]
-        kill = {"replica": victim.rsplit("#", 1)[-1], "t": time.monotonic()}
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        while time.monotonic() < deadline and not (running_replicas() == 2 and len(engine_actors()) == 2
-                                                    and victim not in engine_actors()):
-            time.sleep(0.5)
+        if args.kill == "core":
+            core = core_pids()[0]
+            kill = {"core_pid": core, "t": time.monotonic()}
+            os.kill(core, signal.SIGKILL)
+            before = set(engine_actors())
+            while time.monotonic() < deadline and not (running_replicas() == 2 and len(engine_actors()) == 2
+                                                        and set(engine_actors()) != before
+                                                        and len(core_pids()) == 2 and core not in core_pids()):
+                time.sleep(0.5)
+        else:
+            kill = {"replica": victim.rsplit("#", 1)[-1], "t": time.monotonic()}
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            while time.monotonic() < deadline and not (running_replicas() == 2 and len(engine_actors()) == 2
+                                                        and victim not in engine_actors()):
+                time.sleep(0.5)
         kill["recovered_s"] = round(time.monotonic() - kill["t"], 1)
     for c in clients:
         c.join()
@@ -318,7 +345,8 @@ def report(args, app, tally: Tally, samples, health, kill, idle, final_health, w
     for kind, n in sorted(tally.counts.items()):
         print(f"  {kind:40s} {n}")
     if kill:
-        print(f"killed replica {kill['replica']} at {kill['t'] - start:.0f} s; both replicas running again after "
+        what = f"replica {kill['replica']}" if "replica" in kill else f"core process {kill['core_pid']}"
+        print(f"killed {what} at {kill['t'] - start:.0f} s; both replicas running again after "
               f"{kill['recovered_s']} s; {len(in_window)} requests failed in its window")
     print(f"/health not 200 at (s, status): {bad_health or 'never'}; at the end: {final_health}")
     print("replica logs: " + ", ".join(f"{k} {n}" for k, n in sorted(logs.items())))

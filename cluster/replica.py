@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 
 from engine import AsyncLLM, EngineConfig, EngineStats
@@ -20,6 +21,7 @@ from cluster.protocol import GenerateChunk, GenerateRequest
 
 
 logger = logging.getLogger("ray.serve")
+CORE_LOST_GRACE_S = 1.0
 
 
 def replica_engine_config(engine_config: dict, all_cores: bool) -> EngineConfig:
@@ -44,13 +46,25 @@ class EngineReplica:
     def __init__(self, engine_config: dict, all_cores: bool = False, core_process: bool = False,
                  stream_events_per_s: float | None = None):
         self.config = replica_engine_config(engine_config, all_cores)
-        self.llm = AsyncLLM(self.config, core_process=core_process, stream_events_per_s=stream_events_per_s)
+        self.llm = AsyncLLM(self.config, core_process=core_process, stream_events_per_s=stream_events_per_s,
+                            on_core_lost=self._core_lost)
         self.metrics = EngineMetrics(self.llm)
         # Everything alive now (model, tokenizer, libraries) lives as long as the replica: keep it out of the
         # cyclic GC's full collections, which otherwise scan it every few thousand steps and stall the loop
         # (docs/serving.md#other-behaviour-of-the-serving-path).
         gc.collect()
         gc.freeze()
+
+    @staticmethod
+    def _core_lost(exc: BaseException) -> None:
+        """The engine core process is gone, and with it every request of this replica (their streams have
+        just failed with replica_died). The replica exits, as a crashed one would: Serve's router drops it at
+        once (the ingress sends requests that have no output yet to another replica) and Serve starts a new
+        one, instead of routing to a replica that can only fail until its health checks run out (a soak saw
+        29 s and 626 failed requests that way). CORE_LOST_GRACE_S lets the failed streams' errors leave."""
+        logger.error("engine core lost (%s); this replica exits in %.0f s so Serve replaces it", exc,
+                     CORE_LOST_GRACE_S)
+        threading.Timer(CORE_LOST_GRACE_S, os._exit, args=(1,)).start()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream a request's commits. Cancellation (client gone) aborts it and frees its KV blocks. A request

@@ -48,12 +48,13 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, core_process: bool = False,
-                 stream_events_per_s: float | None = None, **kwargs):
+                 stream_events_per_s: float | None = None, on_core_lost=None, **kwargs):
         """`core_process`: run the engine core in a child process (what Serve replicas do). `stream_events_per_s`:
         pace streams so that all of them together get at most about this many outputs a second (a stream's
         interval is the number of open streams over it; its first output and its finish are never held): under
         load each output carries more tokens, and the serving path, which costs per output, keeps up. None:
-        every commit is handed out as soon as the caller takes it."""
+        every commit is handed out as soon as the caller takes it. `on_core_lost(exc)`: called (on the output
+        thread) once the core process is gone, after its streams were failed."""
         config = config or EngineConfig(**kwargs)
         if stream_events_per_s is not None and not stream_events_per_s > 0:
             raise ValueError(f"stream_events_per_s must be > 0 (or None for no pacing); got {stream_events_per_s!r}")
@@ -69,6 +70,7 @@ class AsyncLLM:
         self._progress_time = time.monotonic()  # the last completed tick / core message (the watchdog reads it)
         self._has_work = False
         self.core_process = core_process
+        self._on_core_lost = on_core_lost
         if core_process:
             from engine.core_client import CoreProcess  # (pyzmq only where a core process runs)
 
@@ -286,6 +288,8 @@ class AsyncLLM:
             self.dead = exc
             self._fail_all(exc if isinstance(exc, EngineDeadError) else
                            EngineDeadError(f"engine core lost: {type(exc).__name__}: {exc}"))
+            if self._on_core_lost is not None:
+                self._on_core_lost(exc)
 
     # ---- in process: the loop thread -----------------------------------------------------------------------
     def _run(self) -> None:

@@ -66,6 +66,14 @@ async def _collect(llm: AsyncLLM, prompt, params: SamplingParams):
     return outs
 
 
+async def _running_request(llm: AsyncLLM) -> asyncio.Task:
+    """A long request's stream (450 tokens), returned once the core reports it running."""
+    task = asyncio.create_task(_collect(llm, "Tell me", SamplingParams(max_tokens=450, ignore_eos=True)))
+    while not llm.stats().num_running:
+        await asyncio.sleep(0.02)
+    return task
+
+
 def _final(outs, n=1):
     return sorted((o for o in outs if o.finished), key=lambda o: o.index)[:n]
 
@@ -152,9 +160,7 @@ def test_a_killed_core_fails_its_streams_and_the_engine_reports_unhealthy():
     pid = llm._core.proc.pid
 
     async def run():
-        task = asyncio.create_task(_collect(llm, "Tell me", SamplingParams(max_tokens=450, ignore_eos=True)))
-        while not llm.stats().num_running:
-            await asyncio.sleep(0.02)
+        task = await _running_request(llm)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="exited with code -9"):
             await task
@@ -174,9 +180,7 @@ def test_a_hung_core_makes_the_engine_unhealthy_after_stall_timeout():
     pid = llm._core.proc.pid
 
     async def run():
-        task = asyncio.create_task(_collect(llm, "Tell me", SamplingParams(max_tokens=450, ignore_eos=True)))
-        while not llm.stats().num_running:
-            await asyncio.sleep(0.02)
+        task = await _running_request(llm)
         os.kill(pid, signal.SIGSTOP)
         try:
             llm.check_health()  # not yet: a step may take a while
