@@ -339,7 +339,9 @@ def report(args, app, tally: Tally, samples, health, kill, idle, final_health, w
               "kill": kill, "failures_in_kill_window": len(in_window), "failures_outside": outside[:20],
               "health_not_200": bad_health, "replica_logs": logs, "idle": idle, "rss": rss_rows, "checks": checks}
     print(f"machine: {result['machine']}")
-    print(f"soak: {wall / 60:.1f} min, {args.clients} clients, 2 replicas (CPU, embedded model), "
+    engine = "CPU, embedded model" if args.device == "cpu" else "SIMULATED h100, Qwen2.5-0.5B shape"
+    core = ", core process" if args.core_process else ""
+    print(f"soak: {wall / 60:.1f} min, {args.clients} clients, 2 replicas ({engine}{core}), "
           f"disconnect {args.disconnect:.0%} of normal requests, {args.bad:.0%} bad")
     print(f"served ok: {served} requests ({tally.tokens} tokens/events)")
     for kind, n in sorted(tally.counts.items()):
