@@ -60,8 +60,8 @@ class EngineReplica:
         """The engine core process is gone, and with it every request of this replica (their streams have
         just failed with replica_died). The replica exits, as a crashed one would: Serve's router drops it at
         once (the ingress sends requests that have no output yet to another replica) and Serve starts a new
-        one, instead of routing to a replica that can only fail until its health checks run out (a soak saw
-        29 s and 626 failed requests that way). CORE_LOST_GRACE_S lets the failed streams' errors leave."""
+        one, instead of routing to a replica that can only fail until its health checks run out
+        (bench/README.md, the soak). CORE_LOST_GRACE_S lets the failed streams' errors leave."""
         logger.error("engine core lost (%s); this replica exits in %.0f s so Serve replaces it", exc,
                      CORE_LOST_GRACE_S)
         threading.Timer(CORE_LOST_GRACE_S, os._exit, args=(1,)).start()

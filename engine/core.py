@@ -16,6 +16,7 @@ Requests with a grammar wait outside the scheduler until it is compiled (engine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -188,7 +189,7 @@ class EngineCore:
         return [self.inflight] if self.inflight is not None else []
 
     # ---- requests -----------------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def limits(self) -> RequestLimits:
         """What requests are checked against (RequestLimits.check), for a frontend in another process."""
         return RequestLimits(self.spec.vocab_size, self.max_model_len, self.block_manager.num_blocks,
@@ -208,10 +209,7 @@ class EngineCore:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
-            raise ValueError("prompt must be a string or a list of integer token ids")
-        ids = list(prompt_token_ids)
+        ids = list(prompt_token_ids)  # (its type was checked where it was tokenized: llm_engine.tokenize)
         self.limits.check(ids, params)
         adapter = self._adapter(lora_request) if lora_request is not None else None
         seq = self._sequence(request_id, prompt, ids, params, adapter, 0)
@@ -413,12 +411,14 @@ class EngineCore:
 
     def _output(self, seq: Sequence) -> CoreOutput:
         """What is new for `seq` since its last output: O(new tokens), whatever the request's length."""
+        first = not seq.num_emitted_tokens
         start = len(seq.prompt_token_ids) + seq.num_emitted_tokens
         new = seq.token_ids[start:]
         seq.num_emitted_tokens += len(new)
-        out = CoreOutput(seq.request_id, seq.index, new, seq.finish_reason, seq.stop_token,
-                         num_cached_tokens=seq.num_cached, first_scheduled_time=seq.first_scheduled_time,
-                         first_token_time=seq.first_token_time)
+        out = CoreOutput(seq.request_id, seq.index, new, seq.finish_reason, seq.stop_token)
+        if first:  # what does not change after the first report is sent once (the frontend keeps it)
+            out.num_cached_tokens, out.first_scheduled_time = seq.num_cached, seq.first_scheduled_time
+            out.first_token_time = seq.first_token_time
         if seq.logprobs is not None:
             out.new_logprobs, seq.logprobs = seq.logprobs, []
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:

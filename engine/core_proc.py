@@ -50,7 +50,7 @@ def encode_outputs(outputs: list[CoreOutput]) -> list:
     rows = []
     for o in outputs:
         if (o.finish_reason is None and o.new_logprobs is None and o.prompt_logprobs is None
-                and o.first_token_time is None):
+                and o.first_token_time is None and o.first_scheduled_time is None):
             rows.append((o.request_id, o.index, o.new_token_ids))
             continue
         rows.append((o.request_id, o.index, o.new_token_ids, o.finish_reason, o.stop_token,

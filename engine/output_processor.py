@@ -22,7 +22,8 @@ class RequestState:
     """One sample of a request, as the frontend knows it."""
 
     __slots__ = ("request_id", "index", "prompt", "prompt_token_ids", "params", "detok", "token_ids",
-                 "logprobs", "finished", "arrival_time", "stream", "prompt_logprobs", "_min_tokens", "_stopped")
+                 "logprobs", "finished", "arrival_time", "stream", "prompt_logprobs", "num_cached_tokens",
+                 "first_scheduled_time", "first_token_time")
 
     def __init__(self, request_id: str, index: int, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, detok: IncrementalDetokenizer, arrival_time: float, stream: bool):
@@ -35,8 +36,9 @@ class RequestState:
         self.arrival_time = arrival_time
         self.stream = stream  # an output at every core report (else only the final one)
         self.prompt_logprobs = None  # the core's (on its first report), until an output carries them
-        self._min_tokens = params.min_tokens
-        self._stopped = False
+        self.num_cached_tokens = 0  # from the core's first report
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
 
 
 class OutputProcessor:
@@ -81,6 +83,9 @@ class OutputProcessor:
             finish = co.finish_reason
             if co.prompt_logprobs is not None:
                 state.prompt_logprobs = co.prompt_logprobs
+            if co.first_scheduled_time is not None:  # the first report
+                state.num_cached_tokens = co.num_cached_tokens
+                state.first_scheduled_time, state.first_token_time = co.first_scheduled_time, co.first_token_time
             if self._append(state, co):
                 if finish is None:
                     stopped.append(key)
@@ -96,20 +101,20 @@ class OutputProcessor:
     def _append(self, state: RequestState, co: CoreOutput) -> bool:
         """Add the new tokens' text; True when a stop string completed (later tokens are dropped)."""
         ids, detok, new = state.token_ids, state.detok, co.new_token_ids
-        n_new = len(new)
-        last = n_new - 1 if co.stop_token else n_new  # an EOS / stop token id adds no text
-        min_tokens = state._min_tokens
+        last = len(new) - 1 if co.stop_token else len(new)  # an EOS / stop token id adds no text
+        min_tokens = state.params.min_tokens
+        stopped = False
         for i, token in enumerate(new):
             ids.append(token)
             if i < last and detok.add(token, check_stops=not min_tokens or len(ids) >= min_tokens):
                 del new[i + 1:]  # (the list is this report's own)
-                if state.logprobs is not None and co.new_logprobs is not None:
+                if co.new_logprobs is not None:
                     del co.new_logprobs[i + 1:]
-                state._stopped = True
+                stopped = True
                 break
         if state.logprobs is not None and co.new_logprobs:
             state.logprobs += co.new_logprobs
-        return state._stopped
+        return stopped
 
     @staticmethod
     def _output(state: RequestState, co: CoreOutput, finish: str | None, now: float) -> RequestOutput:
@@ -123,7 +128,7 @@ class OutputProcessor:
             state.request_id, state.prompt, state.prompt_token_ids, snap, snap, finished=finished,
             finish_reason=finish, logprobs=snap if state.logprobs is not None else None,
             delta_token_ids=co.new_token_ids, delta_text=delta_text, delta_logprobs=co.new_logprobs,
-            num_cached_tokens=co.num_cached_tokens, arrival_time=state.arrival_time,
-            first_scheduled_time=co.first_scheduled_time, first_token_time=co.first_token_time,
+            num_cached_tokens=state.num_cached_tokens, arrival_time=state.arrival_time,
+            first_scheduled_time=state.first_scheduled_time, first_token_time=state.first_token_time,
             finish_time=now if finished else None, output_time=now, error=co.error,
             prompt_logprobs=prompt_logprobs, index=state.index, num_output_tokens=n, rejected=co.rejected)

@@ -34,6 +34,7 @@ class CoreOutput:
     new_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     rejected: bool = False
+    # Set on a sample's first report only (they do not change afterwards; the frontend keeps them).
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -131,9 +131,8 @@ class AppConfig(BaseModel):
     # Where each engine replica runs its engine core (scheduler, KV, runner, sampler): true, in a child process,
     # the replica keeping only the frontend (text, stop strings, streams), so the core's loop never waits on
     # Serve's code for the GIL (engine/core_proc.py); false, on a thread of the replica. None (auto): a process
-    # on a GPU, a thread on CPU and on the simulated device, where 2-core VMs measured the process 12-17%
-    # (CPU) and 16% (simulated H100, 64 streams) slower over HTTP: the process needs a core of its own
-    # (docs/serving.md#the-engine-core-process). Pipeline- and tensor-parallel engines drive Ray actors from
+    # on a GPU, a thread on CPU and on the simulated device, where small VMs measured the process slower over
+    # HTTP: it needs a core of its own (docs/serving.md#the-engine-core-process has the figures). Pipeline- and tensor-parallel engines drive Ray actors from
     # the core and always keep it on a replica thread.
     engine_core_process: bool | None = None
     # Streams are paced so that one engine replica's streams together get at most about this many chunks a

@@ -256,7 +256,9 @@ def test_paced_streams_merge_commits_and_never_hold_the_first_output_or_the_fini
             expected = oracle.generate(["Tell me a story"], params)[0]
             assert sum((o.delta_token_ids for o in outs), []) == expected.token_ids
             assert "".join(o.delta_text for o in outs) == expected.text
-            assert len(outs[0].delta_token_ids) == 1  # the first token was not held back
+            # the first output was handed out when its token was made, not held for an interval (it may carry a
+            # second token that a busy caller's loop let merge into it)
+            assert times[0] - outs[0].first_token_time < interval / 2
             gaps = [b - a for a, b in zip(times, times[1:-1])]  # the finish may follow sooner
             assert all(g >= interval - 0.005 for g in gaps), gaps
             assert len(outs) < max_tokens // 4 and max(len(o.delta_token_ids) for o in outs) > 1
