@@ -64,9 +64,9 @@ def make_pipeline(model: str, args, stages: int, **switches):
 
 
 def timed_run(engine, prompts, params) -> dict:
-    pipelined = hasattr(engine, "stage_busy_seconds")
-    if pipelined:
-        engine.stage_busy_seconds()  # zero the stages' counters
+    stages = getattr(engine.runner, "stages", None)  # a PipelineRunner's stage group
+    if stages is not None:
+        stages.busy_seconds()  # zero the stages' counters
     t0 = time.perf_counter()
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
@@ -76,7 +76,7 @@ def timed_run(engine, prompts, params) -> dict:
             if out.finished:
                 tokens += len(out.token_ids)
     wall = time.perf_counter() - t0
-    busy = engine.stage_busy_seconds() if pipelined else []
+    busy = stages.busy_seconds() if stages is not None else []
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "stage_busy": [b / wall for b in busy],
             "steps": engine.stats().steps}
 

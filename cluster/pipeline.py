@@ -220,6 +220,8 @@ def make_pipeline_engine(config):
         from cluster.tensor_parallel import make_tensor_parallel_engine
 
         return make_tensor_parallel_engine(config)
-    from engine.pipeline import PipelineEngineCore
+    from engine.core import EngineCore
+    from engine.pipeline import pipeline_runner
 
-    return PipelineEngineCore(config, lambda specs: RayStageGroup(specs, stage_num_cpus=config.pp_stage_num_cpus))
+    return EngineCore(config, pipeline_runner(lambda specs: RayStageGroup(specs,
+                                                                          stage_num_cpus=config.pp_stage_num_cpus)))

@@ -111,7 +111,8 @@ def _fields(spec: TPWorkerSpec) -> dict:
 
 def make_tensor_parallel_engine(config):
     """The engine core for `tensor_parallel_size > 1`: rank 0 here, the other ranks as Ray actors."""
-    from engine.tp import TensorParallelEngineCore
+    from engine.core import EngineCore
+    from engine.tp import tensor_parallel_runner
 
-    return TensorParallelEngineCore(config, lambda template: RayTPWorkerGroup(
-        template, num_cpus=config.tp_worker_num_cpus))
+    return EngineCore(config, tensor_parallel_runner(lambda template: RayTPWorkerGroup(
+        template, num_cpus=config.tp_worker_num_cpus)))

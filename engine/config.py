@@ -77,8 +77,10 @@ class EngineConfig:
     # actors; 1 = the single-device engine. The pp_* switches turn SiPipe's three techniques off for the
     # ablation benchmark: CPU sampling on the driver, token-safe execution (two input-buffer versions per
     # stage, prepared before the hidden states arrive), structure-aware hidden-state transmission.
+    # pp_cpu_sampling None (auto): the driver samples CPU stages' logits, GPU stages sample on the last one
+    # (fp32 logits rows are not shipped off the GPU); either way every sampling feature works.
     pipeline_parallel_size: int = 1
-    pp_cpu_sampling: bool = True
+    pp_cpu_sampling: bool | None = None
     pp_token_safe: bool = True
     pp_structure_aware: bool = True
     pp_stage_num_cpus: float = 1.0  # logical CPUs each stage actor reserves (plus one GPU on cuda)
@@ -143,8 +145,9 @@ class EngineConfig:
             _positive("cpu_threads", self.cpu_threads)
         if self.cpu_executor_thread not in (None, True, False):
             raise ValueError(f"cpu_executor_thread must be a boolean or None (auto), got {self.cpu_executor_thread!r}")
-        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_cpu_sampling",
-                     "pp_token_safe", "pp_structure_aware"):
+        if self.pp_cpu_sampling not in (None, True, False):
+            raise ValueError(f"pp_cpu_sampling must be a boolean or None (auto), got {self.pp_cpu_sampling!r}")
+        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_token_safe", "pp_structure_aware"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:

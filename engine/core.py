@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from importlib.metadata import entry_points
+from typing import Callable
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -68,7 +69,6 @@ class RequestLimits:
     runner_name: str
     supports_prompt_logprobs: bool
     supports_forks: bool
-    stage_sampling: bool = False  # pipeline parallelism sampling on the last stage (PipelineEngineCore)
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with a tokenized request (nothing else is touched)."""
@@ -100,28 +100,23 @@ class RequestLimits:
             if params.n > self.max_num_seqs:
                 raise ValueError(f"n must be <= max_num_seqs ({self.max_num_seqs}): all n samples run "
                                  f"together; got n={params.n}")
-        if self.stage_sampling:
-            _check_stage_sampling(params)
 
 
-def _check_stage_sampling(params: SamplingParams) -> None:
-    """Sampling on the last pipeline stage (the ablation of SiPipe's CPU sampling) has no per-request state
-    there."""
-    unsupported = [name for name, used in (
-        ("seed", params.seed is not None), ("logprobs", params.logprobs is not None),
-        ("penalties", params.needs_penalties), ("min_tokens", params.min_tokens > 0),
-        ("logit_bias", bool(params.logit_bias)), ("structured output / allowed_token_ids", params.constrained),
-    ) if used]
-    if unsupported:
-        raise ValueError(f"pp_cpu_sampling=False samples on the last stage, which does not support "
-                         f"{', '.join(unsupported)}; use pp_cpu_sampling=True")
+RunnerFactory = Callable[["EngineCore", int], StepRunner]
 
 
 class EngineCore:
-    """Single-device engine core. Not thread-safe: one thread calls add_sequence/abort/finish/step (the async
-    engine funnels other threads' calls through its inbox, or runs the core in a process of its own)."""
+    """The engine core, whatever runs its forwards. Not thread-safe: one thread calls add_sequence/abort/finish/
+    step (the async engine funnels other threads' calls through its inbox, or runs the core in a process of its
+    own).
 
-    def __init__(self, config: EngineConfig):
+    Where forwards run is the runner's business, behind one interface (engine/step_runner.py: launch, finalize,
+    wait, free_slot, health_error, is_fatal, stats): this device (ModelRunner), a simulated one (SimRunner),
+    tensor-parallel ranks (engine/tp: TPModelRunner as rank 0) or pipeline stages (engine/pipeline:
+    PipelineRunner). `make_runner(core, num_cpu_blocks)` builds it; None is this device's or the simulated one.
+    The loop is the same for all: up to one step in flight per runner slot, oldest committed first."""
+
+    def __init__(self, config: EngineConfig, make_runner: RunnerFactory | None = None):
         if config.max_num_batched_tokens is None:  # auto, resolved once: everything below reads the number
             config = replace(config, max_num_batched_tokens=config.token_budget())
         self.config = config
@@ -137,7 +132,8 @@ class EngineCore:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
         num_cpu_blocks = self._num_cpu_blocks()
-        self.runner, num_blocks = self._make_runner(num_cpu_blocks)
+        self.runner = (make_runner or _local_runner)(self, num_cpu_blocks)
+        num_blocks = self.runner.num_kv_blocks  # what its memory profiling pass left room for (engine/memory.py)
         # EngineConfig.pipeline_depth, resolved: None is 2 where the forward overlaps the loop, else 1
         self.pipeline_depth = self.config.pipeline_depth or (2 if self.runner.forward_overlaps_loop else 1)
         self.device = self.runner.device  # where sampling runs (the driver's CPU under pipeline parallelism)
@@ -156,7 +152,7 @@ class EngineCore:
                                                   sorted(self.eos_token_ids))
         self.requests: dict[str | tuple[str, int], Sequence] = {}  # by Sequence.key
         self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
-        self.inflight: Step | None = None
+        self.pending: deque[Step] = deque()  # launched, not yet committed: oldest first, one per busy slot
         self.counters = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "requests_finished": 0}
         self.last_step_timing: dict[str, float] = {}
         # Host time of the loop by phase (seconds, cumulative); "stream" is added by AsyncLLM's delivery,
@@ -167,26 +163,15 @@ class EngineCore:
         self._last_commit_time: float | None = None  # None while idle: the next period starts afresh
         self.fault: str | None = None  # set once the device raised an error: the engine serves no more
 
-    def _make_runner(self, num_cpu_blocks: int) -> tuple[StepRunner, int]:
-        """The runner, and the KV blocks its memory profiling pass left room for (engine/memory.py)."""
-        if self.simulated:
-            from engine.sim.runner import SimRunner
-
-            runner = SimRunner(self.config, self.spec, self.dtype, self.max_model_len, self.tokenizer,
-                               num_cpu_blocks)
-        else:
-            runner = ModelRunner(self.config, self.hf_config, self.spec, self.compute_device, self.dtype,
-                                 self.max_model_len, num_cpu_blocks)
-        return runner, runner.num_kv_blocks
-
     def health_error(self) -> str | None:
         """Why the engine cannot serve any more (None while it can); the replica's health check reads it, so
-        Serve replaces a replica whose device faulted instead of letting it fail every request forever."""
-        return self.fault
+        Serve replaces a replica whose device faulted, or whose TP rank or pipeline stage died, instead of
+        letting it fail every request forever."""
+        return self.fault or self.runner.health_error()
 
     def inflight_steps(self) -> list[Step]:
         """Launched steps not yet committed, oldest first."""
-        return [self.inflight] if self.inflight is not None else []
+        return list(self.pending)
 
     # ---- requests -----------------------------------------------------------------------------------------
     @functools.cached_property
@@ -194,11 +179,7 @@ class EngineCore:
         """What requests are checked against (RequestLimits.check), for a frontend in another process."""
         return RequestLimits(self.spec.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                              self.config.block_size, self.config.max_num_seqs, type(self.runner).__name__,
-                             self.runner.supports_prompt_logprobs, self.runner.supports_forks,
-                             self._stage_sampling())
-
-    def _stage_sampling(self) -> bool:
-        return False
+                             self.runner.supports_prompt_logprobs, self.runner.supports_forks)
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str,
                       lora_request: LoRARequest | str | None = None, prompt: str | None = None,
@@ -301,15 +282,21 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or self.inflight is not None
+        return bool(self.requests) or bool(self.pending)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
-        """One tick: launch the next step, commit the previous one, finalize (sample) the launched one."""
+        """One tick: launch the next step into a free slot, commit the oldest in-flight one once every slot
+        is busy (or nothing new could start), finalize (sample) the launched one.
+
+        With the two slots of a single device (or TP group) that is Photon's order: launch t+1 (its forward
+        reads t's sampled tokens on the device), commit t, finalize t+1. With p pipeline stages it keeps p
+        microbatches in flight, one per stage, and commits each as the next one needs its slot."""
         outputs = self._admit_compiled() if self.compiling else []
         launched = None
-        was_idle = self.inflight is None  # a commit below may free blocks: only then can nothing run
-        slot = self.runner.free_slot()
+        pending, runner = self.pending, self.runner
+        was_idle = not pending  # a commit below may free blocks: only then can nothing run
+        slot = runner.free_slot()
         clock, ht = time.perf_counter, self.host_time
         t0 = clock()
         if slot is not None and self.scheduler.has_work():
@@ -317,23 +304,22 @@ class EngineCore:
             t1 = clock()
             ht["schedule"] += t1 - t0
             if sched:
-                launched = self.runner.launch(sched, slot, self.inflight)
+                launched = runner.launch(sched, slot, pending[-1] if pending else None)
                 t0 = clock()
                 ht["prepare"] += t0 - t1
-        if self.inflight is not None:
-            outputs += self._commit(self.inflight)
-            self.inflight = None
+        if pending and (launched is None or runner.free_slot() is None):
+            outputs += self._commit(pending.popleft())
         if launched is not None:
             t1 = clock()
-            self.runner.finalize(launched)
+            runner.finalize(launched)
             ht["finalize"] += clock() - t1
             if self.pipeline_depth == 1:
                 outputs += self._commit(launched)
             else:
-                self.inflight = launched
+                pending.append(launched)
         elif was_idle and self.scheduler.has_work():
             outputs += self._end_stuck()
-        elif self.inflight is None and self.compiling and not outputs:
+        elif not pending and self.compiling and not outputs:
             self._wait_for_compile()
         self._note_idle()
         return outputs
@@ -366,7 +352,7 @@ class EngineCore:
         except KVSwapError:
             raise  # offloaded KV is lost: fatal for the engine, not just this step
         except Exception as exc:  # a failed forward fails its requests, not the engine...
-            if is_device_fault(exc):  # ...unless the device itself failed
+            if is_device_fault(exc) or self.runner.is_fatal(exc):  # ...unless the device (or TP group) failed
                 return self._device_failed(step, exc)
             logger.exception("step %d failed", step.id)
             return self._fail_step(step, exc)
@@ -512,6 +498,7 @@ class EngineCore:
             **(self.runner.device_stats() if self.simulated else {}),
             **(self.runner.memory.stats() if getattr(self.runner, "memory", None) is not None else {}),
             **(self._lora_stats() if self.lora_slots is not None else {}),
+            **self.runner.stats(),
         )
 
     def _lora_stats(self) -> dict:
@@ -545,6 +532,16 @@ def is_device_fault(exc: BaseException) -> bool:
     """An error the device raised (a CUDA error, or running out of device memory after the KV cache was sized),
     as opposed to one a step's inputs caused. Older torch raises CUDA errors as plain RuntimeErrors."""
     return isinstance(exc, _DEVICE_ERRORS) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
+
+
+def _local_runner(core: EngineCore, num_cpu_blocks: int) -> StepRunner:
+    """This device's runner, or the simulated accelerator's."""
+    if core.simulated:
+        from engine.sim.runner import SimRunner
+
+        return SimRunner(core.config, core.spec, core.dtype, core.max_model_len, core.tokenizer, num_cpu_blocks)
+    return ModelRunner(core.config, core.hf_config, core.spec, core.compute_device, core.dtype,
+                       core.max_model_len, num_cpu_blocks)
 
 
 def _resolve_device(device: str) -> torch.device:

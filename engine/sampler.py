@@ -56,12 +56,18 @@ class SamplingBatch:
     bitmask_rows: list[int]  # rows the bitmask applies to; other rows are unconstrained
     top_k_max: int = 0  # the largest top_k a row asks for (host value: sizes the topk without a sync)
     any_greedy: bool = True  # host value: a batch with no greedy row skips the argmax it would not read
+    # Seeded rows' uniform draws made where the batch was built, from each request's own generator, in place of
+    # `generators` (a batch sampled elsewhere: the last pipeline stage): the same draw, so the same token.
+    drawn: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
-              bitmask_buffer: torch.Tensor | None = None) -> "SamplingBatch":
+              bitmask_buffer: torch.Tensor | None = None, draw_seeded: bool = False) -> "SamplingBatch":
         """buffers: the slot's StepBuffers (per-row fields are staged and uploaded there); None allocates.
         bitmask_buffer: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's; pinned on CUDA).
+        draw_seeded: make seeded rows' draws now (`drawn`) instead of handing over their generators, for a
+        batch that is sampled in another process (sampling draws once per non-greedy row and step, so the
+        request's generator advances exactly as if it were sampled here).
 
         Each sequence carries its parameters as one tuple (Sequence.sample_row, made once). When every row
         has the same tuple (the common case) the per-row fields are filled from scalars; per-row Python runs
@@ -88,11 +94,11 @@ class SamplingBatch:
         if top_k is not None:
             batch.top_k_max = cols[ROW_TOP_K] if uniform else max(v for v in cols[ROW_TOP_K] if v != TOP_K_OFF)
         if special:
-            batch._add_special(seqs, special, device, bitmask_buffer)
+            batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded)
         return batch
 
     def _add_special(self, seqs: list[Sequence], special, device: torch.device,
-                     bitmask_buffer: torch.Tensor | None) -> None:
+                     bitmask_buffer: torch.Tensor | None, draw_seeded: bool) -> None:
         """Penalties, min_tokens bans, logit_bias, seeds, logprobs and constraints of the special rows."""
         constraints = None
         for i in special:
@@ -106,8 +112,13 @@ class SamplingBatch:
             if p.logit_bias:
                 self.logit_bias.append((i, to_device(list(p.logit_bias), torch.long, device),
                                         to_device(list(p.logit_bias.values()), torch.float32, device)))
-            if s.generator is not None:
+            if s.generator is None:
+                pass
+            elif not draw_seeded:
                 self.generators[i] = s.generator
+            elif not s.sample_row[ROW_GREEDY]:  # a greedy row reads no draw
+                self.drawn[i] = torch.rand((1,), dtype=torch.float64, generator=s.generator,
+                                           device=s.generator.device)
             if p.logprobs is not None:
                 self.num_logprobs = max(self.num_logprobs, p.logprobs)
             if s.constraint is not None and not s.finalized:  # a finalized row is a zombie: no mask
@@ -127,12 +138,21 @@ class SamplingBatch:
                    None, [], [], {}, MAX_LOGPROBS, False, [], None, [], top_k_max=min(50, vocab), any_greedy=False)
 
     def to(self, device: torch.device) -> "SamplingBatch":
-        """This batch with its per-row parameter tensors on `device` (for a batch of plain rows, as the
-        pipeline's last stage receives when it samples: no penalties, masks, biases or seeds to move)."""
+        """This batch with every tensor on `device` (the last pipeline stage's). Request generators cannot
+        move: a batch for another device is built with draw_seeded."""
+        if device.type == self.temperature.device.type:
+            return self
+        assert not self.generators, "a batch sampled on another device carries draws, not generators"
+
         def move(t):
             return None if t is None else t.to(device)
-        return dataclasses.replace(self, temperature=move(self.temperature), greedy=move(self.greedy),
-                                   top_k=move(self.top_k), top_p=move(self.top_p), min_p=move(self.min_p))
+        return dataclasses.replace(
+            self, temperature=move(self.temperature), greedy=move(self.greedy), top_k=move(self.top_k),
+            top_p=move(self.top_p), min_p=move(self.min_p), bitmask=move(self.bitmask),
+            penalties=[dataclasses.replace(p, seen=move(p.seen), counts=move(p.counts)) for p in self.penalties],
+            banned=[(row, move(ids)) for row, ids in self.banned],
+            logit_bias=[(row, move(ids), move(values)) for row, ids, values in self.logit_bias],
+            drawn={row: move(u) for row, u in self.drawn.items()})
 
 
 def _constraint_bitmask(constraints: list, device: torch.device, buffer: torch.Tensor | None,
@@ -263,6 +283,8 @@ class Sampler:
         u = torch.rand((probs.shape[0], 1), dtype=torch.float64, generator=self.generator, device=probs.device)
         for row, gen in batch.generators.items():  # seeded: the draw depends only on the request's own generator
             u[row] = torch.rand((1,), dtype=torch.float64, generator=gen, device=probs.device)
+        for row, drawn in batch.drawn.items():  # seeded, drawn where the batch was built
+            u[row] = drawn
         return inverse_cdf(probs, u)
 
 

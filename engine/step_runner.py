@@ -1,11 +1,16 @@
-"""What every runner shares: the ping-pong step slots, host-input assembly, sampling at finalize, the commit's wait.
+"""The one interface the engine core runs forwards through, and what every runner shares: the step slots,
+host-input assembly, sampling at finalize, the commit's wait.
 
 A runner turns the scheduler's plan into device work in three calls the engine loop makes (Photon's
 launch / commit / finalize): `launch` stages a step's inputs and enqueues its forward, `finalize` builds the
 step's sampling inputs (after the previous commit, so masks and penalties are current) and enqueues its
-sampling, `wait` is the commit's one wait for the sampled tokens to be readable on the host. Subclasses say
-where the forward runs: ModelRunner (this device: CPU or CUDA), PipelineRunner (stage actors), SimRunner
-(a simulated accelerator whose time is modelled).
+sampling, `wait` is the commit's one wait for the sampled tokens to be readable on the host. Besides those:
+`free_slot` (one step in flight per slot), `health_error` / `is_fatal` (a worker that died, a failure that
+ends the engine), `stats` (what the runner adds to EngineStats), `shutdown`.
+
+Subclasses say where the forward runs, and the core (engine/core.py) is the same for all of them:
+ModelRunner (this device: CPU or CUDA), TPModelRunner (rank 0 of a tensor-parallel group, engine/tp),
+PipelineRunner (pipeline stages, engine/pipeline), SimRunner (a simulated accelerator whose time is modelled).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class StepRunner:
     supports_prompt_logprobs = False
     # Whether steps may carry forks (SamplingParams.n > 1) and copy-on-write block copies; others reject n > 1.
     supports_forks = False
+    num_kv_blocks: int  # the KV cache's size in blocks, set by the subclass once its memory is profiled
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, limits: BufferLimits,
                  executor, num_slots: int = NUM_SLOTS, slot_logits: bool = True, transfer=None):
@@ -152,6 +158,20 @@ class StepRunner:
             sample_s=ex.elapsed((step.id, SAMPLE_START), (step.id, SAMPLE_END)), period_s=period,
             sample_wait_s=max(0.0, ex.elapsed((step.id, FWD_END), (step.id, SAMPLE_START))),
             prompt_logprobs=step.prompt_logprobs)
+
+    # ---- health and stats ---------------------------------------------------------------------------------
+    def health_error(self) -> str | None:
+        """Why this runner cannot run steps any more (a worker rank or stage died); None while it can."""
+        return None
+
+    def is_fatal(self, exc: BaseException) -> bool:
+        """Whether a failed step leaves the runner unable to run any other (beyond device faults, which the
+        core recognises itself): the core then fails every request and reports unhealthy."""
+        return False
+
+    def stats(self) -> dict:
+        """Fields this runner adds to EngineStats."""
+        return {}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -94,8 +94,10 @@ def test_local_stages_under_kv_pressure_soft_reset_and_match_hf(deep_models):
     assert stats["num_preemptions"] > 0 and stats["num_soft_resets"] > 0, stats
 
 
-def test_local_stages_structured_output_matches_single_engine(deep_models):
-    """Grammar masks are built at commit and applied by the driver's sampler, as in the single engine."""
+@pytest.mark.parametrize("cpu_sampling", [True, False], ids=["driver-samples", "last-stage-samples"])
+def test_local_stages_structured_output_matches_single_engine(deep_models, cpu_sampling):
+    """Grammar masks are built on the driver after the sequence's previous commit and applied where the step is
+    sampled (the driver, or the last stage), with the tokens of the single engine."""
     import re
 
     from engine.sampling_params import StructuredOutputsParams
@@ -107,7 +109,8 @@ def test_local_stages_structured_output_matches_single_engine(deep_models):
     params.append(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))  # unconstrained, same batch
     prompts = make_prompts(seed=8, lengths=(4, 7, 11, 5))
     single = LLM(str(path), block_size=4).generate(prompts, params)
-    engine = PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2), LocalStageGroup)
+    engine = PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2,
+                                         pp_cpu_sampling=cpu_sampling), LocalStageGroup)
     outs = run_engine(engine, prompts, params)
     for out, ref in zip(outs, single):
         assert out.token_ids == ref.token_ids
@@ -115,14 +118,21 @@ def test_local_stages_structured_output_matches_single_engine(deep_models):
         assert re.fullmatch(regex, out.text), out.text
 
 
-def test_local_stages_prefix_cache_and_seeded_sampling_match_single_engine(deep_models):
+@pytest.mark.parametrize("cpu_sampling", [True, False], ids=["driver-samples", "last-stage-samples"])
+def test_local_stages_prefix_cache_and_seeded_sampling_match_single_engine(deep_models, cpu_sampling):
+    """Every sampling feature gives the single engine's tokens and logprobs whether the driver samples or the last
+    stage does (seeded draws are made on the driver, from each request's own generator, and travel with the
+    step's parameters)."""
     path, _ = deep_models("qwen3")
     shared = make_prompts(seed=2, lengths=(23,))[0]
     prompts = [shared + tail for tail in make_prompts(seed=3, lengths=(1, 5, 9, 14))]
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=s, ignore_eos=True,
-                             repetition_penalty=1.1, logprobs=2) for s in range(len(prompts))]
+    extras = [{"repetition_penalty": 1.1}, {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+              {"min_tokens": 8, "logit_bias": {7: 3.0, 11: -2.0}}, {"temperature": 0.0, "seed": None}]
+    params = [SamplingParams(**{"max_tokens": 12, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": s,
+                                "logprobs": 2, **extra}) for s, extra in enumerate(extras)]
     single = LLM(str(path), block_size=4).generate(prompts, params)
-    engine = PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2), LocalStageGroup)
+    engine = PipelineEngine(EngineConfig(model=str(path), block_size=4, pipeline_parallel_size=2,
+                                         pp_cpu_sampling=cpu_sampling), LocalStageGroup)
     run_engine(engine, prompts[:1], params[0])  # warms the prefix cache
     outs = run_engine(engine, prompts, params)
     assert engine.stats()["prefix_cache_hit_tokens"] > 0
@@ -131,6 +141,7 @@ def test_local_stages_prefix_cache_and_seeded_sampling_match_single_engine(deep_
         assert [lp.token_id for lp in out.logprobs] == out.token_ids
         for a, b in zip(out.logprobs, ref.logprobs):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 2  # same top ids, in order
 
 
 # ---- Ray stage actors over a compiled graph ----------------------------------------------------------------
@@ -155,7 +166,7 @@ def test_ray_stages_match_hf_through_offline_llm(ray_cluster, deep_models, stage
         llm.check_integrity()
         for prompt, out in zip(prompts, outs):
             assert_matches_hf(hf, prompt, out.token_ids)
-        busy = llm.engine.stage_busy_seconds()
+        busy = llm.engine.runner.stages.busy_seconds()
         assert len(busy) == stages and all(b > 0 for b in busy)
     finally:
         llm.shutdown()
@@ -169,9 +180,12 @@ def test_each_sipipe_technique_off_gives_the_same_tokens(ray_cluster, deep_model
     try:
         for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
             assert_matches_hf(hf, prompt, out.token_ids)
-        if switch == "pp_cpu_sampling":  # the last stage has no per-request sampler state
-            with pytest.raises(ValueError, match="does not support seed"):
-                llm.generate(prompts[:1], SamplingParams(seed=3))
+        if switch == "pp_cpu_sampling":  # the step's sampling parameters travel to the last stage actor
+            seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=1, repetition_penalty=1.2)
+            ref = LLM(str(path), block_size=4).generate(prompts[:1], seeded)[0]
+            out = llm.generate(prompts[:1], seeded)[0]
+            assert out.token_ids == ref.token_ids
+            assert [lp.token_id for lp in out.logprobs] == out.token_ids
     finally:
         llm.shutdown()
 

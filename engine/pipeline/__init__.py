@@ -1,8 +1,9 @@
 """Pipeline parallelism (SiPipe-style): the model's layers split over stages that only run forwards,
-driven by an engine that schedules, samples and commits on the host. See engine/pipeline/engine.py."""
+driven by the engine core through a PipelineRunner. See engine/pipeline/engine.py."""
 
-from engine.pipeline.engine import PipelineEngine, PipelineEngineCore
+from engine.pipeline.engine import PipelineEngine, pipeline_runner
 from engine.pipeline.local import LocalStageGroup
 from engine.pipeline.stage import StageBatch, StageSpec, StageWorker, split_layers
 
-__all__ = ["LocalStageGroup", "PipelineEngine", "PipelineEngineCore", "StageBatch", "StageSpec", "StageWorker", "split_layers"]
+__all__ = ["LocalStageGroup", "PipelineEngine", "StageBatch", "StageSpec", "StageWorker", "pipeline_runner",
+           "split_layers"]

@@ -1,9 +1,14 @@
 """The driver's side of a pipeline-parallel engine: plans go out to the stages, logits come back, the
-driver samples them on its CPU (SiPipe's CPU sampling, so the last stage is not the straggler).
+driver samples them on its CPU (SiPipe's CPU sampling, so the last stage is not the straggler); or the last
+stage samples on the parameters sent with the step and only token ids (and their logprobs) come back
+(pp_cpu_sampling; the default is the driver on CPU stages, the last stage on GPU stages).
 
-It keeps the ModelRunner's step interface (launch / finalize / wait) and reuses its host-input assembly,
-sampling job and result reading; what differs is where the forward runs. One DecodeSlot per microbatch in
-flight (one per stage) holds the returned logits, the sampled tokens and the host buffers the commit reads.
+It is the engine core's runner (engine/step_runner.py: launch / finalize / wait) and reuses its host-input
+assembly, sampling job and result reading; what differs is where the forward runs. One DecodeSlot per
+microbatch in flight (one per stage) holds the returned logits, the sampled tokens and the host buffers the
+commit reads. Nothing is sampled until the step's commit waits for it (`wait`): microbatches in flight are
+disjoint, so the sampling inputs are as current then as right after launch, and `finalize` (called right after
+launch) has nothing to do.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from engine.models.decoder import ModelSpec
 from engine.pipeline.stage import StageBatch
 from engine.sampler import SamplingBatch
 from engine.scheduler import SchedulerOutput
-from engine.slot import DecodeSlot, Step
+from engine.slot import DecodeSlot, Step, StepResult
 from engine.step_buffers import BufferLimits
-from engine.step_runner import StepRunner
+from engine.step_runner import StepRunner, host_rows
 
 
 class StageGroup(Protocol):
@@ -45,46 +50,71 @@ class StageGroup(Protocol):
 
 
 class PipelineRunner(StepRunner):
-    """Driver-side runner: no model, no KV cache (the stages hold those); the driver samples on its CPU."""
+    """Driver-side runner: no model, no KV cache (the stages hold those); samples on the driver or the last stage."""
 
     one_step_per_seq = True  # microbatches in flight are disjoint: a step never reads an uncommitted token
 
-    def __init__(self, config: EngineConfig, spec: ModelSpec, stages: StageGroup, limits: BufferLimits):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, stages: StageGroup, limits: BufferLimits,
+                 sample_on_stage: bool):
         super().__init__(config, spec, torch.device("cpu"), limits, InlineExecutor(),
                          num_slots=stages.num_stages)
         self.stages = stages
+        self.num_kv_blocks = stages.num_kv_blocks
         self.backend_name = stages.description
         self.offloader = self.graphs = None
-        self.sample_on_stage = not config.pp_cpu_sampling
+        self.sample_on_stage = sample_on_stage  # the last stage samples (engine/pipeline/engine.py)
 
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None = None) -> Step:
         """Send a planned microbatch down the pipeline. Every token it reads is committed already: the
         pipeline engine never schedules a sequence that is still in flight."""
         step = self._new_step(sched, slot)
         self._stage(step)
-        sampling = (SamplingBatch.build([c.seq for c in step.sample_chunks], self.device)
-                    if self.sample_on_stage and step.sample_chunks else None)
+        sampling = None
+        if self.sample_on_stage and step.sample_chunks:  # every parameter travels: the stage keeps no request state
+            sampling = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, draw_seeded=True)
+            step.num_logprobs = sampling.num_logprobs
         self.executor.mark(step.id, FWD_START)
         step.forward = self.stages.submit(StageBatch(step.id, slot.inputs.snapshot(), sampling))
         return step
 
     def finalize(self, step: Step) -> None:
+        """Nothing yet: the step is sampled when its commit waits for it (the module's docstring)."""
+
+    def wait(self, step: Step) -> StepResult:
+        self._receive(step)
+        return super().wait(step)
+
+    def _receive(self, step: Step) -> None:
         """Wait for the step's logits, then sample them here (or take the tokens the last stage sampled)."""
         try:
             out = step.forward.result()
-        except Exception as exc:  # delivered at wait(), which fails the step's requests
+        except Exception as exc:  # raised by wait(), which fails the step's requests
             step.error = exc
             return
         self.executor.mark(step.id, FWD_END)
         n = len(step.sample_chunks)
-        if self.sample_on_stage:  # the tokens came back sampled: only the commit's host buffer to fill
+        if self.sample_on_stage:  # the tokens came back sampled: only the commit's host buffers to fill
             self.executor.mark(step.id, SAMPLE_START)
-            step.slot.host_sampled[:n].copy_(out)
+            slot, k = step.slot, step.num_logprobs
+            tokens, logprobs, top_ids, top_logprobs = out if isinstance(out, tuple) else (out, None, None, None)
+            slot.host_sampled[:n].copy_(tokens)
+            if logprobs is not None:
+                slot.host_logprobs[:n].copy_(logprobs)
+            if top_ids is not None:
+                host_rows(slot.host_top_ids, n, k).copy_(top_ids)
+                host_rows(slot.host_top_logprobs, n, k).copy_(top_logprobs)
             self.executor.mark(step.id, SAMPLE_END)
             return
         if n:
             step.slot.logits[:n].copy_(out)
         super().finalize(step)
+
+    def health_error(self) -> str | None:
+        return None if self.stages.healthy() else f"a pipeline stage failed: {self.stages.error!r}"
+
+    def stats(self) -> dict:
+        return {"pipeline_parallel_size": self.stages.num_stages,
+                "microbatches_in_flight": sum(slot.busy for slot in self.slots)}
 
     def shutdown(self) -> None:
         self.stages.shutdown()

@@ -55,7 +55,7 @@ class StageSpec:
     # receiver knows shape and dtype in advance and takes the step's rows by the token count it already has
     # from its StageBatch. False: a dict with the tensor and its metadata (structure-unaware).
     structure_aware: bool = True
-    sample_on_stage: bool = False  # last stage samples (the ablation of SiPipe's CPU sampling)
+    sample_on_stage: bool = False  # the last stage samples (EngineConfig.pp_cpu_sampling off)
     seed: int = 0
     # TP x PP (engine/tp/stage.py): the stage's layers sharded over this many ranks; `tp` says which rank this
     # worker is and where its group meets (filled in by the stage group, which opens the rendezvous).
@@ -78,7 +78,7 @@ class StageBatch:
 
     step_id: int
     inputs: StagedStep
-    sampling: SamplingBatch | None = None  # built on the driver, plain rows only (sample_on_stage)
+    sampling: SamplingBatch | None = None  # built on the driver, every feature (sample_on_stage)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -226,13 +226,20 @@ class StageWorker:
         buf[:x.shape[0]].copy_(x)
         return buf  # [max_tokens, hidden]: always the same shape and dtype
 
-    def _last_stage_output(self, rows: torch.Tensor, version: int) -> torch.Tensor:
-        out = self.model.logits(rows)  # [rows, vocab] float32: `rows` are the sampled rows' hidden states
-        if self.sampler is not None:
-            batch = self.sampling[version]  # None for a step with no sampling rows (a mid-prompt chunk)
-            out = self.sampler(out, batch.to(self.device)).tokens if batch is not None else \
-                torch.empty(0, dtype=torch.long, device=self.device)
-        return out.cpu()  # sync-ok: the driver samples (or commits) on the host, over Ray; a no-op on cpu
+    def _last_stage_output(self, rows: torch.Tensor, version: int):
+        """float32 logits [rows, vocab] of the sampled rows for the driver to sample; or, when this stage samples,
+        the token ids [rows], with (logprobs, top ids, top logprobs) after them when the step asks for any."""
+        out = self.model.logits(rows)  # `rows` are the sampled rows' hidden states
+        if self.sampler is None:
+            return out.cpu()  # sync-ok: the driver samples on the host, over Ray; a no-op on cpu
+        batch = self.sampling[version]  # None for a step with no sampling rows (a mid-prompt chunk)
+        if batch is None:
+            return torch.empty(0, dtype=torch.long)
+        sampled = self.sampler(out, batch.to(self.device))
+        if batch.num_logprobs < 0:
+            return sampled.tokens.cpu()  # sync-ok: the driver commits on the host
+        return tuple(None if t is None else t.cpu() for t in  # sync-ok: as above
+                     (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs))
 
     def run(self, batch: StageBatch, hidden: torch.Tensor | None) -> torch.Tensor:
         """prepare + forward in one call (the transport without token-safe execution)."""

@@ -94,7 +94,10 @@ class TPModelRunner(ModelRunner):
         if copies:
             self.comm.broadcast(torch.tensor(copies, dtype=torch.long))
 
-    def group_error(self) -> str | None:
+    def is_fatal(self, exc: BaseException) -> bool:
+        return isinstance(exc, TensorParallelError)  # the group is in an unknown state: no step can follow
+
+    def health_error(self) -> str | None:
         """Why the group cannot serve (None while it can): a failed step, or a worker that has exited."""
         if self.error is not None:
             return f"tensor-parallel group failed: {self.error!r}"
