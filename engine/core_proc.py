@@ -28,6 +28,7 @@ import pickle
 import signal
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import zmq
@@ -42,6 +43,7 @@ STATS_PERIOD_S = 0.05  # while busy, the stats snapshot goes out at most this of
 SUMMARY_PERIOD_S = 0.5
 SUMMARY_MAX_HASHES = 4096
 IDLE_POLL_MS = 500  # while idle: how often the loop checks that its parent is alive
+LOADING_POLL_MS = 5  # while only adapter loads are pending: how often the loop looks for a finished one
 HEARTBEAT_S = 0.25  # a busy core whose step produced nothing still reports this often (progress, stats)
 
 
@@ -96,12 +98,19 @@ class CoreLoop:
         self.core, self.inp, self.out, self.parent = core, inp, out, parent
         self.encoder = msgspec.msgpack.Encoder()
         self._stats_time = self._summary_time = self._sent_time = 0.0
+        # Requests under a LoRA adapter are built on this thread (an adapter's first use reads it from disk,
+        # which must not stall the loop's steps): request id -> (the Future of its sequence, its params).
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-lora-load")
+        self._loading: dict[str, tuple[Future, object]] = {}
 
     def run(self) -> None:
         core, poller = self.core, zmq.Poller()
         poller.register(self.inp, zmq.POLLIN)
         while True:
             busy = core.has_unfinished()
+            if not busy and self._loading:  # only adapter loads pending: look again soon, not at the idle poll
+                poller.poll(LOADING_POLL_MS)
+                busy = True
             if not busy:
                 self._send([], force=True)
                 if not poller.poll(IDLE_POLL_MS):
@@ -111,6 +120,8 @@ class CoreLoop:
             outputs = []
             if not self._drain_inbox(outputs):
                 return
+            if self._loading:
+                outputs += self._add_loaded()
             if core.has_unfinished():
                 outputs += core.step()
             self._send(outputs)
@@ -125,16 +136,39 @@ class CoreLoop:
             if kind == "add":
                 outputs += self._add(*arg)
             elif kind == "abort":
+                loading = self._loading.pop(arg, None)
+                if loading is not None:  # never queued: nothing to free, and its caller is gone
+                    loading[0].cancel()
                 outputs += core.abort(arg)
             elif kind == "finish":
                 core.finish([tuple(k) if isinstance(k, list) else k for k in arg], "stop")
             elif kind == "shutdown":
+                self._loader.shutdown(wait=False, cancel_futures=True)
                 return False
 
     def _add(self, request_id, ids, params, lora_request, arrival_time) -> list[CoreOutput]:
-        """Queue a request; one the core refuses comes back as a rejected output (the frontend raises it)."""
+        """Queue a request; one the core refuses comes back as a rejected output (the frontend raises it).
+        One under an adapter is built on the loader thread and queued when it is ready (_add_loaded)."""
+        if lora_request is not None:
+            self._loading[request_id] = (self._loader.submit(
+                self.core.make_sequence, ids, params, request_id, lora_request, arrival_time=arrival_time), params)
+            return []
+        return self._queue(request_id, params, lambda: self.core.make_sequence(
+            ids, params, request_id, None, arrival_time=arrival_time))
+
+    def _add_loaded(self) -> list[CoreOutput]:
+        """Queue the requests whose adapters are loaded, in arrival order among themselves."""
+        outputs = []
+        for request_id, (fut, params) in list(self._loading.items()):
+            if not fut.done():
+                break
+            del self._loading[request_id]
+            outputs += self._queue(request_id, params, fut.result)
+        return outputs
+
+    def _queue(self, request_id: str, params, make) -> list[CoreOutput]:
         try:
-            seq = self.core.make_sequence(ids, params, request_id, lora_request, arrival_time=arrival_time)
+            seq = make()
             self.core.add_sequence(seq)
         except (ValueError, RuntimeError) as exc:
             n = getattr(params, "n", 1)

@@ -261,7 +261,10 @@ def test_paced_streams_merge_commits_and_never_hold_the_first_output_or_the_fini
             assert times[0] - outs[0].first_token_time < interval / 2
             gaps = [b - a for a, b in zip(times, times[1:-1])]  # the finish may follow sooner
             assert all(g >= interval - 0.005 for g in gaps), gaps
-            assert len(outs) < max_tokens // 4 and max(len(o.delta_token_ids) for o in outs) > 1
+            # at most one output per interval (plus the first and the finish), and commits merged into them: not a
+            # fixed count, which would assume how fast this machine makes tokens
+            assert len(outs) <= (times[-1] - times[0]) / interval + 2 and len(outs) < max_tokens
+            assert max(len(o.delta_token_ids) for o in outs) > 1
             finish = outs[-1].finish_time
             held_finishes.append((times[-2] + interval - finish, times[-1] - finish))
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -266,3 +267,48 @@ def test_adapter_slots_lru_never_evicts_a_held_adapter():
     slots.check_integrity([sc])
     with pytest.raises(AssertionError):
         slots.check_integrity([])
+
+
+def test_adapters_in_the_engine_core_process_match_peft(adapters):
+    """The core in a process of its own builds a request under an adapter off its loop (the adapter's first use
+    reads it from disk) and queues it when loaded: the tokens are PEFT's; a request aborted while its adapter
+    loads is never queued; an unknown adapter is refused."""
+    import asyncio
+
+    from engine.async_engine import AsyncLLM
+    from engine.config import EngineConfig
+
+    path, hf, built = adapters("llama")
+    prompts = make_prompts(seed=11, lengths=(5, 9, 13))
+    loras = ["attn8", None, "mlp16"]
+    llm = AsyncLLM(EngineConfig(model=str(path), lora_modules={n: str(d) for n, (d, _) in built.items()},
+                                max_lora_rank=64, block_size=4, max_num_batched_tokens=16), core_process=True)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+
+    async def run(prompt, lora, params=params):
+        final = None
+        async for out in llm.generate(prompt, params, lora_request=lora):
+            final = out
+        return final.token_ids
+
+    async def abandon(prompt, lora):  # long enough to still run at the end, had it been queued after all
+        task = asyncio.create_task(run(prompt, lora, SamplingParams(max_tokens=1500, ignore_eos=True)))
+        await asyncio.sleep(0)  # submitted, its adapter still loading
+        task.cancel()
+
+    async def main():
+        await abandon(prompts[0], "all64")
+        return await asyncio.gather(*(run(p, lora) for p, lora in zip(prompts, loras)))
+
+    try:
+        for prompt, lora, ids in zip(prompts, loras, asyncio.run(main())):
+            assert_matches_hf(oracle(hf, built, lora), prompt, ids)
+        with pytest.raises(ValueError, match="nope"):
+            asyncio.run(run(prompts[0], "nope"))
+        deadline = time.monotonic() + 1.0  # the core's stats reach the frontend every 50 ms
+        while time.monotonic() < deadline and llm.stats().num_running:
+            time.sleep(0.05)
+        s = llm.stats()
+        assert (s.num_running, s.num_waiting, s.kv_blocks_free) == (0, 0, s.kv_blocks_total)
+    finally:
+        llm.shutdown()
