@@ -111,6 +111,12 @@ def rows() -> list[tuple[str, list[Panel]]]:
                   ((mean(m.BATCH_SIZE), "mean"), (quantile(0.95, m.BATCH_SIZE), "p95"))),
             Panel("Tokens per step", "Tokens computed per step (prefill chunks + decodes).",
                   ((mean(m.STEP_TOKENS), "mean"), (quantile(0.95, m.STEP_TOKENS), "p95"))),
+            Panel("Speculative decoding: acceptance", "Share of draft tokens accepted, and mean tokens a "
+                  "verifying decode yields (accepted drafts + its own token).",
+                  ((f"{rate(m.SPEC_ACCEPTED)} / {rate(m.SPEC_DRAFTS)}", "acceptance rate"),
+                   (f"1 + {rate(m.SPEC_ACCEPTED)} / {rate(m.SPEC_VERIFIES)}", "mean acceptance length"))),
+            Panel("Speculative tokens / s", "Draft tokens proposed and accepted per second.",
+                  ((rate(m.SPEC_DRAFTS), "drafted"), (rate(m.SPEC_ACCEPTED), "accepted")), unit="ops"),
         ]),
         ("Pipeline and GPU bubble", [
             Panel("GPU busy fraction", "Share of step time the device computes (forward + sampling) while "

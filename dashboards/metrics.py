@@ -132,6 +132,10 @@ OFFLOADS = _t("tandem_offloads_total", "Preemptions that offloaded KV blocks to 
 SWAP_INS = _t("tandem_swap_ins_total", "Offloaded requests swapped back onto the device.")
 SOFT_RESETS = _t("tandem_soft_resets_total", "Preemptions that freed KV blocks (recomputed later).")
 STEPS = _t("tandem_engine_steps_total", "Engine steps committed.")
+SPEC_DRAFTS = _t("tandem_spec_decode_draft_tokens_total", "Speculative draft tokens verified.")
+SPEC_ACCEPTED = _t("tandem_spec_decode_accepted_tokens_total", "Speculative draft tokens accepted.")
+SPEC_VERIFIES = _t("tandem_spec_decode_verify_chunks_total",
+                   "Decodes that verified drafts (each also yields one token of its own).")
 
 # ---- the engine replicas: current state ---------------------------------------------------------------------
 WAITING = _g("tandem_num_requests_waiting", "Requests queued in the engine, not yet started.")
@@ -157,7 +161,7 @@ STEP_TOKENS = _h("tandem_step_tokens", "Tokens computed per step (prefill chunks
 
 INGRESS_METRICS = (REQUESTS, QUEUE_TIME, TTFT, ITL, E2E)
 ENGINE_TOTALS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIED, PREFIX_HITS, PREEMPTIONS, OFFLOADS,
-                 SWAP_INS, SOFT_RESETS, STEPS)
+                 SWAP_INS, SOFT_RESETS, STEPS, SPEC_DRAFTS, SPEC_ACCEPTED, SPEC_VERIFIES)
 ENGINE_GAUGES = (WAITING, RUNNING, SWAPPED, KV_USAGE, KV_BLOCKS)
 STEP_HISTOGRAMS = (STEP_PERIOD, STEP_FORWARD, STEP_SAMPLE, STEP_BUBBLE, STEP_BUSY, BATCH_SIZE, STEP_TOKENS)
 ALL_METRICS = INGRESS_METRICS + ENGINE_TOTALS + ENGINE_GAUGES + STEP_HISTOGRAMS
@@ -168,7 +172,8 @@ TOTAL_STATS_KEYS = {
     PROMPT_TOKENS: "prompt_tokens", GENERATION_TOKENS: "generation_tokens",
     PREFIX_QUERIED: "prefix_cache_queried_tokens", PREFIX_HITS: "prefix_cache_hit_tokens",
     PREEMPTIONS: "num_preemptions", OFFLOADS: "num_offloads", SWAP_INS: "num_swap_ins",
-    SOFT_RESETS: "num_soft_resets", STEPS: "steps",
+    SOFT_RESETS: "num_soft_resets", STEPS: "steps", SPEC_DRAFTS: "spec_draft_tokens",
+    SPEC_ACCEPTED: "spec_accepted_tokens", SPEC_VERIFIES: "spec_verify_chunks",
 }
 
 

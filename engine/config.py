@@ -112,6 +112,9 @@ class EngineConfig:
     lora_dir: str | None = None
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Speculative decoding (engine/spec_decode.py), vLLM's names: {"method": "ngram", "num_speculative_tokens": K,
+    # "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}. None: off.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         model = str(self.model) if self.model is not None else str(DEFAULT_MODEL_DIR)
@@ -181,6 +184,7 @@ class EngineConfig:
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         self._check_lora()
+        self._check_speculative()
         if not os.path.isdir(model):
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
                              f"tokenizer files); {model!r} is not a directory")
@@ -212,6 +216,22 @@ class EngineConfig:
         if unsupported:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported with "
                              f"{'; '.join(unsupported)}")
+
+    def speculative(self):
+        """speculative_config as an engine.spec_decode.SpeculativeConfig (None when off)."""
+        from engine.spec_decode import SpeculativeConfig
+
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+
+    def _check_speculative(self) -> None:
+        if self.speculative_config is None:
+            return
+        self.speculative()  # raises ValueError naming a bad field
+        where = [name for name, on in (("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+                                       ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                                       ("device='sim'", self.device == "sim")) if on]
+        if where:
+            raise ValueError(f"speculative_config is not supported with {', '.join(where)} yet")
 
     def _check_lora(self) -> None:
         """LoRA fields; enable_lora is implied by an adapter source."""

@@ -147,7 +147,8 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    policy=config.scheduler, admission_margin=config.admission_margin,
                                    cpu_pool=self.cpu_pool, one_step_per_seq=self.runner.one_step_per_seq,
-                                   lora_slots=self.lora_slots, caching=config.enable_prefix_caching)
+                                   lora_slots=self.lora_slots, caching=config.enable_prefix_caching,
+                                   speculative=config.speculative())
         self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
                                                   sorted(self.eos_token_ids))
         self.requests: dict[str | tuple[str, int], Sequence] = {}  # by Sequence.key

@@ -27,6 +27,7 @@ from engine.config import SCHEDULER_POLICIES
 from engine.cpu.block_pool import CpuBlockPool
 from engine.outputs import TokenLogprob
 from engine.sequence import Sequence, SeqStatus
+from engine.spec_decode import SpeculativeConfig, propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,14 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
     parent: ScheduledChunk | None = None
+    # Speculative decoding (engine/spec_decode.py): the draft tokens this chunk verifies after its first position;
+    # each of its num_tokens = 1 + len(draft) positions is a sampling row.
+    draft: list[int] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Sampling rows the chunk has."""
+        return (1 + len(self.draft) if self.draft else 1) if self.samples else 0
 
 
 @dataclass(slots=True)
@@ -69,6 +78,14 @@ class SchedulerOutput:
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Whether a sequence's decode may carry drafts (engine/spec_decode.py): not under a grammar or
+    allowed_token_ids (their matcher advances a token at a time, at commit), penalties, or a min_tokens still to
+    reach (both read the output so far at every row, and a row after a draft would not see it)."""
+    p = seq.params
+    return not (p.constrained or p.needs_penalties or (p.min_tokens and seq.num_output_tokens < p.min_tokens))
 
 
 class Scheduler:
@@ -98,7 +115,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None,
-                 one_step_per_seq: bool = False, lora_slots=None, caching: bool | None = None):
+                 one_step_per_seq: bool = False, lora_slots=None, caching: bool | None = None,
+                 speculative: SpeculativeConfig | None = None):
         if policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
         self.bm = block_manager
@@ -128,8 +146,19 @@ class Scheduler:
         self.num_forks = 0  # n > 1 siblings forked off a computed prompt (its prefill not repeated)
         self.num_cow_copies = 0  # shared blocks copied before a write
         self._caching = block_manager.enable_prefix_caching if caching is None else caching
-        # Committed tokens, rows that rode along after their request finished, tokens a grammar accepted.
-        self.counters = {"generation_tokens": 0, "zombie_rows": 0, "constrained_tokens": 0}
+        # Speculative decoding (engine/spec_decode.py): None is off. `_spec_on`: it runs in the step being planned.
+        self.speculative = speculative
+        self._spec_on = False
+        # Running sequences above which no step speculates: disable_by_batch_size, or by default the most whose
+        # every decode still fits K drafts in a step's sampling rows (max_num_seqs), so a full batch keeps the
+        # two-slot pipeline instead of waiting on commits for drafts that could not fit.
+        if speculative is not None:
+            self._spec_batch_limit = speculative.disable_by_batch_size or \
+                max(1, max_num_seqs // (1 + speculative.num_speculative_tokens))
+        # Committed tokens, rows that rode along after their request finished, tokens a grammar accepted; draft
+        # tokens proposed and accepted, and the chunks that verified drafts.
+        self.counters = {"generation_tokens": 0, "zombie_rows": 0, "constrained_tokens": 0,
+                         "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_verify_chunks": 0}
 
     # ---- queue management ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -180,7 +209,14 @@ class Scheduler:
             seq.inflight_refs -= 1
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = step.launch_time
-            if c.samples:
+            if c.draft:
+                seq.num_pending -= 1
+                if seq.finalized:
+                    zombies += 1
+                else:
+                    generated += self._verify(c, tokens, result, row)
+                row += 1 + len(c.draft)
+            elif c.samples:
                 seq.num_pending -= 1
                 if seq.finalized:
                     zombies += 1  # rode along after finishing: nothing to commit
@@ -193,6 +229,28 @@ class Scheduler:
         self.counters["generation_tokens"] += generated
         self.counters["zombie_rows"] += zombies
         return changed
+
+    def _verify(self, c: ScheduledChunk, tokens: list[int], result, row: int) -> int:
+        """Commit a chunk that verified drafts (engine/spec_decode.py): the rows' tokens up to and including the
+        first that differs from the draft it checked (all k + 1 when every draft held). The computed length goes
+        back to the accepted prefix first, so no block holding a rejected position's KV is ever hashed.
+        Returns the tokens committed."""
+        seq, draft = c.seq, c.draft
+        k, accepted = len(draft), 0
+        while accepted < k and tokens[row + accepted] == draft[accepted]:
+            accepted += 1
+        seq.num_computed = c.start + 1 + accepted  # the committed token at `start` and the accepted drafts
+        self.counters["spec_draft_tokens"] += k
+        self.counters["spec_accepted_tokens"] += accepted
+        self.counters["spec_verify_chunks"] += 1
+        committed = 0
+        for i in range(accepted + 1):
+            if not self._append_token(seq, tokens[row + i], result, row + i):
+                break
+            committed += 1
+            if seq.finish_reason is not None:  # EOS, a stop token or the length cap among them: the rest is dropped
+                break
+        return committed
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence: finalized, out of the queues, its blocks freed now or when its steps drain."""
@@ -249,6 +307,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = [self.max_num_batched_tokens]
         self._starved = False
+        spec = self.speculative
+        self._spec_on = spec is not None and len(self.running) <= self._spec_batch_limit
         decodes, prefills = self._split_running()
         if self.policy == "fifo":
             self._schedule_decodes(decodes, out, budget)
@@ -260,6 +320,8 @@ class Scheduler:
             self._swap_in(out, budget)
             self._admit_waiting(out, budget)
             self._schedule_decodes(decodes, out, budget)
+        if self._spec_on and out:
+            self._add_drafts(out, budget)
         if out:  # copies ride with the next step that runs; until then nothing reads the blocks involved
             out.swaps, self._swaps = self._swaps, []
             if self._copies:
@@ -271,15 +333,50 @@ class Scheduler:
     def _schedulable(self, seq: Sequence) -> bool:
         # A sequence whose pending token reaches its length cap is done once that token commits: skip the
         # step that would only compute KV nobody reads (no zombie for length-capped requests).
-        if self.one_step_per_seq and seq.inflight_refs:
+        if seq.inflight_refs and (self.one_step_per_seq or self._waits_to_speculate(seq)):
             return False
         return not (seq.finalized or seq.preempted) and seq.num_total < seq.max_total_len
+
+    def _waits_to_speculate(self, seq: Sequence) -> bool:
+        """A decoding sequence that speculates waits for its in-flight step's commit: its drafts come from its
+        committed tokens, and where its next position is depends on how many the commit accepts."""
+        return self._spec_on and seq.num_computed >= len(seq.prompt_token_ids) and can_speculate(seq)
+
+    def _add_drafts(self, out: SchedulerOutput, budget: list[int]) -> None:
+        """Give the planned one-token decodes of speculating sequences their n-gram drafts, within the token
+        budget, the sampling rows of a step (max_num_seqs: the slot buffers' rows) and the free blocks (never
+        preempting anyone for a draft)."""
+        spec, bm = self.speculative, self.bm
+        rows = sum(1 for c in out.chunks if c.samples) + len(out.forks)
+        for c in out.chunks:
+            room = min(spec.num_speculative_tokens, budget[0], self.max_num_seqs - rows)
+            if room < 1:
+                return
+            seq = c.seq
+            if c.num_tokens != 1 or not c.samples or seq.inflight_refs != 1 or c.start != len(seq.token_ids) - 1 \
+                    or not can_speculate(seq):
+                continue  # a prompt chunk, a sequence also in flight elsewhere, or one that cannot speculate
+            room = min(room, seq.max_total_len - len(seq.token_ids) - 1)  # its last row's token ends it at most
+            draft = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max) \
+                if room > 0 else []
+            if not draft:
+                continue
+            k = len(draft)
+            if bm.blocks_needed(seq, seq.num_computed + k) > bm.num_free - self.margin_blocks:
+                continue
+            ok = bm.allocate(seq, seq.num_computed + k)
+            assert ok, "the free blocks were checked"
+            c.num_tokens, c.draft = 1 + k, draft
+            seq.num_computed += k
+            budget[0] -= k
+            out.num_tokens += k
+            rows += k
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """The schedulable running sequences: decodes (Sequence.is_decoding) and the rest, in running order.
         Inlined _schedulable and is_decoding: this runs over every running sequence every step."""
         decodes, prefills = [], []
-        one_step = self.one_step_per_seq
+        one_step, spec = self.one_step_per_seq, self._spec_on
         for s in self.running:
             if (one_step and s.inflight_refs) or s.finalized or s.preempted:
                 continue
@@ -287,6 +384,8 @@ class Scheduler:
             if total >= s.max_total_len:
                 continue
             if total - s.num_computed == 1 and s.num_computed >= len(s.prompt_token_ids):
+                if spec and s.inflight_refs and can_speculate(s):
+                    continue  # waits for its commit (_waits_to_speculate)
                 decodes.append(s)
             else:
                 prefills.append(s)

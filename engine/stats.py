@@ -67,6 +67,10 @@ class EngineStats:
     requests_finished: int
     zombie_rows: int
     constrained_tokens: int
+    # speculative decoding (engine/spec_decode.py): draft tokens verified, those accepted, chunks that verified
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_verify_chunks: int
     # ---- host time of the loop by phase (engine.core.HOST_PHASES): seconds, and microseconds per step
     host_schedule_s: float
     host_prepare_s: float

@@ -152,6 +152,7 @@ class StepBuffers:
         s = len(chunks)
         rows, starts, lens, ids, gdst, gsrc, logits = [], [], [], [], [], [], []
         t = 0
+        parent_rows = {}  # id(chunk) -> its logits row, for forks
         for c in chunks:
             seq, start, k = c.seq, c.start, c.num_tokens
             rows.append(tables.row(seq))
@@ -159,6 +160,12 @@ class StepBuffers:
             lens.append(k)
             known = len(seq.token_ids)
             end = start + k
+            if c.draft:  # its committed last token, then the drafts; every position is a sampling row
+                ids.append(seq.token_ids[start])
+                ids.extend(c.draft)
+                logits.extend(range(t, t + k))
+                t += k
+                continue
             if end <= known:
                 if k == 1:
                     ids.append(seq.token_ids[start])
@@ -172,11 +179,12 @@ class StepBuffers:
                 gsrc.append(seq.pending_src[1])
             t += k
             if c.samples:
+                if forks:
+                    parent_rows[id(c)] = len(logits)
                 logits.append(t - 1)
         if forks:
-            sampled = [c for c in chunks if c.samples]
-            logits += [logits[next(i for i, c in enumerate(sampled) if c is f.parent)] for f in forks]
-        if t > lim.max_tokens or s + len(forks) > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
+            logits += [logits[parent_rows[id(f.parent)]] for f in forks]
+        if t > lim.max_tokens or len(logits) > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
             raise ValueError(f"step of {t} tokens / {s} sequences exceeds the slot buffers {lim}")
         if self.lora:
             slots = np.fromiter((c.seq.lora_slot for c in chunks), np.int32, s)

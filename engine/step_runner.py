@@ -83,8 +83,10 @@ class StepRunner:
         raise NotImplementedError
 
     def _new_step(self, sched: SchedulerOutput, slot: DecodeSlot) -> Step:
-        step = Step(self._next_step_id, slot, sched.chunks, [c for c in sched.chunks if c.samples],
-                    sched.num_tokens, time.monotonic())
+        # One entry per sampling row: a chunk verifying k drafts has k + 1 rows (engine/spec_decode.py).
+        rows = [c for c in sched.chunks for _ in range(c.num_rows)] if any(c.draft for c in sched.chunks) \
+            else [c for c in sched.chunks if c.samples]
+        step = Step(self._next_step_id, slot, sched.chunks, rows, sched.num_tokens, time.monotonic())
         if sched.forks:
             step.forks = sched.forks
             step.sample_chunks += sched.forks

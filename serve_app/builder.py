@@ -194,8 +194,9 @@ class AppConfig(BaseModel):
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}; valid app fields: {sorted(cls.model_fields)}; "
                              f"valid engine fields: {sorted(_ENGINE_FIELDS)}")
-        # `serve run ... block_size=32` passes strings: coerce engine fields to their declared types.
-        data["engine"] = {k: TypeAdapter(_ENGINE_TYPES[k]).validate_python(v) for k, v in engine.items()}
+        # `serve run ... block_size=32` passes strings: coerce engine fields to their declared types (a dict such as
+        # speculative_config='{"method": "ngram", ...}' or lora_modules as JSON).
+        data["engine"] = {k: _coerce(_ENGINE_TYPES[k], v) for k, v in engine.items()}
         return data
 
     @model_validator(mode="after")
@@ -227,6 +228,13 @@ class AppConfig(BaseModel):
     def colocated_on(self, device: str) -> bool:
         """Whether the app is built colocated on `device` (a resolved one: cpu, cuda or sim)."""
         return self.colocated if self.colocated is not None else colocated_by_default(self, device)
+
+
+def _coerce(declared, value):
+    adapter = TypeAdapter(declared)
+    if isinstance(value, str) and value.lstrip()[:1] == "{" and "dict" in str(declared):
+        return adapter.validate_json(value)
+    return adapter.validate_python(value)
 
 
 def colocated_by_default(cfg: AppConfig, device: str) -> bool:

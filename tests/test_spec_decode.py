@@ -1,0 +1,236 @@
+"""Speculative decoding with the n-gram proposer (engine/spec_decode.py).
+
+Oracles: a brute-force search for the proposer; for the engine, the same engine without speculation (itself
+checked against transformers in test_correctness_hf.py): greedy output must be identical token for token, and
+sampled output must have the same distribution (a two-sample chi-square test at every position). Each test also
+checks that drafts were proposed and accepted, so that it really compares speculative steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.spec_decode import SpeculativeConfig, propose_ngram
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _brute_force(ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(ids):
+            continue
+        tail = ids[-n:]
+        for start in range(len(ids) - n - 1, -1, -1):  # most recent earlier occurrence first
+            if ids[start:start + n] == tail:
+                return ids[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(2000):
+        ids = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]  # a small alphabet: many matches
+        k, lo = rng.randrange(1, 6), rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 3)
+        assert propose_ngram(ids, k, lo, hi) == _brute_force(ids, k, lo, hi), (ids, k, lo, hi)
+    assert propose_ngram([1, 2, 3, 9, 1, 2], 3, 1, 3) == [3, 9, 1]  # the longest n wins
+    assert propose_ngram([5, 6, 7], 2, 1, 2) == []
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"method": "eagle"}, "method must be one of ngram"),
+    ({"model": "/some/draft"}, "draft model"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"lookahead": 3}, "unknown field"),
+    ({"disable_by_batch_size": -1}, "disable_by_batch_size"),
+])
+def test_bad_speculative_configs_are_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(speculative_config=bad)
+
+
+def test_unsupported_combinations_are_refused_by_name():
+    for kwargs, what in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+                         ({"device": "sim"}, "device='sim'")):
+        with pytest.raises(ValueError, match=f"speculative_config is not supported with {what}"):
+            EngineConfig(speculative_config=NGRAM, **kwargs)
+    assert SpeculativeConfig.from_dict({}).num_speculative_tokens == 4
+
+
+def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts that repeat a phrase, so n-gram drafts exist from the first decode on."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(3, 512) for _ in range(rng.randrange(3, 9))]
+        prompts.append([rng.randrange(3, 512) for _ in range(rng.randrange(0, 5))] + phrase * rng.randrange(2, 5)
+                       + phrase[:rng.randrange(1, len(phrase))])
+    return prompts
+
+
+def _pair(path, **kw) -> tuple[LLM, LLM]:
+    return LLM(str(path), **kw), LLM(str(path), speculative_config=NGRAM, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "mistral"])
+def test_greedy_output_is_identical_with_chunked_prefill_and_prefix_hits(tiny_model_factory, family):
+    path, _ = tiny_model_factory(family)
+    base, spec = _pair(path, block_size=4, max_num_batched_tokens=32)
+    prompts = _repetitive_prompts(1, 12)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2)
+    ref = base.generate(prompts, params)
+    spec.generate(prompts[:2], params)  # warms the prefix cache: the run below hits it
+    outs = spec.generate(prompts, params)
+    for a, b in zip(ref, outs):
+        assert b.token_ids == a.token_ids
+        assert [lp.token_id for lp in b.logprobs] == b.token_ids  # the accepted tokens' own logprobs
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert [t for t, _ in y.top] == [t for t, _ in x.top]
+    s = spec.stats()
+    assert s.spec_draft_tokens > 0 and s.spec_accepted_tokens > 0, "nothing was speculated"
+    assert s.prefix_cache_hit_tokens > 0
+    spec.check_integrity()
+
+
+@pytest.mark.parametrize("cpu_blocks", [0, 64], ids=["soft-reset", "offload"])
+def test_greedy_output_is_identical_under_preemption(tiny_model_factory, cpu_blocks):
+    path, _ = tiny_model_factory("llama")
+    kw = dict(block_size=4, num_kv_blocks=48, num_cpu_blocks=cpu_blocks, max_num_batched_tokens=64)
+    base, spec = _pair(path, **kw)
+    prompts = _repetitive_prompts(2, 8)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    ref = base.generate(prompts, params)
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    s = spec.stats()
+    assert s.num_preemptions > 0 and s.spec_accepted_tokens > 0
+    assert (s.num_offloads > 0) == bool(cpu_blocks)
+    spec.check_integrity()
+
+
+def test_n_stop_strings_penalties_and_eos_keep_their_meaning(tiny_model_factory):
+    """n > 1 samples speculate each; a stop string, EOS and max_tokens end where they would without drafts;
+    requests with penalties or min_tokens do not speculate and are unchanged."""
+    path, _ = tiny_model_factory("qwen2")
+    base, spec = _pair(path, block_size=4)
+    prompts = _repetitive_prompts(3, 6)
+    text = base.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # a string that occurs in the greedy text
+    cases = [SamplingParams(max_tokens=30, temperature=0.7, seed=5, n=3, ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=0, stop=[stop] if stop.strip() else None),
+             SamplingParams(max_tokens=30, temperature=0),  # EOS ends it (EOS_ID is in the vocabulary)
+             SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+             SamplingParams(max_tokens=30, temperature=0, min_tokens=20)]
+    for params in cases:
+        ref = base.generate(prompts, params)
+        outs = spec.generate(prompts, params)
+        if params.n == 1 or params.seed is None:
+            assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == \
+                   [(o.token_ids, o.text, o.finish_reason) for o in ref], params
+        else:  # seeded sampling: each sample is a draw of the target; same lengths, same ends
+            assert [len(o.token_ids) for o in outs] == [len(o.token_ids) for o in ref]
+    assert spec.stats().spec_accepted_tokens > 0
+    spec.check_integrity()
+
+
+def test_no_speculation_above_disable_by_batch_size(tiny_model_factory):
+    path, _ = tiny_model_factory("llama")
+    llm = LLM(str(path), speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    llm.generate(_repetitive_prompts(4, 6), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    busy = llm.stats().spec_draft_tokens  # six at once: the first steps have more than two running
+    llm.generate(_repetitive_prompts(4, 1), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert llm.stats().spec_draft_tokens > busy  # one running: it speculates
+
+
+def _chi_square_threshold(df: int, z: float = 4.0) -> float:
+    """The chi-square quantile at ~3e-5 upper tail (z standard deviations), by Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_output_keeps_the_target_distribution(tiny_model_factory):
+    """Temperature 1 with a bias toward the prompt's phrase, so drafts are often accepted and often rejected:
+    at every position the token frequencies with speculation match those without (two-sample chi-square,
+    categories under 5 expected pooled). A verification that accepted drafts unchecked, or resampled a rejected
+    row without removing the draft, shifts these frequencies far past the threshold."""
+    path, _ = tiny_model_factory("llama")
+    phrase = [17, 230, 41, 99]
+    prompt = [5, 6] + phrase * 3 + phrase[:2]
+    params = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True,
+                            logit_bias={t: 8.0 for t in phrase})
+    n = 1200
+    base, spec = _pair(path, max_num_seqs=256)
+    counts = []
+    for llm in (base, spec):
+        outs = []
+        for _ in range(n // 40):  # 40 at a time: few enough running that each decode gets its drafts
+            outs += llm.generate([prompt] * 40, params)
+        counts.append([Counter(o.token_ids[i] for o in outs) for i in range(5)])
+    s = spec.stats()
+    assert s.spec_accepted_tokens > n and s.spec_draft_tokens - s.spec_accepted_tokens > n // 4
+    for pos in range(1, 5):  # position 0 comes from the prompt's step, which never speculates
+        a, b = counts[0][pos], counts[1][pos]
+        keys = sorted(set(a) | set(b), key=lambda t: -(a[t] + b[t]))
+        big = [t for t in keys if (a[t] + b[t]) / 2 >= 5]
+        cats = [(a[t], b[t]) for t in big] + [(sum(a[t] for t in keys if t not in big),
+                                               sum(b[t] for t in keys if t not in big))]
+        cats = [c for c in cats if sum(c)]
+        stat = sum((x - y) ** 2 / (x + y) for x, y in cats)  # equal sample sizes
+        assert stat < _chi_square_threshold(len(cats) - 1), (pos, stat, cats[:8])
+
+
+def test_real_model_greedy_is_identical_and_drafts_are_accepted():
+    """SmolLM2-135M (the registry package's GGUF, converted), fp32: asked to repeat a function, its greedy output
+    with drafts equals its output without, and most drafts are accepted."""
+    import inspect
+    import json
+
+    from engine.models.from_gguf import smollm2_dir
+
+    model = str(smollm2_dir())
+    source = inspect.getsource(json.dumps)[:600]
+    prompt = f"Here is a Python function:\n```python\n{source}\n```\nRepeat it exactly:\n```python\n"
+    params = SamplingParams(max_tokens=48, temperature=0)
+    ref = LLM(model, max_model_len=1024).generate([prompt], params)[0]
+    spec = LLM(model, max_model_len=1024, speculative_config=NGRAM)
+    out = spec.generate([prompt], params)[0]
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    s = spec.stats()
+    assert s.spec_accepted_tokens > s.spec_draft_tokens / 3, (s.spec_draft_tokens, s.spec_accepted_tokens)
+
+
+def test_app_arg_and_async_engine(tiny_model_factory):
+    """`serve run ... speculative_config='{...}'` reaches the engine config; AsyncLLM speculates like LLM."""
+    import asyncio
+
+    from engine.async_engine import AsyncLLM
+    from serve_app.builder import AppConfig
+
+    app = AppConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    path, _ = tiny_model_factory("llama")
+    config = EngineConfig(model=str(path), **app.engine)
+    assert config.speculative().num_speculative_tokens == 3
+    with pytest.raises(ValueError, match="method must be one of ngram"):
+        EngineConfig(**AppConfig(speculative_config='{"method": "medusa"}').engine)
+    prompt = _repetitive_prompts(5, 1)[0]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = LLM(str(path)).generate([prompt], params)[0].token_ids
+    llm = AsyncLLM(config)
+
+    async def run():
+        final = None
+        async for out in llm.generate(prompt, params):
+            final = out
+        return final.token_ids
+
+    try:
+        assert asyncio.run(run()) == ref
+        assert llm.stats().spec_draft_tokens > 0
+    finally:
+        llm.shutdown()
