@@ -248,3 +248,19 @@ def test_act_mul_matches_eager(act, dtype, device):
 def test_unsupported_activation_is_named():
     with pytest.raises(ValueError, match="activation 'relu' is not supported; valid: silu, gelu_pytorch_tanh"):
         fk.gate_up_act(torch.zeros(1, 16), torch.zeros(32, 16), None, "relu")
+
+
+def test_kernels_compile_for_hopper():
+    """sm_90 compiles of the fused forward's kernels at real model shapes (no GPU needed), without register
+    spills (LOCAL 0)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compile_kernels.py"
+    res = subprocess.run([sys.executable, str(script), "--arch", "90", "--only", "fused"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "all kernels compiled" in res.stdout and "gate_up_act" in res.stdout
+    rows = [line.split() for line in res.stdout.splitlines() if line and line.split()[-1].isdigit()]
+    assert rows and all(r[-1] == "0" for r in rows), f"register spills: {rows}"

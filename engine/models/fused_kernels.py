@@ -116,8 +116,8 @@ if AVAILABLE:
             xp = _scaled(xp * rstd, wp, UNIT_OFFSET, dtype)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         j = tl.where(first, d, d - HALF)
-        cos = _round(tl.load(cos_ptr + pos * HALF + j, mask=p_ok, other=0.0), dtype)
-        sin = _round(tl.load(sin_ptr + pos * HALF + j, mask=p_ok, other=0.0), dtype)
+        cos = _round(tl.load(cos_ptr + pos * HALF + j, mask=p_ok, other=0.0).to(tl.float32), dtype)
+        sin = _round(tl.load(sin_ptr + pos * HALF + j, mask=p_ok, other=0.0).to(tl.float32), dtype)
         # x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product rounded to the dtype as eager's are
         a = _round(x * cos, dtype)
         b = _round(xp * sin, dtype)
