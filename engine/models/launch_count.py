@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
