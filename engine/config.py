@@ -51,6 +51,11 @@ class EngineConfig:
     seed: int = 0
     # "auto" (flash_attn / triton / torch on cuda, torch on cpu) or a name in engine/attention's registry.
     attention_backend: str = "auto"
+    # The fused forward (engine/models/fused_forward.py: eight kernel launches a decoder layer instead of ~40).
+    # None (auto): on cuda with the triton attention backend, for every family but mixture-of-experts ones;
+    # False: the eager layers; True: required (an error says why it cannot run; on cpu it needs
+    # TRITON_INTERPRET=1 and attention_backend="triton", which only tests want).
+    fused_forward: bool | None = None
     # Fraction of KV blocks kept free before new prefills are held back (HF's safety margin).
     admission_margin: float = 0.05
     # KV pool size when num_kv_blocks is None: a fraction of device memory (cuda); on cpu a fixed byte budget
@@ -146,6 +151,8 @@ class EngineConfig:
         self._check_tensor_parallel()
         if self.cpu_threads is not None:
             _positive("cpu_threads", self.cpu_threads)
+        if self.fused_forward not in (None, True, False):
+            raise ValueError(f"fused_forward must be a boolean or None (auto), got {self.fused_forward!r}")
         if self.cpu_executor_thread not in (None, True, False):
             raise ValueError(f"cpu_executor_thread must be a boolean or None (auto), got {self.cpu_executor_thread!r}")
         if self.pp_cpu_sampling not in (None, True, False):

@@ -1,7 +1,7 @@
-"""Compile the Triton attention and fused-MoE kernels for a GPU target without a GPU (Triton ships its own
-ptxas).
+"""Compile the Triton attention, fused-MoE and fused-forward kernels for a GPU target without a GPU (Triton
+ships its own ptxas).
 
-    python scripts/compile_kernels.py [--arch 90] [--only attention|moe]
+    python scripts/compile_kernels.py [--arch 90] [--only attention|moe|fused]
 
 Catches what the Triton interpreter cannot (type errors in the generated IR, unsupported ops, tl.dot shape
 rules) and prints each variant's registers, spills and shared memory. The CPU test suite runs it; on the GPU
@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from engine.attention import triton_paged as tp  # noqa: E402
+from engine.models import fused_kernels as fk  # noqa: E402
 from engine.models import moe_triton as mt  # noqa: E402
 
 # (label, dtype, head_dim, group, block_size, decode, splits, sliding[, softcap])
@@ -48,6 +49,10 @@ ATTENTION_VARIANTS = [
     ("gemma-2-2b prefill softcap sliding", "bf16", 256, 2, 16, False, 1, True, True),
     ("gemma-3-1b decode sliding", "bf16", 256, 4, 16, True, 1, True),
     ("gemma-3-1b prefill", "bf16", 256, 4, 16, False, 1, False),
+    # the fused forward's one-launch split-K: the last split merges (MERGE_HERE)
+    ("qwen2.5-0.5b decode split, merged here", "bf16", 64, 7, 16, True, 16, False, False, True),
+    ("llama-3.1-8b decode split, merged here", "bf16", 128, 4, 16, True, 16, False, False, True),
+    ("gemma-2-2b decode split softcap, merged", "bf16", 256, 2, 16, True, 8, False, True, True),
 ]
 
 
@@ -66,16 +71,17 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict) -> ASTSource:
 
 
 def attention_variant(dtype: str, head_dim: int, group: int, block_size: int, decode: bool, splits: int,
-                      sliding: bool, softcap: bool = False) -> tuple[ASTSource, int]:
+                      sliding: bool, softcap: bool = False, merge_here: bool = False) -> tuple[ASTSource, int]:
     block_m = tp._dim(group) if decode else tp.prefill_block_m(group, head_dim)
     block_n, _ = tp.launch_config(head_dim, decode)
     cx = dict(NUM_HEADS=group * 2, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tp._dim(head_dim),
               BLOCK_SIZE=block_size, BLOCK_Q=1 if decode else block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
               NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding, SOFTCAP=softcap,
-              PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False)
+              PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False, MERGE_HERE=merge_here)
     ptr = f"*{dtype}"
     pointers = {"q_ptr": ptr, "kc_ptr": ptr, "vc_ptr": ptr, "out_ptr": ptr, "part_acc_ptr": "*fp32",
-                "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32"}
+                "part_ml_ptr": "*fp32", "ticket_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "bt_ptr": "*i32"}
     return _signature(tp._paged_attention_kernel, pointers, cx), tp.launch_config(head_dim, decode)[1]
 
 
@@ -123,6 +129,45 @@ def moe_variant(dtype: str, weights: str, n: int, k: int, top_k: int, gated: boo
     return _signature(mt._moe_gemm_kernel, pointers, cx), num_warps
 
 
+def fused_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
+    """The fused forward's kernels (engine/models/fused_kernels.py) at real shapes, with their launch warps."""
+    def norm(dtype, n, pre, unit):
+        block = fk._pow2(n)
+        ptrs = {k: f"*{dtype}" for k in ("x_ptr", "res_ptr", "pre_w_ptr", "w_ptr", "out_ptr", "stream_ptr")}
+        cx = dict(HAS_RESIDUAL=True, PRE_NORM=pre, UNIT_OFFSET=unit, BLOCK_N=block)
+        return _signature(fk._add_rms_norm_kernel, ptrs | {"eps": "fp32"}, cx), fk._row_warps(block)
+
+    def rope(dtype, h, hkv, d, rot, qk_norm, unit):
+        ptrs = {k: f"*{dtype}" for k in ("qkv_ptr", "qn_ptr", "kn_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
+        ptrs |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"}
+        cx = dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HEAD_DIM=d, HALF=rot // 2, BLOCK_D=fk._pow2(d), BLOCK_SIZE=16,
+                  QK_NORM=qk_norm, UNIT_OFFSET=unit)
+        return _signature(fk._rope_store_kernel, ptrs, cx), 1 if d <= 128 else 2
+
+    def gate_up(dtype, m, n, k, act, bias):
+        block_m, block_n, block_k, warps = fk.gemm_tiles(m, n, k, dtype == "fp32")
+        ptrs = {k_: f"*{dtype}" for k_ in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")}
+        cx = dict(HAS_BIAS=bias, ACT=fk.ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False)
+        return _signature(fk._gate_up_act_kernel, ptrs, cx), warps
+
+    act_mul = _signature(fk._act_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
+                         dict(ACT=0, BLOCK_N=1024)), 4
+    return [("add_rms_norm qwen2.5-0.5b (896)", norm("bf16", 896, False, False)),
+            ("add_rms_norm llama-3.1-8b (4096)", norm("bf16", 4096, False, False)),
+            ("add_rms_norm gemma sandwich (2304)", norm("bf16", 2304, True, True)),
+            ("rope_store qwen2.5-0.5b", rope("bf16", 14, 2, 64, 64, False, False)),
+            ("rope_store llama-3.1-8b", rope("bf16", 32, 8, 128, 128, False, False)),
+            ("rope_store qwen3 q/k norm", rope("bf16", 16, 8, 128, 128, True, False)),
+            ("rope_store gemma-3 256 q/k norm", rope("bf16", 4, 1, 256, 256, True, True)),
+            ("rope_store phi-4-mini partial", rope("bf16", 24, 8, 128, 96, False, False)),
+            ("gate_up_act llama-3.2-1b decode", gate_up("bf16", 1, 8192, 2048, "silu", False)),
+            ("gate_up_act llama-3.2-1b prefill", gate_up("bf16", 512, 8192, 2048, "silu", False)),
+            ("gate_up_act gemma-2-2b decode", gate_up("bf16", 8, 9216, 2304, "gelu_pytorch_tanh", False)),
+            ("gate_up_act fp32 (tests)", gate_up("fp32", 5, 128, 64, "silu", True)),
+            ("act_mul bf16", act_mul)]
+
+
 def resource_usage(cubin: bytes) -> str:
     """REG / STACK / LOCAL (spills) of the kernel, read by the cuobjdump Triton bundles (if present)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -139,14 +184,17 @@ def resource_usage(cubin: bytes) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
-    ap.add_argument("--only", choices=("attention", "moe"), help="compile one group of kernels (default: all)")
+    ap.add_argument("--only", choices=("attention", "moe", "fused"),
+                    help="compile one group of kernels (default: all)")
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     work = []
-    if args.only != "moe":
+    if args.only in (None, "attention"):
         work += [(label, attention_variant(*v)) for label, *v in ATTENTION_VARIANTS] + other_kernels()
-    if args.only != "attention":
+    if args.only in (None, "moe"):
         work += [(label, moe_variant(*v)) for label, *v in MOE_VARIANTS]
+    if args.only in (None, "fused"):
+        work += fused_kernels()
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     print(f"{'kernel variant':38} {'shared B':>8} {'REG':>4} {'STACK':>5} {'LOCAL':>5}")
     for label, (src, num_warps) in work:

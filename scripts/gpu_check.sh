@@ -6,7 +6,9 @@
 #   tests       pytest: Triton kernels vs the PyTorch reference on CUDA (fp32, bf16), the kernels compiled for
 #               sm_90, graph replay vs eager, pipelined vs blocking, fp32 greedy vs HF, no host sync in the
 #               loop, offload dependency ordering (tests/test_attention_kernels.py, test_gpu_runtime.py,
-#               test_runtime_paths.py)
+#               test_runtime_paths.py); the fused forward's kernels against the eager path, its fp32 greedy
+#               against HF with and without graphs, and its CUDA kernels per decoder layer from torch.profiler,
+#               printed (tests/test_fused_kernels.py, test_fused_forward.py)
 #   photon|graphs|throughput|bs1   one benchmark (bench/bench_gpu.py), all three models unless --models ...
 #   bench       the four benchmarks;  all (default): tests, then the four benchmarks
 #
@@ -55,7 +57,14 @@ run_tests() {
     tests/test_moe.py 2>&1 \
     | tee -a "$logs/gpu_tests.log"
   local second=${PIPESTATUS[0]}
-  return $(( first != 0 ? first : second ))
+  # The fused forward (-s: its profiler counts of kernels per layer are printed into the log).
+  "$py" -m pytest -q -s -p no:cacheprovider -rs -m gpu tests/test_fused_kernels.py tests/test_fused_forward.py 2>&1 \
+    | tee -a "$logs/gpu_tests.log"
+  local third=${PIPESTATUS[0]}
+  grep "CUDA kernels per layer" "$logs/gpu_tests.log" || true
+  (( first != 0 )) && return "$first"
+  (( second != 0 )) && return "$second"
+  return "$third"
 }
 
 run_bench() {

@@ -129,6 +129,29 @@ def test_kernels_match_reference(name, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.splits])
+def test_split_merged_by_its_last_program_matches_reference(name, dtype, device):
+    """merge_in_kernel (the fused forward's one-launch split-K): the split that finishes last merges; run
+    twice, since each launch must leave its tickets at zero for the next (a stale ticket would skip or
+    double a merge and leave poisoned rows)."""
+    case = CASES[name]
+    x, meta = make_inputs(case, dtype, seed=list(CASES).index(name))
+    ref_out, _, _ = reference(case, x, meta)
+    dev = {n: t.to(device) for n, t in x.items()}
+    dmeta = meta_to(meta, device)
+    triton_paged.store_kv_triton(dev["k"], dev["v"], dev["k_cache"], dev["v_cache"], dmeta.slot_mapping)
+    for _ in range(2):
+        out = torch.full_like(dev["q"], float("nan"))
+        triton_paged.paged_attention_triton(dev["q"], dev["k_cache"], dev["v_cache"], dmeta, case.head_dim ** -0.5,
+                                            case.window, block_n=16, num_splits=case.splits, out=out,
+                                            softcap=case.softcap, merge_in_kernel=True)
+        assert not out.isnan().any(), "a row no program merged"
+        assert rel_err(out, ref_out) < TOL[dtype]
+        assert not triton_paged._TICKETS[out.device].any(), "tickets not reset for the next launch"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_store_skips_padding_slots(device):
     """slot -1 (graph padding rows) writes nothing; the other rows land in their slots."""
     g = torch.Generator().manual_seed(0)

@@ -87,17 +87,18 @@ if AVAILABLE:
 
     @triton.jit
     def _paged_attention_kernel(
-            q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+            q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr,
             qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, scale, window, softcap,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr, MERGE_HERE: tl.constexpr = False):
         """Program (tile, kv head, split): BLOCK_Q query tokens of one sequence times the GROUP query heads
         sharing kv head `kvh` (BLOCK_M rows), attending keys [0, own position] (or the sliding window) of
-        its sequence; split `split` of NUM_SPLITS covers one slice of that key range."""
+        its sequence; split `split` of NUM_SPLITS covers one slice of that key range. MERGE_HERE: the last
+        split of a (tile, kv head) to finish merges the partials itself (no second launch)."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -171,6 +172,42 @@ if AVAILABLE:
                      mask=row_ok[:, None] & d_ok[None, :])
             tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+            if MERGE_HERE:
+                _merge_if_last(part_acc_ptr, part_ml_ptr, ticket_ptr + tile * tl.num_programs(1) + kvh, out_ptr,
+                               row, head, row_ok, offs_d, d_ok, stride_ot, stride_oh, NUM_HEADS, HEAD_DIM,
+                               NUM_SPLITS)
+
+    @triton.jit
+    def _merge_if_last(part_acc_ptr, part_ml_ptr, ticket_ptr, out_ptr, row, head, row_ok, offs_d, d_ok,
+                       stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr):
+        """Split-K without a second launch (the "last block merges" of split-K GEMMs): every split takes a
+        ticket after its partials are stored; the one drawing NUM_SPLITS - 1 saw all others' stores (the
+        barrier orders this program's stores before its ticket, the acq_rel atomic orders the programs),
+        merges the rows of this (tile, kv head), and resets the ticket to 0 for the next launch. Partials
+        are read through L2 (.cg), never a stale L1 line."""
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == NUM_SPLITS - 1:
+            tl.debug_barrier()
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")
+            base = (row * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_M]
+            m_max = tl.full(row.shape, float("-inf"), tl.float32)
+            for s in tl.static_range(NUM_SPLITS):
+                m_max = tl.maximum(m_max, tl.load(part_ml_ptr + (base + s) * 2, mask=row_ok, other=float("-inf"),
+                                                  cache_modifier=".cg"))
+            m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+            total = tl.zeros(row.shape, tl.float32)
+            acc = tl.zeros((row.shape[0], offs_d.shape[0]), tl.float32)
+            for s in tl.static_range(NUM_SPLITS):
+                m = tl.load(part_ml_ptr + (base + s) * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                w = tl.exp(m - m_safe)  # empty splits (m = -inf) weigh 0
+                total += w * tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+                acc += w[:, None] * tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                                            mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+            out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
@@ -223,12 +260,15 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                            block_n: int | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, softcap: float | None = None,
+                           merge_in_kernel: bool = False) -> torch.Tensor:
     """q [T, H, D] over caches [num_blocks, block_size, Hkv, D]; returns [T, H, D].
 
     A step whose chunks are all single tokens (T == number of sequences) runs in decode mode: one tile per
     sequence and, when that leaves the GPU underused, the key range split across programs (flash-decoding).
     `softcap` (Gemma 2) caps the scaled scores at +-softcap through tanh before the softmax.
+    `merge_in_kernel`: a split key range is merged by its last split program (one launch instead of two;
+    the fused forward's choice), through per-(tile, kv head) tickets kept at zero between launches.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = meta.seq_lens.shape[0]
@@ -249,13 +289,16 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         splits = num_splits or 1
     splits = _pow2(min(splits, MAX_SPLITS))
     part_acc = part_ml = out  # unused placeholders when not split
+    merge_here = merge_in_kernel and splits > 1
+    tickets = _tickets(q.device, num_tiles * hkv) if merge_here else meta.seq_lens
     if splits > 1:
         part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32 rounding (exact-ish vs torch)
     default_n, num_warps = launch_config(head_dim, decode)
     _paged_attention_kernel[(num_tiles, hkv, splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        q, k_cache, v_cache, out, part_acc, part_ml, tickets, meta.query_start_loc, meta.seq_lens,
+        meta.block_tables,
         num_seqs, scale, sliding_window or 0, softcap or 0.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
@@ -263,12 +306,25 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n or default_n,
         NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         PRECISION=precision,
-        UPCAST=INTERPRETED and q.dtype != torch.float32, num_warps=num_warps)
-    if splits > 1:
+        UPCAST=INTERPRETED and q.dtype != torch.float32, MERGE_HERE=merge_here, num_warps=num_warps)
+    if splits > 1 and not merge_here:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_D=_pow2(head_dim), NUM_SPLITS=splits)
     return out
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 split tickets on `device`, zero between launches (the merging program resets its
+    own). Allocated, zeroed, once per device and size class: the first (largest-first) graph warm-up grows
+    it before any capture, so a replay never allocates."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _TICKETS[device] = torch.zeros(max(4096, _pow2(n)), dtype=torch.int32, device=device)
+    return buf
 
 
 def prefill_block_m(group: int, head_dim: int) -> int:

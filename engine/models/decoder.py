@@ -325,6 +325,7 @@ class DecoderLM(nn.Module):
                         if self.is_last and not spec.tie_word_embeddings else None)
         self.head_packed = None  # the LM head packed for the CPU (pack_for_cpu)
         self.norm_kernel = None  # CPU pre-norm models: fused residual add + RMSNorm (use_cpu_kernels)
+        self.fused = None  # CUDA: the fused forward's layers (use_gpu_kernels)
         # Tensor parallelism (engine/models/tp.py): gathers the head's vocabulary shards to rank 0; None = whole head.
         self.vocab_gather = None
 
@@ -364,6 +365,14 @@ class DecoderLM(nn.Module):
                                                                     self.spec.rms_norm_eps)):
             self.norm_kernel = Fp32Norm(kernels, lanes)
 
+    def use_gpu_kernels(self, backend) -> None:
+        """CUDA model: the layers run the fused forward (engine/models/fused_forward.py: eight launches a layer,
+        Triton kernels of engine/models/fused_kernels.py), on the Triton attention `backend`; ValueError
+        naming the family it refuses (mixture-of-experts). On CPU tensors only under Triton's interpreter."""
+        from engine.models.fused_forward import FusedDecoder  # it imports this module
+
+        self.fused = FusedDecoder(self, backend)
+
     def _cpu_silu_mul(self) -> bool:
         """Whether the dense MLPs' SiLU(gate) * up runs cpu_fused's silu_mul (or the GEMM epilogue that computes
         the same): that is PyTorch's own vector arithmetic, which eager SiLU runs on whole chunks of two vectors
@@ -384,11 +393,13 @@ class DecoderLM(nn.Module):
         norm on these rows only, and the result is [len(keep), hidden] in keep's order: a prefill chunk
         samples from its last position alone, so the rest of the last layer's work on a 300-token prompt was
         thrown away (SmolLM2-135M: ~3% of a prefill's FLOPs, one layer of 30)."""
-        x = self.embed(input_ids) if self.is_first else hidden  # [T, hidden]
-        rope = self.rotary.tables(positions, x.dtype)
-        rope_local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope
         if keep is not None and not self.is_last:
             raise ValueError("keep selects rows of the final hidden states: only the last stage takes it")
+        x = self.embed(input_ids) if self.is_first else hidden  # [T, hidden]
+        if self.fused is not None:  # CUDA: reads the RoPE tables at `positions` inside its kernels
+            return self.fused.forward(x, positions, kv_caches, meta, keep)
+        rope = self.rotary.tables(positions, x.dtype)
+        rope_local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope
         last = len(self.layers) - 1
         if self.norm_kernel is not None:
             return self._forward_fused(x, rope, kv_caches, meta, keep)

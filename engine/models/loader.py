@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.cpu import kernels as cpu_native
 from engine.cpu import linear as cpu_linear
-from engine.models import moe, tp as tensor_parallel
+from engine.models import fused_forward, moe, tp as tensor_parallel
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3") + moe.MOE_FAMILIES
@@ -131,12 +131,16 @@ def rope_tables(config, spec: ModelSpec, max_positions: int,
 
 def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
                 dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
-                cpu_onednn: bool = True, tp: tensor_parallel.TPShard | None = None) -> DecoderLM:
+                cpu_onednn: bool = True, tp: tensor_parallel.TPShard | None = None,
+                fused: bool | None = None) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
     On CPU its linears are packed (engine/cpu/linear.py: Tandem's fp32 GEMM or oneDNN) unless
     `cpu_onednn` is off, and it runs the fused elementwise kernels (engine/cpu/fused.cpp) unless
     TANDEM_CPU_KERNELS=0.
-    With `tp`, one tensor-parallel rank's shard (engine/models/tp.py): `spec` must then be its local_spec."""
+    With `tp`, one tensor-parallel rank's shard (engine/models/tp.py): `spec` must then be its local_spec.
+    `fused` (EngineConfig.fused_forward): the fused forward of engine/models/fused_forward.py; None = on CUDA
+    with the Triton attention backend for the families it runs; True on CPU only under Triton's interpreter
+    (tests), and then the linears stay unpacked and the CPU's own kernels off."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
@@ -149,6 +153,9 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     if tp is not None:
         tensor_parallel.parallelize(model, tp)
     model = model.eval().requires_grad_(False)
+    if fused_forward.wanted(fused, spec, device, backend):
+        model.use_gpu_kernels(backend)
+        return model
     if device.type == "cpu" and cpu_onednn and cpu_linear.available(dtype):
         model.pack_for_cpu()
     if device.type == "cpu":

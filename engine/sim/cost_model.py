@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.models import fused_forward
 from engine.models.decoder import ModelSpec
 
 GB = 1e9
@@ -131,11 +132,13 @@ PHOTON_TABLE = {
     "photon-b200": {1: (2.45, 0.14, 2.63, 3.11), 8: (3.12, 0.14, 3.30, 4.04), 32: (3.80, 0.14, 3.98, 5.55)},
 }
 
-# PyTorch operators one decoder layer of engine/models/decoder.py dispatches in bf16, counted with a
-# TorchDispatchMode (unfused RMSNorm: 8 kernels with its casts; RoPE: 10; projections, residuals, SiLU*mul):
-# kernels and view-only operators, plus the Triton attention backend's two launches (store K/V, attention).
-# Q/K norm (Qwen3) adds two RMSNorms. EngineConfig.sim_kernels_per_layer overrides the kernel count, e.g.
-# 10 for a fused forward (add+RMSNorm, QKV, RoPE+store, attention, O, add+RMSNorm, gate_up, SiLU*mul, down).
+# A decoder layer's launches on the CUDA path come from the decoder as built: the fused forward's plan
+# (engine/models/fused_forward.layer_launches, which tests/test_fused_forward.py holds to a counted decode
+# step). These constants are the eager layer's, for a family the fused forward refuses: PyTorch operators it
+# dispatches in bf16, counted with a TorchDispatchMode (unfused RMSNorm: 8 kernels with its casts; RoPE: 10;
+# projections, residuals, SiLU*mul), view-only operators, and the Triton attention backend's two launches
+# (store K/V, attention); Q/K norm (Qwen3) adds two RMSNorms. EngineConfig.sim_kernels_per_layer overrides
+# the kernel count.
 LAYER_KERNELS, LAYER_VIEWS, LAYER_TRITON = 38, 13, 2
 QK_NORM_KERNELS = 16
 # Outside the layers: embedding, final norm, LM head, the logits-row gather and copy, the pending-token
@@ -183,7 +186,10 @@ class ModelCost:
         h, i = spec.hidden_size, spec.intermediate_size
         qkv = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
         layer_params = qkv + spec.num_heads * spec.head_dim * h + 3 * h * i
-        if kernels_per_layer is None:  # this engine's decoder, as counted
+        if kernels_per_layer is None and fused_forward.refusal(spec) is None:  # the fused layer's plan
+            plan = fused_forward.layer_launches(spec)
+            kernels, triton, views = plan.aten, plan.triton, plan.views
+        elif kernels_per_layer is None:  # the eager layer, as counted
             kernels, triton, views = LAYER_KERNELS + (QK_NORM_KERNELS if spec.qk_norm else 0), LAYER_TRITON, \
                 LAYER_VIEWS
         else:  # a fused forward: attention still one Triton launch of them

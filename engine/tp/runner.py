@@ -66,7 +66,8 @@ class TPModelRunner(ModelRunner):
 
     def _build_model(self, hf_config, spec: ModelSpec, max_model_len: int, dtype: torch.dtype):
         return build_model(self.config.model, hf_config, local_spec(spec, self.comm.size), max_model_len,
-                           self.backend, dtype, self.device, cpu_onednn=self.config.cpu_onednn, tp=self.shard)
+                           self.backend, dtype, self.device, cpu_onednn=self.config.cpu_onednn, tp=self.shard,
+                           fused=self.config.fused_forward)
 
     def _agree_kv_blocks(self, num_blocks: int) -> int:
         return self.comm.all_reduce_min(num_blocks)
