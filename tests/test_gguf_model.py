@@ -229,3 +229,12 @@ def test_unsupported_architecture_and_tensor_types_are_refused_by_name(tmp_path)
     assert torch.equal(tensors.float("blk.0.attn_norm.weight"), torch.ones(256))
     with pytest.raises(ValueError, match="lacks tensor 'output.weight'"):
         tensors.float("output.weight")
+
+
+def test_app_args_carry_the_tokenizer_to_the_engine(q4_file, hf_dir):
+    """`serve run serve_app:app model=FILE.gguf tokenizer=DIR`: tokenizer is an engine field like any other."""
+    from serve_app.builder import AppConfig
+
+    cfg = AppConfig(model=str(q4_file), tokenizer=str(hf_dir))
+    assert cfg.engine == {"tokenizer": str(hf_dir)}
+    assert EngineConfig(model=cfg.model, **cfg.engine).gguf_file == str(q4_file)
