@@ -78,7 +78,7 @@ class AsyncLLM:
             self.config = config
             self._core = CoreProcess(config)
             self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
             self._processor = OutputProcessor(self.tokenizer.backend_tokenizer)
             self._stats_blob: bytes = self._core.stats_blob  # the core's snapshot as it started
             self._stats_cache: tuple[bytes | None, EngineStats | None] = (None, None)

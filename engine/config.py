@@ -18,7 +18,12 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine.
 class EngineConfig:
     """Everything the engine needs to start; docs/architecture.md and docs/engine.md describe them."""
 
+    # A checkpoint directory, or a GGUF file (served with its Q8_0 / Q4_1 weights quantized, on CPU:
+    # engine/models/gguf_loader.py); `model_dir` is the directory the engine reads config and tokenizer from.
     model: str = str(DEFAULT_MODEL_DIR)
+    # With a GGUF model (vLLM's name): a directory with the tokenizer files to use (the base model's); None
+    # takes the tokenizer transformers converts from the GGUF file.
+    tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -192,9 +197,48 @@ class EngineConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         self._check_lora()
         self._check_speculative()
-        if not os.path.isdir(model):
+        if self.gguf_file is not None:
+            self._check_gguf()
+        elif self.tokenizer is not None:
+            raise ValueError("tokenizer is for a GGUF model (model='FILE.gguf'); a checkpoint directory's own "
+                             "tokenizer files are used")
+        elif not os.path.isdir(model):
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
-                             f"tokenizer files); {model!r} is not a directory")
+                             f"tokenizer files) or a .gguf file; {model!r} is not a directory")
+
+    @property
+    def gguf_file(self) -> str | None:
+        """The GGUF file `model` names, absolute; None for a checkpoint directory."""
+        return os.path.abspath(self.model) if self.model.lower().endswith(".gguf") else None
+
+    @property
+    def model_dir(self) -> str:
+        """Where config.json and the tokenizer files are: `model`, or for a GGUF file the directory
+        engine/models/gguf_loader.py writes for it once (config from the file's metadata, the tokenizer's files)."""
+        if self.gguf_file is None:
+            return self.model
+        from engine.models.gguf_loader import gguf_model_dir
+
+        return gguf_model_dir(self.gguf_file, self.tokenizer and os.path.abspath(self.tokenizer))
+
+    def _check_gguf(self) -> None:
+        """A GGUF model: a file; CPU, fp32 activations, one device, no adapters (what its kernels cover)."""
+        if not os.path.isfile(self.model):
+            raise ValueError(f"model {self.model!r} names a GGUF file that does not exist")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer must be a directory of tokenizer files; {self.tokenizer!r} is not one")
+        unsupported = [why for why, used in (
+            (f"device={self.device!r} (quantized GGUF weights run on CPU; device='cpu' or 'auto' without CUDA)",
+             self.device not in ("auto", "cpu")),
+            (f"dtype={self.dtype!r} (its quantized linears take float32 activations: 'auto' or 'float32')",
+             self.dtype not in ("auto", "float32")),
+            ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+            ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+            ("LoRA adapters (enable_lora, lora_modules, lora_dir)", self.enable_lora),
+        ) if used]
+        if unsupported:
+            raise ValueError(f"a GGUF model (model={self.model!r}) is not supported with {'; '.join(unsupported)}")
+        self.model_dir  # noqa: B018 - written now (or found): a bad file fails here, naming itself
 
     def token_budget(self) -> int:
         """max_num_batched_tokens, resolved: as given, else 2048 on cuda and sim, and on CPU 512 tokens per

@@ -122,15 +122,15 @@ class EngineCore:
         self.config = config
         self.simulated = config.device == "sim"  # engine/sim: host side real, device time modelled
         self.compute_device = _resolve_device(config.device)  # where forwards run (sim: host tensors)
-        self.hf_config = load_hf_config(config.model)
+        self.hf_config = load_hf_config(config.model_dir)
         self.spec = model_spec(self.hf_config)
         self.dtype = _resolve_dtype(config.dtype, self.hf_config,
                                     torch.device("cuda") if self.simulated else self.compute_device)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         # The core reads the tokenizer's vocabulary (grammars, the simulated device), never decodes with it.
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.eos_token_ids = _eos_ids(config.model, self.tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+        self.eos_token_ids = _eos_ids(config.model_dir, self.tokenizer)
         num_cpu_blocks = self._num_cpu_blocks()
         self.runner = (make_runner or _local_runner)(self, num_cpu_blocks)
         num_blocks = self.runner.num_kv_blocks  # what its memory profiling pass left room for (engine/memory.py)

@@ -84,8 +84,9 @@ class ModelRunner(StepRunner):
             self.capture_graphs()
 
     def _build_model(self, hf_config, spec: ModelSpec, max_model_len: int, dtype: torch.dtype):
-        return build_model(self.config.model, hf_config, spec, max_model_len, self.backend, dtype, self.device,
-                           cpu_onednn=self.config.cpu_onednn, fused=self.config.fused_forward)
+        return build_model(self.config.model_dir, hf_config, spec, max_model_len, self.backend, dtype, self.device,
+                           cpu_onednn=self.config.cpu_onednn, fused=self.config.fused_forward,
+                           gguf_file=self.config.gguf_file)
 
     def _agree_kv_blocks(self, num_blocks: int) -> int:
         """The KV blocks this runner's cache gets (a tensor-parallel group agrees on its ranks' minimum)."""

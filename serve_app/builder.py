@@ -269,7 +269,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         apply_cluster_env()
     device = _resolve_device(cfg.device)
     engine_cfg = EngineConfig(model=cfg.model, device=device, **cfg.engine)  # validated now, not in a replica
-    hf_config = load_hf_config(engine_cfg.model)
+    hf_config = load_hf_config(engine_cfg.model_dir)
     max_model_len = min(engine_cfg.max_model_len or model_spec(hf_config).max_position_embeddings,
                         model_spec(hf_config).max_position_embeddings)
     check_shardable(model_spec(hf_config), engine_cfg.tensor_parallel_size)  # a bad split fails here, not in Serve
@@ -279,7 +279,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         not cfg.autoscaling and (cfg.num_replicas or 1) == 1 and engine_cfg.pipeline_parallel_size == 1 and \
         engine_cfg.tensor_parallel_size == 1
     # What the ingress is built with, split or colocated: model, name, context, keys, limits, adapters, tools
-    ingress_args = (engine_cfg.model, cfg.served_model_name or _default_name(cfg.model), max_model_len,
+    ingress_args = (engine_cfg.model_dir, cfg.served_model_name or _default_name(cfg.model), max_model_len,
                     cfg.api_keys, cfg.limits.model_dump())
     ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
                           tool_parser=cfg.tool_parser)

@@ -355,11 +355,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 void register_fused(pybind11::module& m);  // engine/cpu/fused.cpp, built into the same module
 void register_prefill(pybind11::module& m);  // prefill_attention.cpp
 void register_gemm(pybind11::module& m);  // engine/cpu/gemm.cpp
+void register_gemm_quant(pybind11::module& m);  // engine/cpu/gemm_quant.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused(m);
   register_prefill(m);
   register_gemm(m);
+  register_gemm_quant(m);
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", pybind11::arg("q"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
         pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,

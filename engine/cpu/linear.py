@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.cpu import kernels as cpu_native
+from engine.cpu.quant import QuantWeight
 
 # The batch-size hint oneDNN packs for; measured 1-2048 rows with packs made for 1, 64 and 2048: the 64- and
 # 2048-row packs are within noise of each other at every size, the 1-row pack is slower past one row.
@@ -87,9 +88,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ W.T (+ bias) with W packed by `pack_weight`."""
-    if isinstance(packed, Panels):
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W.T (+ bias) with W packed by `pack_weight`, or a GGUF model's QuantWeight
+    (engine/cpu/quant.py: its LM head)."""
+    if isinstance(packed, (Panels, QuantWeight)):
         return packed(x, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

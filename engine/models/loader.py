@@ -20,6 +20,7 @@ from engine.cpu import kernels as cpu_native
 from engine.cpu import linear as cpu_linear
 from engine.models import fused_forward, moe, tp as tensor_parallel
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
+from engine.models.gguf_loader import build_gguf_model
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3") + moe.MOE_FAMILIES
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding_window only counts with use_sliding_window
@@ -132,7 +133,7 @@ def rope_tables(config, spec: ModelSpec, max_positions: int,
 def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, backend,
                 dtype: torch.dtype, device: torch.device, layers: tuple[int, int] | None = None,
                 cpu_onednn: bool = True, tp: tensor_parallel.TPShard | None = None,
-                fused: bool | None = None) -> DecoderLM:
+                fused: bool | None = None, gguf_file: str | None = None) -> DecoderLM:
     """The whole model, or with `layers=(start, end)` one pipeline stage holding only its own weights.
     On CPU its linears are packed (engine/cpu/linear.py: Tandem's fp32 GEMM or oneDNN) unless
     `cpu_onednn` is off, and it runs the fused elementwise kernels (engine/cpu/fused.cpp) unless
@@ -140,9 +141,15 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     With `tp`, one tensor-parallel rank's shard (engine/models/tp.py): `spec` must then be its local_spec.
     `fused` (EngineConfig.fused_forward): the fused forward of engine/models/fused_forward.py; None = on CUDA
     with the Triton attention backend for the families it runs; True on CPU only under Triton's interpreter
-    (tests), and then the linears stay unpacked and the CPU's own kernels off."""
+    (tests), and then the linears stay unpacked and the CPU's own kernels off.
+    With `gguf_file`, the weights come from it, quantized where the CPU kernels run the type
+    (engine/models/gguf_loader.py; `model_dir` then holds only config and tokenizer)."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
+    if gguf_file is not None:
+        if layers is not None or tp is not None or spec.local_rope:
+            raise ValueError("a GGUF model is built whole, on one device, without Gemma 3's local RoPE")
+        return build_gguf_model(gguf_file, spec, rotary, backend, dtype, device)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)

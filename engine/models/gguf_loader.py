@@ -1,0 +1,278 @@
+"""Serve a GGUF file's weights as they are: `LLM(model="file.gguf", tokenizer=DIR)` (vLLM's spelling).
+
+The file is read with the `gguf` package (gguf.GGUFReader). Linears and the token embedding stay in their
+quantized blocks where Tandem's CPU kernels run the type (engine/cpu/quant.py, engine/cpu/gemm_quant.cpp: Q8_0
+and Q4_1); float tensors (F32, F16, BF16: norms, and any linear the file keeps in float) are converted to fp32,
+which is exact. Any other tensor type (Q4_K, Q6_K, Q5_0, IQ*, ...) is refused, naming the tensor and its type:
+`python -m engine.models.from_gguf FILE OUT_DIR` still serves such a file dequantized to fp32.
+
+The engine also needs a checkpoint directory for everything that is not weights: `gguf_model_dir` writes one
+(once, into TANDEM_CACHE, default ~/.cache/tandem) with the config transformers reads from the GGUF's metadata
+and the tokenizer of `tokenizer=DIR` (vLLM recommends the base model's; its generation_config.json is copied
+too), or, without one, the tokenizer transformers converts from the GGUF.
+
+Architectures: llama (Llama, SmolLM2, Mistral written as llama). llama.cpp's converter permutes the rows of
+attn_q / attn_k for its RoPE layout; they are put back here, on the quantized rows (a row permutation moves whole
+rows of blocks), as transformers does on the dequantized ones. Runs on CPU in fp32 activations only; tensor or
+pipeline parallelism and LoRA adapters with a GGUF model are refused by EngineConfig.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.cpu import kernels as cpu_native
+from engine.cpu import linear as cpu_linear
+from engine.cpu.quant import QUANT_TYPES, QuantEmbedding, QuantLinear, QuantWeight, quantized_bytes
+from engine.models.decoder import DecoderLM, ModelSpec
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+FLOAT_TYPES = ("F32", "F16", "BF16")
+IGNORED = ("rope_freqs.weight",)  # llama 3's RoPE factors: the config's rope scaling already carries them
+_FORMAT_VERSION = "1"  # bump when what gguf_model_dir writes changes
+
+
+def is_gguf(model: str) -> bool:
+    return str(model).lower().endswith(".gguf")
+
+
+def architecture(gguf_file: str | Path) -> str:
+    """general.architecture of the file; ValueError naming the file when it is not a GGUF file."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_file))
+    except Exception as exc:  # noqa: BLE001 - the gguf package raises ValueError, OSError, struct errors...
+        raise ValueError(f"cannot read GGUF file {str(gguf_file)!r}: {type(exc).__name__}: {exc}") from exc
+    field = reader.get_field("general.architecture")
+    return field.contents() if field is not None else "unknown"
+
+
+def check_architecture(gguf_file: str | Path) -> None:
+    arch = architecture(gguf_file)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} ({gguf_file}) is not supported quantized; valid: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (python -m engine.models.from_gguf FILE OUT_DIR "
+                         "serves others dequantized)")
+
+
+@functools.cache
+def gguf_model_dir(gguf_file: str, tokenizer: str | None) -> str:
+    """The directory of config.json and tokenizer files the engine reads for `gguf_file` (see the top), written
+    on first use, whole or not at all, and found again after by the file's path, size, mtime and `tokenizer`."""
+    src = Path(gguf_file).resolve()
+    stat = src.stat()
+    key = f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer and Path(tokenizer).resolve()}|{_FORMAT_VERSION}"
+    root = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem")) / "gguf"
+    out = root / f"{src.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (out / "config.json").exists():
+        return str(out)
+    check_architecture(src)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
+    try:
+        _write_model_dir(src, tokenizer, tmp)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first: keep its copy
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def _write_model_dir(src: Path, tokenizer: str | None, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name).to_dict()
+    config.pop("quantization_config", None)  # the directory holds no weights; the GGUF file is the quantization
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer is None:
+        AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(out)
+        return
+    AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(out)
+    generation = Path(tokenizer) / "generation_config.json"
+    if generation.exists():
+        shutil.copy(generation, out / "generation_config.json")
+
+
+# ---- weights -----------------------------------------------------------------------------------------------------
+class GGUFTensors:
+    """The file's tensors by name, read on demand: quantized ones as QuantWeights (their bytes copied out of the
+    memory map, so the file can go), float ones as fp32 torch tensors; every tensor read is remembered, so the
+    loader can refuse a file with tensors it did not place."""
+
+    def __init__(self, gguf_file: str | Path):
+        import gguf
+
+        self.path = str(gguf_file)
+        self._gguf = gguf
+        self.tensors = {t.name: t for t in gguf.GGUFReader(self.path).tensors}
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[self._need(name)].tensor_type.name
+
+    def _need(self, name: str) -> str:
+        if name not in self.tensors:
+            raise ValueError(f"GGUF file {self.path!r} lacks tensor {name!r}")
+        self.used.add(name)
+        return name
+
+    def float(self, name: str) -> torch.Tensor:
+        t = self.tensors[self._need(name)]
+        kind = t.tensor_type.name
+        if kind not in FLOAT_TYPES:
+            raise ValueError(f"GGUF tensor {name!r} is {kind}; Tandem reads it only as a float ({', '.join(FLOAT_TYPES)})")
+        values = self._gguf.quants.dequantize(t.data, t.tensor_type)  # exact for float types
+        return torch.from_numpy(values.copy()).float().reshape(*reversed([int(n) for n in t.shape]))
+
+    def quantized(self, name: str) -> QuantWeight:
+        t = self.tensors[self._need(name)]
+        kind = t.tensor_type.name
+        if kind not in QUANT_TYPES:
+            raise ValueError(f"GGUF tensor {name!r} is {kind}; Tandem runs GGUF {', '.join(QUANT_TYPES)} quantized "
+                             f"and {', '.join(FLOAT_TYPES)} as floats (python -m engine.models.from_gguf FILE OUT_DIR "
+                             "serves other types dequantized)")
+        k, n = (int(v) for v in t.shape)
+        return QuantWeight(kind, torch.from_numpy(t.data.copy()).view(n, -1), k)
+
+    def unused(self) -> list[str]:
+        return sorted(set(self.tensors) - self.used - set(IGNORED))
+
+
+def _unpermute(w: QuantWeight | torch.Tensor, heads: int) -> QuantWeight | torch.Tensor:
+    """Rows of a llama attn_q / attn_k weight (or bias) back in the checkpoint's order: llama.cpp stores each
+    head's rotary pairs interleaved ([head, dim / 2, 2] rows); transformers' reverse permutation, on whole rows."""
+    n = w.out_features if isinstance(w, QuantWeight) else w.shape[0]
+    perm = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
+    if isinstance(w, QuantWeight):
+        return QuantWeight(w.qtype, w.data.index_select(0, perm), w.in_features)
+    return w.index_select(0, perm)
+
+
+class _Placer:
+    """Puts the file's tensors into a DecoderLM built on the meta device: quantized linears and embedding as
+    modules holding their bytes (before to_empty, which leaves them alone), float ones recorded for after it."""
+
+    def __init__(self, tensors: GGUFTensors, spec: ModelSpec):
+        self.t, self.spec = tensors, spec
+        self.after: list[tuple[torch.Tensor | str, torch.Tensor]] = []  # (parameter name, value) once allocated
+
+    def linear(self, owner: nn.Module, attr: str, pname: str, names: list[str], heads: list[int | None]) -> None:
+        """owner.attr := the rows of `names` stacked (q/k/v, gate/up), each unpermuted over `heads` when given."""
+        kinds = {self.t.type_of(f"{n}.weight") for n in names}
+        biases = [f"{n}.bias" for n in names if f"{n}.bias" in self.t]
+        bias = torch.cat([self._rows(self.t.float(b), h) for b, h in zip(biases, heads)]) if biases else None
+        if kinds <= set(FLOAT_TYPES):  # a float linear: its parameters are filled after to_empty
+            weight = torch.cat([self._rows(self.t.float(f"{n}.weight"), h) for n, h in zip(names, heads)])
+            self.after.append((f"{pname}.weight", weight))
+            if bias is not None:
+                self.after.append((f"{pname}.bias", bias))
+            return
+        parts = [self._rows(self.t.quantized(f"{n}.weight"), h) for n, h in zip(names, heads)]
+        setattr(owner, attr, QuantLinear(parts, bias))
+
+    @staticmethod
+    def _rows(w, heads: int | None):
+        return w if heads is None else _unpermute(w, heads)
+
+    def embedding(self, model: DecoderLM) -> None:
+        name = "token_embd.weight"
+        if self.t.type_of(name) in FLOAT_TYPES:
+            self.after.append(("embed_tokens.weight", self.t.float(name)))
+        else:
+            model.embed_tokens = QuantEmbedding(self.t.quantized(name))
+
+    def norm(self, pname: str, name: str) -> None:
+        self.after.append((pname, self.t.float(name)))
+
+
+def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, backend, dtype: torch.dtype,
+                     device: torch.device) -> DecoderLM:
+    """The whole model with the file's weights (engine/models/loader.py's build_model calls it for a GGUF);
+    `rotary` the RoPE tables for `spec`."""
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"a GGUF model runs quantized on CPU in float32 only, not {device.type} {dtype} "
+                         "(CUDA quantized kernels are not built)")
+    check_architecture(gguf_file)
+    tensors = GGUFTensors(gguf_file)
+    with torch.device("meta"):
+        model = DecoderLM(spec, None, backend)
+    place = _Placer(tensors, spec)
+    _place_layers(model, place, spec)
+    place.embedding(model)
+    place.norm("norm.weight", "output_norm.weight")
+    head = None
+    if "output.weight" in tensors:  # an untied head (a tied one is the embedding, read back below)
+        if tensors.type_of("output.weight") in FLOAT_TYPES:
+            head = tensors.float("output.weight")
+        else:
+            head = tensors.quantized("output.weight")
+    elif not spec.tie_word_embeddings:
+        raise ValueError(f"GGUF file {gguf_file!r} has no output.weight and its config does not tie the head")
+    unused = tensors.unused()
+    if unused:
+        raise ValueError(f"GGUF file {gguf_file!r} holds tensors Tandem does not place: {unused[:8]}")
+    model.lm_head = None
+    model = model.to_empty(device=device)
+    model.rotary = rotary.to(device)
+    params = dict(model.named_parameters())
+    for pname, value in place.after:
+        if params[pname].shape != value.shape:
+            raise ValueError(f"weight shape mismatch for {pname}: GGUF {tuple(value.shape)} vs model "
+                             f"{tuple(params[pname].shape)}")
+        params[pname].data.copy_(value)
+    model = model.eval().requires_grad_(False)
+    _pack_head(model, head)
+    if cpu_linear.available(dtype):  # linears the file keeps in float, if any
+        cpu_linear.pack_linears(model.layers)
+    model.use_cpu_kernels(cpu_native.load(), dtype)
+    return model
+
+
+def _place_layers(model: DecoderLM, place: _Placer, spec: ModelSpec) -> None:
+    for i, layer in enumerate(model.layers):
+        blk, attn, mlp = f"blk.{i}", layer.self_attn, layer.mlp
+        place.linear(attn, "qkv_proj", f"layers.{i}.self_attn.qkv_proj",
+                     [f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"], [spec.num_heads, spec.num_kv_heads, None])
+        place.linear(attn, "o_proj", f"layers.{i}.self_attn.o_proj", [f"{blk}.attn_output"], [None])
+        place.linear(mlp, "gate_up_proj", f"layers.{i}.mlp.gate_up_proj", [f"{blk}.ffn_gate", f"{blk}.ffn_up"],
+                     [None, None])
+        place.linear(mlp, "down_proj", f"layers.{i}.mlp.down_proj", [f"{blk}.ffn_down"], [None])
+        place.norm(f"layers.{i}.input_layernorm.weight", f"{blk}.attn_norm.weight")
+        place.norm(f"layers.{i}.post_attention_layernorm.weight", f"{blk}.ffn_norm.weight")
+
+
+def _pack_head(model: DecoderLM, head: QuantWeight | torch.Tensor | None) -> None:
+    """The LM head as DecoderLM.logits reads it: a QuantWeight is called as it is (a tied one shares the
+    embedding's bytes); a float one is packed where the CPU GEMM runs, else kept for F.linear."""
+    if head is None:
+        embed = model.embed_tokens
+        head = embed.qweight if isinstance(embed, QuantEmbedding) else embed.weight
+    if isinstance(head, QuantWeight):
+        model.head_packed = head
+    elif cpu_linear.available(head.dtype):
+        model.head_packed = cpu_linear.pack_weight(head)
+    else:
+        model.lm_head = nn.Linear(head.shape[1], head.shape[0], bias=False)
+        model.lm_head.weight.data = head
+
+
+def weight_bytes(model: DecoderLM) -> int:
+    """Bytes of the model's weights as held: parameters plus quantized blocks (not the RoPE tables)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_bytes(model)

@@ -1,0 +1,186 @@
+"""Tandem's weight-only quantized linears (engine/cpu/gemm_quant.cpp, engine/cpu/quant.py) against the `gguf`
+package: weights quantized by gguf.quants.quantize (or raw blocks made up byte by byte), the oracle the same bytes
+dequantized by gguf.quants.dequantize through an fp64 matmul. Every check runs against each instruction-set
+level's build this CPU can run (as tests/test_cpu_gemm.py), and the torch fallback.
+
+The bound: the kernel's weights are gguf's dequantized fp32 weights exactly (d * q is exact in fp32, so d * q + m
+rounds once, as numpy's fp32 d * q + m does), so the result is an fp32 dot product of x with them in some order:
+within gamma_{K+1} = (K + 1) u / (1 - (K + 1) u) (u = 2^-24) of the exact sum, relative to sum |x| |w| (+ |bias|),
++ 1 for the bias add. A wrong nibble, a swapped scale or a dropped block is far outside it; where every product
+and partial sum is exact in fp32 (power-of-two scales, small integers), the result is exact."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import cpu_native
+from engine.cpu import quant
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="the CPU extension does not build here")
+QT = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+qtypes = pytest.mark.parametrize("qtype", list(QT))
+
+
+@pytest.fixture(scope="module", params=[*cpu_native.isas(), "torch"])
+def level(request):
+    """A level's build (the test id names it; where this CPU's own level builds, every level must), or "torch":
+    the fallback that dequantizes with torch ops."""
+    if request.param == "torch":
+        return None
+    module = cpu_native.load(request.param)
+    assert module is not None and module.isa == request.param and module.gemm_q_types == ("Q8_0", "Q4_1")
+    return module
+
+
+@pytest.fixture(autouse=True)
+def linears_use_the_level(level, monkeypatch):
+    monkeypatch.setattr(cpu_native, "load", lambda isa=None: level)
+    if level is None:
+        monkeypatch.setenv("TANDEM_CPU_GEMM", "0")
+
+
+def quantized(qtype: str, n: int, k: int, seed: int) -> tuple[quant.QuantWeight, np.ndarray]:
+    """Random weights (rows of very different scales, some all positive so Q4_1's min is not just -max)
+    quantized by gguf; returns them and gguf's dequantization of the same bytes."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * rng.choice([1e-3, 0.05, 1.0, 30.0], size=(n, 1))
+    w[::3] = np.abs(w[::3]) + 0.5
+    data = gguf.quants.quantize(w, QT[qtype])
+    return quant.QuantWeight(qtype, torch.from_numpy(data), k), gguf.quants.dequantize(data, QT[qtype])
+
+
+def within_bound(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: torch.Tensor | None) -> None:
+    x64, w64 = x.double(), torch.from_numpy(w).double()
+    exact = x64 @ w64.T + (0 if bias is None else bias.double())
+    scale = x64.abs() @ w64.abs().T + (0 if bias is None else bias.double().abs())
+    u, k = 2.0 ** -24, x.shape[-1] + 1
+    bound = k * u / (1 - k * u) * scale
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+def randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# rows: decode's 1, the tiles' tails (4 rows a tile under AVX-512, 2 under AVX2), 64-row chunks and past them;
+# outputs around the 4-row weight tiles; K of one block, a few, a model's.
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64, 70, 131])
+@pytest.mark.parametrize("out_features,in_features", [(1, 32), (5, 64), (47, 96), (200, 576), (66, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@qtypes
+def test_linear_within_the_summation_bound_of_ggufs_dequantized_weights(rows, out_features, in_features,
+                                                                        with_bias, qtype):
+    weight, oracle = quantized(qtype, out_features, in_features, seed=rows)
+    x = randn(rows, in_features, seed=2)
+    bias = randn(out_features, seed=3) if with_bias else None
+    within_bound(weight(x, bias), x, oracle, bias)
+
+
+def raw_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Blocks made byte by byte: power-of-two scales (and small-integer mins), every quant value possible."""
+    rng = np.random.default_rng(seed)
+    blocks = n * k // 32
+    d = rng.choice(np.float16([0.25, 0.5, 1.0, 2.0, -1.0]), size=(blocks, 1)).view(np.uint8)
+    if qtype == "Q8_0":
+        qs = rng.integers(-128, 128, size=(blocks, 32)).astype(np.int8).view(np.uint8)
+        return np.concatenate((d, qs), axis=1).reshape(n, -1)
+    m = rng.integers(-8, 9, size=(blocks, 1)).astype(np.float16).view(np.uint8)
+    qs = rng.integers(0, 256, size=(blocks, 16)).astype(np.uint8)
+    return np.concatenate((d, m, qs), axis=1).reshape(n, -1)
+
+
+@qtypes
+def test_linear_exact_where_the_sums_are(qtype):
+    """Power-of-two scales, integer quants and x: every product and partial sum is an exact fp32 value, so any
+    order gives the exact result, and every byte, nibble and scale of the layout must be read as gguf reads it."""
+    for rows, n, k in [(1, 9, 32), (5, 50, 96), (70, 13, 576)]:
+        data = raw_blocks(qtype, n, k, seed=n)
+        oracle = torch.from_numpy(gguf.quants.dequantize(data, QT[qtype]))
+        x = torch.randint(-8, 9, (rows, k), generator=torch.Generator().manual_seed(k)).float()
+        bias = torch.arange(n, dtype=torch.float32) * 0.5
+        y = quant.QuantWeight(qtype, torch.from_numpy(data), k)(x, bias)
+        assert torch.equal(y, (x.double() @ oracle.double().T + bias.double()).float())
+
+
+@qtypes
+def test_dequantize_is_ggufs_bit_for_bit(qtype):
+    """The torch fallback's (and the embedding's) dequantization, whole and by rows."""
+    data = raw_blocks(qtype, 40, 96, seed=1)
+    weight = quant.QuantWeight(qtype, torch.from_numpy(data), 96)
+    oracle = torch.from_numpy(gguf.quants.dequantize(data, QT[qtype]))
+    assert torch.equal(weight.dequantize(), oracle)
+    rows = torch.tensor([[3, 0], [39, 3]])
+    assert torch.equal(weight.dequantize(rows), oracle[rows.reshape(-1)])
+    embedding = quant.QuantEmbedding(weight)
+    assert torch.equal(embedding(rows), oracle[rows])
+
+
+@qtypes
+def test_same_bits_whatever_the_batch_and_threads(level, qtype):
+    """A row's output does not depend on the rows beside it (decode's one row against a 70-row prefill chunk) or on
+    how many threads split the work."""
+    weight, oracle = quantized(qtype, 576, 576, seed=1)
+    x = randn(70, 576, seed=2)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 7):
+            torch.set_num_threads(n)
+            outs.append(weight(x))
+    finally:
+        torch.set_num_threads(threads)
+    within_bound(outs[0], x, oracle, None)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    if level is not None:  # the torch fallback goes through MKL, whose blocking may depend on the row count
+        assert torch.equal(weight(x[37:38]), outs[0][37:38]) and torch.equal(weight(x[:5]), outs[0][:5])
+
+
+def test_leading_dims_strided_input_and_no_rows():
+    weight, oracle = quantized("Q4_1", 30, 64, seed=1)
+    x = randn(2, 5, 64, seed=2)
+    y = weight(x)
+    assert y.shape == (2, 5, 30)
+    within_bound(y.view(10, 30), x.view(10, 64), oracle, None)
+    xt = randn(64, 7, seed=4).t()
+    within_bound(weight(xt), xt, oracle, None)
+    assert weight(torch.empty(0, 64)).shape == (0, 30)
+
+
+def test_quant_linear_stacks_parts_of_different_types():
+    """q/k/v (or gate/up) of one type become one weight; a type change starts another part, output in order."""
+    a, oa = quantized("Q8_0", 20, 64, seed=1)
+    b, ob = quantized("Q8_0", 12, 64, seed=2)
+    c, oc = quantized("Q4_1", 9, 64, seed=3)
+    bias = randn(41, seed=4)
+    linear = quant.QuantLinear([a, b, c], bias)
+    assert [(p.qtype, p.out_features) for p in linear.parts] == [("Q8_0", 32), ("Q4_1", 9)]
+    assert linear.out_features == 41 and "Q8_0+Q4_1" in linear.extra_repr()
+    x = randn(3, 64, seed=5)
+    within_bound(linear(x), x, np.concatenate((oa, ob, oc)), bias)
+
+
+def test_bad_inputs_are_refused_with_the_reason(level):
+    with pytest.raises(ValueError, match="'Q4_K' is not supported; valid: Q8_0, Q4_1"):
+        quant.QuantWeight("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="in_features divisible by 32"):
+        quant.QuantWeight("Q8_0", torch.zeros(2, 34, dtype=torch.uint8), 48)
+    with pytest.raises(ValueError, match=r"uint8 \[N, 68\]; got torch.uint8 \(2, 34\)"):
+        quant.QuantWeight("Q8_0", torch.zeros(2, 34, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="bias of shape"):
+        quant.QuantLinear([quantized("Q8_0", 4, 32, seed=1)[0]], torch.zeros(5))
+    if level is None:
+        return
+    weight = quantized("Q4_1", 4, 64, seed=1)[0]
+    with pytest.raises(RuntimeError, match="x has 96 features; the weight's rows hold 40 bytes, 64 features"):
+        level.gemm_q_linear(randn(2, 96, seed=2), weight.data, 3, None)
+    with pytest.raises(RuntimeError, match="x must be float32, got BFloat16"):
+        level.gemm_q_linear(randn(2, 64, seed=2).bfloat16(), weight.data, 3, None)
+    with pytest.raises(RuntimeError, match="ggml type 12 is not supported"):
+        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 12, None)
+    with pytest.raises(RuntimeError, match="float32 bias of 4 values, got Float of 3"):
+        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 3, randn(3, seed=3))
