@@ -9,7 +9,7 @@ output is copied from the prompt, the workload n-gram proposals are for (vLLM's 
 tokens. Every configuration runs in a process of its own, one after another, on a machine with nothing else
 running:
 - 1 stream: the prompts one at a time, tokens/s over all of them;
-- 16 streams: the prompts at once (16 of them), tokens/s.
+- 16 streams: the prompts at once (16 of them), tokens/s (--streams: other counts, the prompts cycled).
 The greedy tokens of each speculative run are compared with the same engine's without speculation.
 `--peer`: vLLM's CPU build with its own n-gram speculation in the same run, from ~/vllm-venv (said so when it
 does not run there).
@@ -33,6 +33,7 @@ MAX_TOKENS = 128
 WORKER = r"""
 import json, sys, time
 engine, model, spec, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
+sizes, single_on = json.loads(sys.argv[7]), sys.argv[8] == "1"
 if engine == "tandem":
     sys.path.insert(0, sys.argv[6])
     from engine import LLM, SamplingParams
@@ -46,10 +47,14 @@ else:
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     run = lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(ps, params, use_tqdm=False)]
 run(prompts[:1])  # warm-up
-t0 = time.perf_counter(); single = [run([p])[0] for p in prompts]; t1 = time.perf_counter()
-batch = run(prompts); t2 = time.perf_counter()
-out = {"single_s": t1 - t0, "single_tokens": sum(map(len, single)), "batch_s": t2 - t1,
-       "batch_tokens": sum(map(len, batch)), "single": single, "batch": batch}
+out = {}
+if single_on:
+    t0 = time.perf_counter(); single = [run([p])[0] for p in prompts]; t1 = time.perf_counter()
+    out.update(single_s=t1 - t0, single_tokens=sum(map(len, single)), single=single)
+for b in sizes:
+    ps = [prompts[i % len(prompts)] for i in range(b)]
+    t1 = time.perf_counter(); batch = run(ps); t2 = time.perf_counter()
+    out[f"batch{b}"] = {"s": t2 - t1, "tokens": sum(map(len, batch)), "ids": batch}
 if engine == "tandem":
     s = llm.stats()
     out.update(drafts=s.spec_draft_tokens, accepted=s.spec_accepted_tokens, verify_chunks=s.spec_verify_chunks)
@@ -87,9 +92,11 @@ def machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version(), "execution": "real CPU (not simulated)"}
 
 
-def run(engine: str, python: str, model: str, spec: dict | None, ps: list[str]) -> dict:
+def run(engine: str, python: str, model: str, spec: dict | None, ps: list[str], sizes: list[int],
+        single: bool) -> dict:
     proc = subprocess.run([python, "-c", WORKER, engine, model, json.dumps(spec), json.dumps(ps), str(MAX_TOKENS),
-                           str(REPO)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                           str(REPO), json.dumps(sizes), "1" if single else "0"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]}
@@ -101,34 +108,46 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--peer", action="store_true")
+    ap.add_argument("--streams", type=int, nargs="+", default=[16],
+                    help="batch sizes (the 16 prompts cycled); e.g. 16 32 64 for where speculation stops paying")
+    ap.add_argument("--no-single", action="store_true", help="skip the one-stream runs")
     ap.add_argument("--vllm-python", default=str(Path.home() / "vllm-venv/bin/python"))
     args = ap.parse_args()
     from engine.models.from_gguf import smollm2_dir
 
     model, ps = str(smollm2_dir()), prompts()
+    # disable_by_batch_size high enough that every batch size asked for speculates (the point of --streams)
     configs = [("tandem", None)] + [("tandem", {"method": "ngram", "num_speculative_tokens": k,
-                                                "prompt_lookup_max": 4, "prompt_lookup_min": 1}) for k in args.k]
+                                                "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                                                "disable_by_batch_size": max(args.streams)}) for k in args.k]
     if args.peer:
         configs += [("vllm", None), ("vllm", {"method": "ngram", "num_speculative_tokens": 4,
                                               "prompt_lookup_max": 4, "prompt_lookup_min": 1})]
     results, base = [], {}
     for engine, spec in configs:
         python = args.vllm_python if engine == "vllm" else sys.executable
-        r = run(engine, python, model, spec, ps)
+        r = run(engine, python, model, spec, ps, args.streams, not args.no_single)
         name = f"{engine}" + (f" ngram k={spec['num_speculative_tokens']}" if spec else "")
         row = {"engine": name}
         if "error" in r:
             row["error"] = r["error"]
         else:
-            row.update(single_tok_s=round(r["single_tokens"] / r["single_s"], 1),
-                       batch16_tok_s=round(r["batch_tokens"] / r["batch_s"], 1))
+            if "single_s" in r:
+                row["single_tok_s"] = round(r["single_tokens"] / r["single_s"], 1)
+            for b in args.streams:
+                row[f"batch{b}_tok_s"] = round(r[f"batch{b}"]["tokens"] / r[f"batch{b}"]["s"], 1)
             if spec is None:
                 base[engine] = r
             elif engine in base:
-                b = base[engine]
-                row.update(single_x=round(row["single_tok_s"] / (b["single_tokens"] / b["single_s"]), 2),
-                           batch16_x=round(row["batch16_tok_s"] / (b["batch_tokens"] / b["batch_s"]), 2),
-                           greedy_identical=r["single"] == b["single"] and r["batch"] == b["batch"])
+                ref = base[engine]
+                same = all(r[f"batch{b}"]["ids"] == ref[f"batch{b}"]["ids"] for b in args.streams)
+                if "single_s" in r:
+                    row["single_x"] = round(row["single_tok_s"] / (ref["single_tokens"] / ref["single_s"]), 2)
+                    same = same and r["single"] == ref["single"]
+                for b in args.streams:
+                    rate = ref[f"batch{b}"]["tokens"] / ref[f"batch{b}"]["s"]
+                    row[f"batch{b}_x"] = round(row[f"batch{b}_tok_s"] / rate, 2)
+                row["greedy_identical"] = same
             if "drafts" in r and r["drafts"]:
                 row.update(acceptance=round(r["accepted"] / r["drafts"], 3),
                            mean_accept_len=round(1 + r["accepted"] / r["verify_chunks"], 2))

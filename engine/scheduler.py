@@ -27,7 +27,7 @@ from engine.config import SCHEDULER_POLICIES
 from engine.cpu.block_pool import CpuBlockPool
 from engine.outputs import TokenLogprob
 from engine.sequence import Sequence, SeqStatus
-from engine.spec_decode import SpeculativeConfig, propose_ngram
+from engine.spec_decode import DEFAULT_BATCH_LIMIT, SpeculativeConfig, propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -149,12 +149,12 @@ class Scheduler:
         # Speculative decoding (engine/spec_decode.py): None is off. `_spec_on`: it runs in the step being planned.
         self.speculative = speculative
         self._spec_on = False
-        # Running sequences above which no step speculates: disable_by_batch_size, or by default the most whose
-        # every decode still fits K drafts in a step's sampling rows (max_num_seqs), so a full batch keeps the
-        # two-slot pipeline instead of waiting on commits for drafts that could not fit.
+        # Running sequences above which no step speculates: disable_by_batch_size, or by default where it stopped
+        # paying (DEFAULT_BATCH_LIMIT), at most the most whose every decode still fits K drafts in a step's
+        # sampling rows (max_num_seqs), so a full batch keeps the two-slot pipeline.
         if speculative is not None:
-            self._spec_batch_limit = speculative.disable_by_batch_size or \
-                max(1, max_num_seqs // (1 + speculative.num_speculative_tokens))
+            self._spec_batch_limit = speculative.disable_by_batch_size or min(
+                DEFAULT_BATCH_LIMIT, max(1, max_num_seqs // (1 + speculative.num_speculative_tokens)))
         # Committed tokens, rows that rode along after their request finished, tokens a grammar accepted; draft
         # tokens proposed and accepted, and the chunks that verified drafts.
         self.counters = {"generation_tokens": 0, "zombie_rows": 0, "constrained_tokens": 0,

@@ -20,8 +20,8 @@ The two-slot pipeline: a step's drafts come from its sequence's committed tokens
 accepted is known only at its commit, so a speculating sequence never rides in two steps at once (the scheduler
 waits for its commit instead of launching it again). Its step is then not overlapped with the host work of the
 one before; speculation pays only while a step's accepted tokens outweigh that, which is why it turns itself
-off above `disable_by_batch_size` running sequences (by default when the drafts of every running sequence would
-no longer fit a step's sampling rows, max_num_seqs: a step's rows share the slot buffers sized for them).
+off above `disable_by_batch_size` running sequences (by default 32, where it stopped paying on CPU, or fewer when
+the drafts of every running sequence would no longer fit a step's sampling rows, max_num_seqs).
 
 Requests that speculate: decoding, no grammar or allowed_token_ids, no repetition/presence/frequency penalty and
 no min_tokens still to wait for (those read the output so far at every row, drafts included). Others decode one
@@ -35,6 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 METHODS = ("ngram",)
+# disable_by_batch_size's default: above this many running sequences speculation stopped paying on CPU
+# (measured: bench/README.md#speculative-decoding-bench_specpy). Not measured on a GPU.
+DEFAULT_BATCH_LIMIT = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +48,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    # Speculate only while at most this many sequences run. None: max_num_seqs // (1 + K), the most whose drafts
-    # all fit a step's sampling rows.
+    # Speculate only while at most this many sequences run. None: DEFAULT_BATCH_LIMIT, or fewer when
+    # max_num_seqs // (1 + K) is (the most sequences whose drafts all fit a step's sampling rows).
     disable_by_batch_size: int | None = None
 
     @classmethod
