@@ -12,7 +12,8 @@ running:
 - 16 streams: the prompts at once (16 of them), tokens/s (--streams: other counts, the prompts cycled).
 The greedy tokens of each speculative run are compared with the same engine's without speculation.
 `--peer`: vLLM's CPU build with its own n-gram speculation in the same run, from ~/vllm-venv (said so when it
-does not run there).
+does not run there). `--sim`: instead, the SIMULATED H100's tokens/s against a modelled acceptance rate
+(EngineConfig.sim_spec_acceptance) for the Qwen2.5-0.5B and Llama-3.1-8B shapes.
 """
 
 from __future__ import annotations
@@ -83,6 +84,47 @@ def prompts() -> list[str]:
     return out
 
 
+def sim_rows(args) -> list[dict]:
+    """SIMULATED H100: tokens/s against the modelled acceptance rate (sim_spec_acceptance), K=4, for the 0.5B and
+    8B shapes, 1 and 8 streams; a request of 256 tokens per stream. tok/s is wall time over the decode-heavy run
+    (host real, device modelled); busy is the device's busy fraction."""
+    import time
+
+    from engine import LLM, SamplingParams
+    from engine.sim import SIM_MODELS
+
+    rows = []
+    for shape in ("qwen2.5-0.5b", "llama-3.1-8b"):
+        for streams in (1, 8):
+            # every token the simulated device emits (the stand-in tokenizer's 4,096) occurs in the prompt, so every
+            # decode has an n-gram draft and acceptance is the modelled rate alone
+            prompts = [list(range(1 + i, 4096)) for i in range(streams)]
+            params = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+            for rate in (None, 0.0, 0.3, 0.5, 0.7, 0.9):
+                kw = {} if rate is None else {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
+                                              "sim_spec_acceptance": rate}
+                llm = LLM(str(SIM_MODELS / shape), device="sim", sim_gpu="h100", max_model_len=8192,
+                          max_num_seqs=64, **kw)
+                llm.generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
+                before = llm.stats()
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                wall = time.perf_counter() - t0
+                s = llm.stats()
+                busy = s.device_busy_s - before.device_busy_s
+                idle = s.device_idle_s - before.device_idle_s + s.device_dep_wait_s - before.device_dep_wait_s
+                tokens = sum(len(o.token_ids) for o in outs)
+                row = {"shape": shape, "streams": streams, "acceptance": "off" if rate is None else rate,
+                       "tok_s": round(tokens / wall, 1), "busy": round(busy / (busy + idle), 3),
+                       "step_ms": round(1e3 * busy / max(1, s.steps - before.steps), 3)}
+                if rate is not None and s.spec_draft_tokens:
+                    row["accepted_share"] = round(s.spec_accepted_tokens / s.spec_draft_tokens, 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                llm.shutdown()
+    return rows
+
+
 def machine() -> dict:
     import torch
 
@@ -111,8 +153,15 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[16],
                     help="batch sizes (the 16 prompts cycled); e.g. 16 32 64 for where speculation stops paying")
     ap.add_argument("--no-single", action="store_true", help="skip the one-stream runs")
+    ap.add_argument("--sim", action="store_true", help="only the SIMULATED H100 rows: tok/s against acceptance")
     ap.add_argument("--vllm-python", default=str(Path.home() / "vllm-venv/bin/python"))
     args = ap.parse_args()
+    if args.sim:
+        report = {"machine": machine(), "device": "SIMULATED H100 (host real, device time modelled)",
+                  "results": sim_rows(args)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return
     from engine.models.from_gguf import smollm2_dir
 
     model, ps = str(smollm2_dir()), prompts()

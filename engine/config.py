@@ -111,6 +111,11 @@ class EngineConfig:
     # is allowed).
     sim_gpu: str = "h100"
     sim_eos_rate: float = 0.0
+    # Speculative decoding on the simulated device: the chance that a draft token is the token the target would
+    # have produced there (the acceptance rate alpha; drafts count up to the first that is not). Its own tokens are
+    # hashes, so a draft otherwise almost never matches; None lets those hashes decide. It models acceptance for
+    # timing: outputs then differ from the non-speculative ones.
+    sim_spec_acceptance: float | None = None
     # Kernels one decoder layer launches on the simulated device: None = this engine's decoder as counted
     # (engine/sim/cost_model.py), e.g. 10 to price a fused forward such as vLLM's.
     sim_kernels_per_layer: int | None = None
@@ -275,12 +280,14 @@ class EngineConfig:
         return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     def _check_speculative(self) -> None:
+        a = self.sim_spec_acceptance
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
+            raise ValueError(f"sim_spec_acceptance must be a number in [0, 1] or None, got {a!r}")
         if self.speculative_config is None:
             return
         self.speculative()  # raises ValueError naming a bad field
         where = [name for name, on in (("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
-                                       ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-                                       ("device='sim'", self.device == "sim")) if on]
+                                       ("tensor_parallel_size > 1", self.tensor_parallel_size > 1)) if on]
         if where:
             raise ValueError(f"speculative_config is not supported with {', '.join(where)} yet")
 

@@ -56,10 +56,10 @@ def test_bad_speculative_configs_are_refused_by_name(bad, match):
 
 
 def test_unsupported_combinations_are_refused_by_name():
-    for kwargs, what in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-                         ({"device": "sim"}, "device='sim'")):
-        with pytest.raises(ValueError, match=f"speculative_config is not supported with {what}"):
-            EngineConfig(speculative_config=NGRAM, **kwargs)
+    with pytest.raises(ValueError, match="speculative_config is not supported with pipeline_parallel_size"):
+        EngineConfig(speculative_config=NGRAM, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="sim_spec_acceptance must be a number in"):
+        EngineConfig(speculative_config=NGRAM, device="sim", sim_spec_acceptance=1.5)
     assert SpeculativeConfig.from_dict({}).num_speculative_tokens == 4
 
 
@@ -234,3 +234,32 @@ def test_app_arg_and_async_engine(tiny_model_factory):
         assert llm.stats().spec_draft_tokens > 0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.6, 1.0])
+def test_simulated_device_accepts_drafts_at_the_modelled_rate(rate):
+    """On the simulated device each draft is accepted with probability sim_spec_acceptance (up to the first
+    rejection): the accepted share follows it, and so does the device time a token costs (a verification step of 1 + K tokens is priced as one
+    forward over them)."""
+    from engine.sim import SIM_MODELS
+
+    prompt = list(range(1, 4096))  # every token the simulated device emits occurs in it: a draft every step
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    kw = dict(device="sim", max_model_len=8192, max_num_seqs=8)
+    model = str(SIM_MODELS / "qwen2.5-0.5b")
+    base = LLM(model, **kw)
+    base.generate([prompt], params)
+    spec = LLM(model, speculative_config=NGRAM, sim_spec_acceptance=rate, **kw)
+    out = spec.generate([prompt], params)[0]
+    assert len(out.token_ids) == 200
+    s, b = spec.stats(), base.stats()
+    assert s.spec_verify_chunks > 0
+    share = s.spec_accepted_tokens / s.spec_draft_tokens
+    k = NGRAM["num_speculative_tokens"]
+    expected = sum(rate ** i for i in range(1, k + 1)) / k  # drafts are accepted up to the first rejection
+    assert abs(share - expected) < 0.1, (share, expected)
+    tokens_per_s = 200 / s.device_busy_s, 200 / b.device_busy_s  # simulated device time, not wall time
+    if rate == 1.0:
+        assert tokens_per_s[0] > 2.5 * tokens_per_s[1]  # ~4 accepted drafts a step at the cost of ~one step
+    if rate == 0.0:
+        assert tokens_per_s[0] < tokens_per_s[1]  # every step verifies drafts for nothing

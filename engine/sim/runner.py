@@ -195,9 +195,23 @@ class SimRunner(StepRunner):
         device-to-host transfer of them would take."""
         slot, n = step.slot, len(step.sample_chunks)
         seqs = [c.seq for c in step.sample_chunks]
-        positions = [c.start + c.num_tokens for c in step.sample_chunks]
         rows = batch.bitmask_rows
-        tokens, h = self.tokens.sample(seqs, positions, batch.bitmask if rows else None, rows)
+        if not any(c.draft for c in step.chunks):
+            positions = [c.start + c.num_tokens for c in step.sample_chunks]
+            tokens, h = self.tokens.sample(seqs, positions, batch.bitmask if rows else None, rows)
+        else:  # a chunk verifying k drafts has k + 1 rows, row i giving the token after position start + i
+            positions, draft_rows, drafts = [], [], []
+            for c in step.chunks:
+                if c.draft:
+                    draft_rows += range(len(positions), len(positions) + len(c.draft))
+                    drafts += c.draft
+                    positions += range(c.start + 1, c.start + c.num_tokens + 1)
+                elif c.samples:
+                    positions.append(c.start + c.num_tokens)
+            positions += [c.start + c.num_tokens for c in step.forks]
+            tokens, h = self.tokens.sample(seqs, positions, batch.bitmask if rows else None, rows)
+            if self.config.sim_spec_acceptance is not None:
+                self.tokens.accept_drafts(tokens, h, draft_rows, drafts, self.config.sim_spec_acceptance)
         slot.host_sampled.numpy()[:n] = tokens  # host memory
         nbytes, copies = 8 * n, 1
         k = batch.num_logprobs

@@ -67,6 +67,16 @@ class SimTokens:
             tokens[r] = self._constrained(seqs[r], bitmask[r], int(h[r]))
         return tokens, h
 
+    @staticmethod
+    def accept_drafts(tokens: np.ndarray, h: np.ndarray, rows: list[int], drafts: list[int], rate: float) -> None:
+        """Speculative decoding: set each of these rows' token to its draft with probability `rate`, decided by
+        the row's hash (so the same request accepts the same drafts on every run)."""
+        if not rows:
+            return
+        u = (_mix(h[rows] ^ _GOLDEN) >> np.uint64(11)).astype(np.float64) / 2.0**53
+        hit = u < rate
+        tokens[np.asarray(rows)[hit]] = np.asarray(drafts, dtype=np.int64)[hit]
+
     def _constrained(self, seq: Sequence, row: torch.Tensor, h: int) -> int:
         """An allowed token: an ordinary one when any is allowed (EOS instead with probability eos_rate),
         else the stop token a finished grammar allows. With nothing allowed, token 0, as an argmax over
