@@ -75,6 +75,8 @@ class SchedulerOutput:
     # A chunk scores prompt tokens (SamplingParams.prompt_logprobs): set where prefill chunks are planned, so
     # the runner looks at the chunks only then (decode chunks never score the prompt).
     prompt_logprobs: bool = False
+    # Draft tokens the step's chunks verify (speculative decoding): the runner looks for them only when there are.
+    num_draft_tokens: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -370,6 +372,7 @@ class Scheduler:
             seq.num_computed += k
             budget[0] -= k
             out.num_tokens += k
+            out.num_draft_tokens += k
             rows += k
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:

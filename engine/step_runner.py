@@ -84,7 +84,7 @@ class StepRunner:
 
     def _new_step(self, sched: SchedulerOutput, slot: DecodeSlot) -> Step:
         # One entry per sampling row: a chunk verifying k drafts has k + 1 rows (engine/spec_decode.py).
-        rows = [c for c in sched.chunks for _ in range(c.num_rows)] if any(c.draft for c in sched.chunks) \
+        rows = [c for c in sched.chunks for _ in range(c.num_rows)] if sched.num_draft_tokens \
             else [c for c in sched.chunks if c.samples]
         step = Step(self._next_step_id, slot, sched.chunks, rows, sched.num_tokens, time.monotonic())
         if sched.forks:

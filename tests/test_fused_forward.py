@@ -2,7 +2,7 @@
 Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA):
 
 - launches: one decode step on the CUDA code path counted per decoder layer (PyTorch operators that launch a
-  kernel plus Triton launches, views apart; engine/models/launch_count.py) is at most 8 for Llama and Qwen2
+  kernel plus Triton launches, views apart; tests/launch_count.py) is at most 8 for Llama and Qwen2
   and at most 10 for Gemma 3, equals the plan the simulated device prices (fused_forward.layer_launches), and
   the eager decoder it replaces is over the bound (so this test fails on the old path). Attention's key-range
   split is forced to what an H200 would choose, so its merge is counted as on a GPU.
@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import launch_count
 import tiny_models
 from engine import LLM, SamplingParams
 from engine.attention import AttentionMetadata, triton_paged
-from engine.models import fused_forward, launch_count
+from engine.models import fused_forward
 from engine.models.decoder import DecoderLM
 from engine.models.loader import model_spec, rope_tables
 from test_correctness_hf import assert_matches_hf, make_prompts

@@ -37,9 +37,8 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
     gguf_file, out_dir = Path(gguf_file), Path(out_dir)
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -49,15 +48,27 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path) -> Path:
         config["architectures"] = [type(model).__name__]
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(tmp)
+
+    write_dir_atomically(out_dir, "model.safetensors", write)
+    return out_dir
+
+
+def write_dir_atomically(out_dir: Path, marker: str, write) -> None:
+    """Fill `out_dir` with `write(tmp)` in a temporary directory beside it, then rename it into place, so a failed
+    or concurrent writer never leaves a half-written directory; when another process finished first (its
+    `marker` file exists), its copy is kept."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        write(tmp)
         tmp.chmod(0o755)  # mkdtemp made it private
         try:
             tmp.rename(out_dir)
         except OSError:  # another process finished first: keep its copy
-            if not (out_dir / "model.safetensors").exists():
+            if not (out_dir / marker).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def smollm2_gguf() -> Path:

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from engine.cpu import kernels as cpu_native
 from engine.cpu import linear as cpu_linear
 from engine.cpu.quant import QUANT_TYPES, QuantEmbedding, QuantLinear, QuantWeight, quantized_bytes
 from engine.models.decoder import DecoderLM, ModelSpec
+from engine.models.from_gguf import write_dir_atomically
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -77,18 +77,7 @@ def gguf_model_dir(gguf_file: str, tokenizer: str | None) -> str:
     if (out / "config.json").exists():
         return str(out)
     check_architecture(src)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
-    try:
-        _write_model_dir(src, tokenizer, tmp)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first: keep its copy
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_dir_atomically(out, "config.json", lambda tmp: _write_model_dir(src, tokenizer, tmp))
     return str(out)
 
 
