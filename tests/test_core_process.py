@@ -249,7 +249,14 @@ def test_paced_streams_merge_commits_and_never_hold_the_first_output_or_the_fini
 
     held_finishes = []  # (how long a finish would have waited for its interval, how long it waited)
     try:
-        for max_tokens in (170, 250, 330, 410, 490):  # a few hundred ms each: several intervals
+        # a few hundred ms each: several intervals. Where a finish falls in its interval depends on this machine's
+        # token rate (a fixed step of 80 tokens was one interval's worth on a CI machine, so every finish fell at
+        # the same late phase), so each run is longer than the last by half an interval's worth of tokens at the
+        # rate just measured, until two finishes fell early enough to tell (or 12 runs)
+        max_tokens = 170
+        for _ in range(12):
+            if sum(would > 0.04 for would, _ in held_finishes) >= 2:
+                break
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
             got = asyncio.run(run(params))
             outs, times = [o for _, o in got], [t for t, _ in got]
@@ -267,6 +274,11 @@ def test_paced_streams_merge_commits_and_never_hold_the_first_output_or_the_fini
             assert max(len(o.delta_token_ids) for o in outs) > 1
             finish = outs[-1].finish_time
             held_finishes.append((times[-2] + interval - finish, times[-1] - finish))
+            per_interval = max(14.0, max_tokens / (finish - outs[0].first_token_time) * interval)
+            max_tokens += round(per_interval / 2)
+            while max_tokens > 490:  # a whole interval's worth less keeps the phase, within max_model_len
+                max_tokens -= round(per_interval)
+            max_tokens = max(max_tokens, 100)
     finally:
         llm.shutdown()
         oracle.shutdown()
