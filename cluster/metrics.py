@@ -148,6 +148,10 @@ class EngineMetrics:
                                   ("cpu", stats.cpu_blocks_total, stats.cpu_blocks_free)):
             apply(m.KV_BLOCKS, float(total), {m.POOL: pool})
             apply(m.KV_USAGE, (total - free) / total if total else 0.0, {m.POOL: pool})  # no CPU pool: 0
+        apply(m.KV_CAPACITY, float(stats.kv_capacity_tokens), {m.KV_WINDOW: "in"})
+        apply(m.KV_CAPACITY, float(stats.kv_capacity_tokens_past_window), {m.KV_WINDOW: "past"})
+        apply(m.KV_BYTES_PER_TOKEN, float(stats.kv_bytes_per_token_full), {m.KV_GROUP: "full"})
+        apply(m.KV_BYTES_PER_TOKEN, float(stats.kv_bytes_per_token_sliding), {m.KV_GROUP: "sliding"})
         for record in self.llm.drain_step_records():
             self._step(record)
 

@@ -98,6 +98,13 @@ def rows() -> list[tuple[str, list[Panel]]]:
                   ((f"{rate(m.PREFIX_HITS)} / {rate(m.PREFIX_QUERIED)}", "hit rate"),), unit="percentunit"),
             Panel("KV blocks by pool", "Capacity of each pool, all replicas.",
                   ((f"sum by (pool) ({sel(m.KV_BLOCKS)})", "{{pool}}"),)),
+            Panel("KV capacity (tokens)", "Positions the device caches hold, all replicas: with every position in its "
+                  "sliding window, and past every window (sliding-window layers then hold none of it).",
+                  ((f"sum by (window) ({sel(m.KV_CAPACITY)})", "{{window}} window"),)),
+            Panel("KV bytes per token", "K and V bytes one position holds per replica, full-attention and sliding-"
+                  "window layers (the latter only while in the window).",
+                  ((f"max by ({per_replica}, group) ({sel(m.KV_BYTES_PER_TOKEN)})", "{{replica}} {{group}}"),),
+                  unit="bytes"),
         ]),
         ("Scheduler", [
             Panel("Requests in the engines", "Waiting (not started), running, swapped out to the CPU pool.",

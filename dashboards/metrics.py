@@ -143,6 +143,12 @@ RUNNING = _g("tandem_num_requests_running", "Requests the engine is running.")
 SWAPPED = _g("tandem_num_requests_swapped", "Preempted requests whose KV blocks wait in the CPU pool.")
 KV_USAGE = _g("tandem_kv_cache_usage", "Fraction of KV blocks in use, by pool (0 for an empty pool).", (POOL,))
 KV_BLOCKS = _g("tandem_kv_cache_blocks", "KV blocks in the pool (capacity), by pool.", (POOL,))
+KV_WINDOW = "window"  # KV capacity: "in" (every position still in its sliding window) | "past" (none is)
+KV_CAPACITY = _g("tandem_kv_cache_capacity_tokens", "Positions the device KV cache holds, by whether they are still "
+                 "in the sliding window (equal for models without sliding-window layers).", (KV_WINDOW,))
+KV_GROUP = "group"  # full | sliding
+KV_BYTES_PER_TOKEN = _g("tandem_kv_cache_bytes_per_token", "K and V bytes one position holds, by layer group "
+                        "(sliding: while in the window).", (KV_GROUP,))
 
 # ---- the engine replicas: per step (drained from the engine's step records, off the engine thread) -----------
 STEP_PERIOD = _h("tandem_step_period_seconds",
@@ -162,7 +168,7 @@ STEP_TOKENS = _h("tandem_step_tokens", "Tokens computed per step (prefill chunks
 INGRESS_METRICS = (REQUESTS, QUEUE_TIME, TTFT, ITL, E2E)
 ENGINE_TOTALS = (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIED, PREFIX_HITS, PREEMPTIONS, OFFLOADS,
                  SWAP_INS, SOFT_RESETS, STEPS, SPEC_DRAFTS, SPEC_ACCEPTED, SPEC_VERIFIES)
-ENGINE_GAUGES = (WAITING, RUNNING, SWAPPED, KV_USAGE, KV_BLOCKS)
+ENGINE_GAUGES = (WAITING, RUNNING, SWAPPED, KV_USAGE, KV_BLOCKS, KV_CAPACITY, KV_BYTES_PER_TOKEN)
 STEP_HISTOGRAMS = (STEP_PERIOD, STEP_FORWARD, STEP_SAMPLE, STEP_BUBBLE, STEP_BUSY, BATCH_SIZE, STEP_TOKENS)
 ALL_METRICS = INGRESS_METRICS + ENGINE_TOTALS + ENGINE_GAUGES + STEP_HISTOGRAMS
 

@@ -13,6 +13,11 @@ scheduler's swap-in replace that list (never mutate a freed one), so a replaced 
 A row is reclaimed only once its sequence can no longer be read by an in-flight step (released, or holding
 no blocks with nothing in flight): the device copy of a row some launched step still reads is never
 overwritten, and appended entries lie past what such a step reads.
+
+Window groups (engine/kv_groups.py): a row then holds one table per KV group side by side, [rows, groups,
+max_blocks] flattened: the full group's from `Sequence.block_table`, each sliding group's from its pages in
+`Sequence.window_table`. They grow together (a new logical block gets a page in every group); the entries of
+blocks that left the window stay as they are (stale: no query reads them).
 """
 
 from __future__ import annotations
@@ -25,15 +30,17 @@ from engine.sequence import Sequence
 class BlockTables:
     """Host side of the persistent tables (pure numpy; the device copy is the runner's)."""
 
-    def __init__(self, num_rows: int, max_blocks: int):
+    def __init__(self, num_rows: int, max_blocks: int, window_groups: int = 0):
         self.num_rows = num_rows
         self.max_blocks = max_blocks
-        self.host = np.zeros((num_rows, max_blocks), dtype=np.int32)
+        self.window_groups = window_groups
+        self.row_width = (1 + window_groups) * max_blocks  # one table per group, side by side
+        self.host = np.zeros((num_rows, self.row_width), dtype=np.int32)
         self.width = [0] * num_rows  # entries of each row already handed out as deltas
         self._lists: list[list[int] | None] = [None] * num_rows
         self._owner: list[Sequence | None] = [None] * num_rows
         self._free = list(range(num_rows - 1, -1, -1))
-        self._delta: list[tuple[int, int, int]] = []  # (row, first entry, end) not yet taken
+        self._delta: list[tuple[int, int]] = []  # (first flat index, count) not yet taken
 
     def row(self, seq: Sequence) -> int:
         """`seq`'s row, current: entries it gained since it was last staged become deltas."""
@@ -47,17 +54,21 @@ class BlockTables:
         old, new = self.width[r], len(table)
         if new > old:
             self.host[r, old:new] = table[old:new]
-            self._delta.append((r, old, new))
+            flat = r * self.row_width
+            self._delta.append((flat + old, new - old))
+            k, m = self.window_groups, self.max_blocks
+            for g in range(k):  # group g + 1's pages of blocks old..new-1
+                self.host[r, (1 + g) * m + old:(1 + g) * m + new] = seq.window_table[old * k + g:new * k:k]
+                self._delta.append((flat + (1 + g) * m + old, new - old))
             self.width[r] = new
         return r
 
     def take_deltas(self, idx: np.ndarray, val: np.ndarray) -> int:
         """Write the pending deltas as flat indices into the table and their block ids; return how many."""
-        k, m = 0, self.max_blocks
+        k = 0
         flat = self.host.reshape(-1)
-        for r, a, b in self._delta:
-            n = b - a
-            idx[k:k + n] = np.arange(r * m + a, r * m + b, dtype=np.int32)
+        for a, n in self._delta:
+            idx[k:k + n] = np.arange(a, a + n, dtype=np.int32)
             k += n
         if k:
             val[:k] = flat[idx[:k]]

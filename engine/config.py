@@ -40,6 +40,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # vLLM's name: True keeps every layer's KV for the whole context. False (default): a model mixing sliding-window
+    # and full-attention layers (Gemma 2 and 3) gives its sliding layers' blocks back once they leave the window
+    # (engine/kv_groups.py); models without sliding layers are laid out as before either way.
+    disable_hybrid_kv_cache_manager: bool = False
     scheduler: str = "fifo"
     # 2: the next step's forward is launched before the previous step commits (Photon's ping-pong slots); 1: the
     # blocking loop. None (auto): 2 where the forward runs beside the loop (CUDA streams, a CPU forward thread,
@@ -167,7 +171,8 @@ class EngineConfig:
             raise ValueError(f"cpu_executor_thread must be a boolean or None (auto), got {self.cpu_executor_thread!r}")
         if self.pp_cpu_sampling not in (None, True, False):
             raise ValueError(f"pp_cpu_sampling must be a boolean or None (auto), got {self.pp_cpu_sampling!r}")
-        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_token_safe", "pp_structure_aware"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_token_safe", "pp_structure_aware",
+                     "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:

@@ -30,6 +30,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.block_manager import BlockManager
+from engine.kv_groups import KVLayout, kv_layout
 from engine.config import EngineConfig
 from engine.cpu.block_pool import CpuBlockPool
 from engine.executor import release_openmp_threads
@@ -69,6 +70,10 @@ class RequestLimits:
     runner_name: str
     supports_prompt_logprobs: bool
     supports_forks: bool
+    # Sliding-window KV groups (engine/kv_groups.py): num_kv_blocks counts pages; a prompt's blocks take a page in
+    # each of the window groups too, at least while the window's blocks are written.
+    window_groups: int = 0
+    window_blocks: int = 0
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with a tokenized request (nothing else is touched)."""
@@ -88,7 +93,7 @@ class RequestLimits:
             if bad:
                 raise ValueError(f"{name} token ids must be in [0, {vocab}); got {bad[:5]}")
         blocks = -(-(len(ids) + 1) // self.block_size)
-        if blocks > self.num_kv_blocks:
+        if blocks + self.window_groups * min(blocks, self.window_blocks) > self.num_kv_blocks:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
                              f"({self.num_kv_blocks} blocks of {self.block_size})")
         if params.prompt_logprobs is not None and not self.supports_prompt_logprobs:
@@ -131,13 +136,18 @@ class EngineCore:
         # The core reads the tokenizer's vocabulary (grammars, the simulated device), never decodes with it.
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
         self.eos_token_ids = _eos_ids(config.model_dir, self.tokenizer)
+        # Sliding-window layers' KV groups (engine/kv_groups.py): blocks are pages of one group's layers. The
+        # runner's cache decides (pipeline stages keep one group); this is what this device's runner will use.
+        self.kv_layout = kv_layout(config, self.spec)
         num_cpu_blocks = self._num_cpu_blocks()
         self.runner = (make_runner or _local_runner)(self, num_cpu_blocks)
+        self.kv_layout = self.runner.kv_layout or KVLayout.single(self.spec.num_layers)
         num_blocks = self.runner.num_kv_blocks  # what its memory profiling pass left room for (engine/memory.py)
         # EngineConfig.pipeline_depth, resolved: None is 2 where the forward overlaps the loop, else 1
         self.pipeline_depth = self.config.pipeline_depth or (2 if self.runner.forward_overlaps_loop else 1)
         self.device = self.runner.device  # where sampling runs (the driver's CPU under pipeline parallelism)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.kv_layout.num_window_groups, self.kv_layout.window)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         # Multi-LoRA (engine/lora): adapter names -> host weights, and the device slots' LRU; None when off.
         self.loras = AdapterRegistry(self.spec, config.max_lora_rank, config.lora_modules, config.lora_dir) \
@@ -180,7 +190,9 @@ class EngineCore:
         """What requests are checked against (RequestLimits.check), for a frontend in another process."""
         return RequestLimits(self.spec.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                              self.config.block_size, self.config.max_num_seqs, type(self.runner).__name__,
-                             self.runner.supports_prompt_logprobs, self.runner.supports_forks)
+                             self.runner.supports_prompt_logprobs, self.runner.supports_forks,
+                             self.kv_layout.num_window_groups,
+                             self.kv_layout.window_blocks(self.config.block_size) if self.kv_layout.window else 0)
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str,
                       lora_request: LoRARequest | str | None = None, prompt: str | None = None,
@@ -466,8 +478,19 @@ class EngineCore:
         cfg = self.config
         if not cfg.swap_space_gb:
             return cfg.num_cpu_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype,
+                                                   self.kv_layout.layers_per_page)
         return int(cfg.swap_space_gb * 1024**3) // per_block
+
+    def _kv_capacity(self) -> dict[str, int]:
+        """KV bytes per position by group and the cache's capacity in positions (EngineStats)."""
+        layout, bm, spec = self.kv_layout, self.block_manager, self.runner.spec
+        cache = getattr(self.runner, "kv_cache", None)  # the KV dtype may differ from the model's
+        elem = cache.element_size() if cache is not None else torch.tensor([], dtype=self.dtype).element_size()
+        per = layout.bytes_per_token(spec.num_kv_heads, spec.head_dim, elem)
+        past = bm.num_blocks * bm.block_size
+        return {"kv_bytes_per_token_full": int(per["full"]), "kv_bytes_per_token_sliding": int(per.get("sliding", 0)),
+                "kv_capacity_tokens": past // layout.pages_per_block, "kv_capacity_tokens_past_window": past}
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state and counters (engine/stats.py: typed, immutable; a key that is
@@ -475,7 +498,7 @@ class EngineCore:
         bm, sched = self.block_manager, self.scheduler
         offloader = self.runner.offloader
         return EngineStats(
-            kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free,
+            kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free, **self._kv_capacity(),
             cpu_blocks_total=self.cpu_pool.num_blocks, cpu_blocks_free=self.cpu_pool.num_free,
             num_preemptions=sched.num_preemptions, num_offloads=sched.num_offloads,
             num_swap_ins=sched.num_swap_ins, num_soft_resets=sched.num_soft_resets,

@@ -23,6 +23,7 @@ from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.executor import FWD_END, FWD_START, make_executor
+from engine.kv_groups import kv_layout
 from engine.kv_offload import KVOffloader, copy_blocks
 from engine.lora.layers import LoRAModel
 from engine.memory import CudaMeter, HostMeter, MemoryPlan, kv_blocks
@@ -57,25 +58,31 @@ class ModelRunner(StepRunner):
             if config.cpu_threads is not None:
                 torch.set_num_threads(config.cpu_threads)  # before cpu_thread_helps reads it
         threaded = config.pipeline_depth != 1 and cpu_thread_helps(config.cpu_executor_thread)
-        super().__init__(config, spec, device, self.buffer_limits(config, max_model_len),
+        self.kv_layout = kv_layout(config, spec)  # sliding-window layers' KV groups (engine/kv_groups.py)
+        super().__init__(config, spec, device, self.buffer_limits(config, max_model_len, self.kv_layout),
                          make_executor(device, threaded))
         self.forward_overlaps_loop = device.type == "cuda" or threaded
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size,
                                             softcap=spec.attn_softcap is not None)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
         self.model = self._build_model(hf_config, spec, max_model_len, dtype)
+        self.model.kv_group = self.kv_layout.layer_group
         # Multi-LoRA: the targeted linears wrapped with every slot's stacked adapters (before the memory
         # profile, which then counts them); None, and nothing changed, without enable_lora.
         self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         # The persistent block tables' device copy (engine/block_tables.py): deltas scattered in stream order.
-        self.device_tables = torch.zeros(self.limits.table_rows, self.limits.max_blocks, dtype=torch.int32,
-                                         device=device)
+        self.device_tables = torch.zeros(self.limits.table_rows, self.kv_layout.num_groups * self.limits.max_blocks,
+                                         dtype=torch.int32, device=device)
         kv_spec = self.model.spec  # a tensor-parallel rank's own: its share of the KV heads (engine/tp)
-        per_block = self.kv_bytes_per_block(kv_spec, config.block_size, dtype)
+        layout = self.kv_layout
+        per_block = self.kv_bytes_per_block(kv_spec, config.block_size, dtype, layout.layers_per_page)
         self.memory = self._profile(dtype) if config.num_kv_blocks is None else None
-        self.num_kv_blocks = self._agree_kv_blocks(kv_blocks(
-            self.memory, per_block, self.limits.max_seqs * self.limits.max_blocks, config.num_kv_blocks))
-        shape = (spec.num_layers, 2, self.num_kv_blocks, config.block_size, kv_spec.num_kv_heads, spec.head_dim)
+        useful = self.limits.max_seqs * self.limits.max_blocks * layout.pages_per_block
+        self.num_kv_blocks = self._agree_kv_blocks(kv_blocks(self.memory, per_block, useful, config.num_kv_blocks))
+        # [g, 2, pages, block_size, kv heads, head_dim]: a page is one block of one KV group's g layers (all layers
+        # with one group)
+        shape = (layout.layers_per_page, 2, self.num_kv_blocks, config.block_size, kv_spec.num_kv_heads,
+                 spec.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = self._layer_caches(self.kv_cache)
         self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
@@ -93,13 +100,15 @@ class ModelRunner(StepRunner):
         return num_blocks
 
     @staticmethod
-    def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, layers: int | None = None) -> int:
+        """Bytes of one block (a page: `layers` layers' K and V; default every layer)."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+        layers = spec.num_layers if layers is None else layers
+        return 2 * layers * block_size * spec.num_kv_heads * spec.head_dim * elem
 
-    @staticmethod
-    def _layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+    def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) cache: its slot of the page tensor (engine/kv_groups.py)."""
+        return [(kv_cache[i, 0], kv_cache[i, 1]) for i in self.kv_layout.layer_slot]
 
     # ---- the memory profiling pass (engine/memory.py) -----------------------------------------------------------
     def _profile(self, dtype: torch.dtype) -> MemoryPlan:
@@ -108,8 +117,8 @@ class ModelRunner(StepRunner):
         expensive way; on CUDA with graphs also a decode forward at the largest graph batch (the graphs'
         private pool holds its activations)."""
         spec, lim, cuda = self.model.spec, self.limits, self.device.type == "cuda"
-        scratch = torch.zeros((spec.num_layers, 2, 1, self.block_size, spec.num_kv_heads, spec.head_dim),
-                              dtype=dtype, device=self.device)  # one block: every dummy position uses it
+        scratch = torch.zeros((self.kv_layout.layers_per_page, 2, 1, self.block_size, spec.num_kv_heads,
+                               spec.head_dim), dtype=dtype, device=self.device)  # one block: every dummy position uses it
         self.kv_caches = self._layer_caches(scratch)
         meter = CudaMeter(self.device) if cuda else HostMeter()
         with meter:
@@ -211,7 +220,8 @@ class ModelRunner(StepRunner):
         prompt scoring nor adapters."""
         b = slot.inputs
         meta = b.metadata(self.block_size)
-        self.backend.prepare(meta)
+        for m in meta.groups or (meta,):
+            self.backend.prepare(m)
         if self.lora is not None:
             self.lora.prepare(b.dev["lora_slots"][:b.num_tokens], b.lora_active)
         ids, positions = b.dev["input_ids"][:b.num_tokens], b.dev["positions"][:b.num_tokens]

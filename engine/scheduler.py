@@ -366,7 +366,7 @@ class Scheduler:
             k = len(draft)
             if bm.blocks_needed(seq, seq.num_computed + k) > bm.num_free - self.margin_blocks:
                 continue
-            ok = bm.allocate(seq, seq.num_computed + k)
+            ok = bm.allocate(seq, seq.num_computed + k, start=c.start)
             assert ok, "the free blocks were checked"
             c.num_tokens, c.draft = 1 + k, draft
             seq.num_computed += k
@@ -441,8 +441,7 @@ class Scheduler:
             computed = len(hits) * self.bm.block_size
             n = min(seq.num_total - computed, budget[0])
             # Cached hits sitting in the free queue are taken back out of it, so they count as needed.
-            reused_free = sum(1 for b in hits if self.bm.ref_counts[b] == 0)
-            needed = max(0, -(-(computed + n) // self.bm.block_size) - len(hits)) + reused_free
+            needed = self.bm.admission_pages(hits, hashes, computed + n)
             margin = self.margin_blocks if self.running else 0
             if needed + margin > self.bm.num_free:
                 return
@@ -520,11 +519,11 @@ class Scheduler:
         step rather than preempting more than it needs. With nobody left to preempt, a prefill chunk
         shrinks to what the free blocks hold.
         """
-        bs = self.bm.block_size
+        bs, per_block = self.bm.block_size, self.bm.pages_per_block
         cow = seq.cow and self.bm.shares_block(seq, seq.num_computed // bs)  # the block written is shared
         if not cow:
             seq.cow = False
-        needed = self.bm.blocks_needed(seq, seq.num_computed + n) + cow
+        needed = self.bm.blocks_needed(seq, seq.num_computed + n) + cow * per_block
         releasing = 0
         while needed > self.bm.num_free:
             if needed <= self.bm.num_free + releasing:
@@ -533,19 +532,19 @@ class Scheduler:
             victim = self._pick_victim(seq)
             if victim is None:
                 break
-            held = sum(1 for b in victim.block_table if self.bm.ref_counts[b] == 1)
+            held = self.bm.pages_held(victim)
             self._preempt(victim)
             if victim.preempted:  # reset deferred until its in-flight step drains
                 releasing += held
         if cow and not self.bm.shares_block(seq, seq.num_computed // bs):
             cow = seq.cow = False  # the sibling sharing it was preempted and released it meanwhile
-        capacity = (len(seq.block_table) + self.bm.num_free - cow) * bs - seq.num_computed
+        capacity = self.bm.capacity(seq, self.bm.num_free - cow * per_block)
         n = min(n, capacity)
         if n <= 0:
             self._starved = True
             return 0
         if cow:
-            self._copies.append(self.bm.copy_on_write(seq, seq.num_computed // bs))
+            self._copies += self.bm.copy_on_write(seq, seq.num_computed // bs)
             self.num_cow_copies += 1
             seq.cow = False
         ok = self.bm.allocate(seq, seq.num_computed + n)
@@ -597,9 +596,13 @@ class Scheduler:
         pool, table, hashes = self.cpu_pool, seq.block_table, seq.block_hashes
         cpu: list[int | None] = [pool.lookup(hashes[i] if i < len(hashes) else None) for i in range(len(table))]
         copy = [i for i, c in enumerate(cpu) if c is None]
-        fresh = pool.allocate(len(copy))
+        window = seq.window_table[seq.window_base * self.bm.window_groups:]  # live window pages: always copied
+        fresh = pool.allocate(len(copy) + len(window))
         if fresh is None:
             return False
+        if window:
+            fresh, seq.cpu_window = fresh[:len(copy)], fresh[len(copy):]
+            self._swaps.append(SwapOp("out", window, seq.cpu_window))
         for c in cpu:
             if c is not None:
                 pool.share(c)
@@ -610,8 +613,10 @@ class Scheduler:
         if copy:
             self._swaps.append(SwapOp("out", [table[i] for i in copy], fresh))
         seq.cpu_blocks = cpu
+        base = seq.window_base
         self.bm.free(seq)  # shared device blocks just lose this reference: their other holders keep them
         seq.block_hashes = hashes  # the content is unchanged
+        seq.window_base = base  # the blocks before it come back without window pages
         seq.status = SeqStatus.SWAPPED
         self.swapped.append(seq)
         self.num_offloads += 1
@@ -625,8 +630,9 @@ class Scheduler:
                 return
             found = self._on_device(seq)
             n = min(seq.num_uncomputed, budget[0])
-            growth = max(0, -(-(seq.num_computed + n) // self.bm.block_size) - len(seq.cpu_blocks))
-            fresh = len(seq.cpu_blocks) - len(found)
+            growth = max(0, -(-(seq.num_computed + n) // self.bm.block_size) - len(seq.cpu_blocks)) \
+                * self.bm.pages_per_block
+            fresh = len(seq.cpu_blocks) - len(found) + len(seq.cpu_window or ())
             reused_free = sum(1 for b in found.values() if self.bm.ref_counts[b] == 0)
             margin = self.margin_blocks if self.running else 0
             if fresh + reused_free + growth + margin > self.bm.num_free:
@@ -660,6 +666,11 @@ class Scheduler:
             table.append(block)
             fresh.append(block)
             cpu.append(cpu_block)
+        if seq.cpu_window:
+            window = [self.bm.take_fresh(None) for _ in seq.cpu_window]
+            fresh += window
+            cpu += seq.cpu_window
+            seq.window_table = [0] * (seq.window_base * self.bm.window_groups) + window
         if fresh:
             self._swaps.append(SwapOp("in", fresh, cpu))
         self._drop_swapped(seq)  # host blocks may be reused now: a later swap-out runs after this copy
@@ -671,3 +682,6 @@ class Scheduler:
         self.swapped.remove(seq)
         self.cpu_pool.release(seq.cpu_blocks)
         seq.cpu_blocks = None
+        if seq.cpu_window:
+            self.cpu_pool.release(seq.cpu_window)
+            seq.cpu_window = None

@@ -47,7 +47,8 @@ class Sequence:
     """
 
     __slots__ = ("request_id", "params", "prompt", "prompt_token_ids", "token_ids", "num_pending",
-                 "num_computed", "num_cached", "block_table", "block_hashes", "status", "finalized",
+                 "num_computed", "num_cached", "block_table", "block_hashes", "window_table", "window_base",
+                 "cpu_window", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "stop_token", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
@@ -78,6 +79,11 @@ class Sequence:
         self.num_cached = 0  # prompt tokens served from the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, in order
+        # Sliding-window KV groups (engine/kv_groups.py): k pages per logical block; those of the blocks before
+        # window_base went back to the pool (BlockManager.slide). Empty without window groups.
+        self.window_table: list[int] = []
+        self.window_base = 0
+        self.cpu_window: list[int] | None = None  # while swapped: the host pages holding its live window pages
         self.status = SeqStatus.WAITING
         self.finalized = False
         self.finish_reason: str | None = None

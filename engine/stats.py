@@ -28,10 +28,18 @@ from dataclasses import dataclass, fields
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     # ---- KV cache: device blocks and the CPU swap pool
-    kv_blocks_total: int
+    kv_blocks_total: int  # pages of one KV group with sliding-window groups (engine/kv_groups.py)
     kv_blocks_free: int
     cpu_blocks_total: int
     cpu_blocks_free: int
+    # K and V bytes one position holds: in the full-attention layers, and in the sliding-window layers while it
+    # is in their window (0 without sliding-window groups: every layer counts as full)
+    kv_bytes_per_token_full: int
+    kv_bytes_per_token_sliding: int
+    # Positions the device cache holds: when every one is still in its window (short requests), and when none is
+    # (positions past every window hold full-attention pages only). Equal without sliding-window groups.
+    kv_capacity_tokens: int
+    kv_capacity_tokens_past_window: int
     # ---- scheduler: preemption, swapping, forks (cumulative)
     num_preemptions: int
     num_offloads: int

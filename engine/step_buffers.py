@@ -18,7 +18,7 @@ which comes after the step's uploads completed (they precede its forward in stre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ _STEP_FIELDS = {
 # With LoRA (engine/lora): each token's adapter slot (0 = none), read by every LoRA linear of the forward. Only
 # engines with enable_lora have the field, so it costs the others nothing.
 _LORA_FIELD = {"lora_slots": (torch.int32, "tokens")}
+# With sliding-window KV groups: each token's slot in every sliding group, [window_groups, max_tokens] flattened.
+_WINDOW_FIELD = {"window_slots": (torch.long, "window_tokens")}
 _SAMPLING_FIELDS = {  # one per sampling row (see engine/sampler.py SamplingBatch)
     "temperature": (torch.float32, "seqs"), "greedy": (torch.bool, "seqs"), "top_k": (torch.long, "seqs"),
     "top_p": (torch.float32, "seqs"), "min_p": (torch.float32, "seqs"),
@@ -47,12 +49,13 @@ _SAMPLING_FIELDS = {  # one per sampling row (see engine/sampler.py SamplingBatc
 _ALIGN = 64
 
 
-def _step_fields(lora: bool) -> dict:
-    """The step region's fields; the LoRA slots go before the table deltas, which must stay last."""
-    if not lora:
+def _step_fields(lora: bool, window: bool = False) -> dict:
+    """The step region's fields; the LoRA and window slots go before the table deltas, which must stay last."""
+    if not lora and not window:
         return _STEP_FIELDS
     fields = {k: v for k, v in _STEP_FIELDS.items() if k != "table_deltas"}
-    return {**fields, **_LORA_FIELD, "table_deltas": _STEP_FIELDS["table_deltas"]}
+    return {**fields, **(_LORA_FIELD if lora else {}), **(_WINDOW_FIELD if window else {}),
+            "table_deltas": _STEP_FIELDS["table_deltas"]}
 
 
 class _Region:
@@ -87,6 +90,9 @@ class BufferLimits:
     max_seqs: int  # sequences (= sampling rows) in one step
     max_blocks: int  # block-table width: ceil(max_model_len / block_size)
     lora: bool = False  # steps carry each token's LoRA adapter slot (the lora_slots field)
+    # Sliding-window KV groups (engine/kv_groups.py): a row holds 1 + window_groups tables, and every token a
+    # slot in each sliding group (the window_slots field) besides slot_mapping's in the full group.
+    window_groups: int = 0
 
     @property
     def table_rows(self) -> int:
@@ -118,19 +124,26 @@ class StepBuffers:
         self.limits = limits
         self.transfer = transfer
         pin, real = device.type == "cuda", transfer is None
+        kw = limits.window_groups
+        groups = 1 + kw
         sizes = {"tokens": limits.max_tokens, "seqs": limits.max_seqs, "seqs+1": limits.max_seqs + 1,
-                 "deltas": limits.max_seqs * limits.max_blocks}
+                 "deltas": limits.max_seqs * limits.max_blocks * groups, "window_tokens": kw * limits.max_tokens}
         self.lora = limits.lora
+        self.window_groups = kw
         self.lora_active = False  # the staged step has a token under an adapter (set by stage_step)
-        self.step = _Region(_step_fields(limits.lora), sizes, device, pin, real)
+        self.step = _Region(_step_fields(limits.lora, kw > 0), sizes, device, pin, real)
         self.sampling = _Region(_SAMPLING_FIELDS, sizes, device, pin, real)
         self.host = {**self.step.host, **self.sampling.host}
         self.dev = {**self.step.dev, **self.sampling.dev}
         self._deltas_at = self.step.offsets["table_deltas"][0]  # the step region's used part ends in them
         # The step's block-table rows, gathered on the device from the persistent table (apply_tables).
-        self.block_tables = torch.zeros(limits.max_seqs, limits.max_blocks, dtype=torch.int32, device=device) \
-            if real else None
+        self.block_tables = torch.zeros(limits.max_seqs, groups * limits.max_blocks, dtype=torch.int32,
+                                        device=device) if real else None
         self.np = {name: t.numpy() for name, t in self.host.items()}  # host views written by stage_step()
+        if kw:  # [group, token] views
+            self.np["window_slots"] = self.np["window_slots"].reshape(kw, limits.max_tokens)
+            if real:
+                self.dev["window_slots"] = self.dev["window_slots"].view(kw, limits.max_tokens)
         self.gathered = torch.zeros(limits.max_seqs, dtype=torch.long, device=device) if real else None
         self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.num_deltas = self.width = 0
         self.query_lens_host: list[int] = []
@@ -201,7 +214,12 @@ class StepBuffers:
             tok_rows = np.repeat(rows_a, lens_a)
         n["input_ids"][:t] = ids
         n["positions"][:t] = positions
-        n["slot_mapping"][:t] = tables.host[tok_rows, positions // block_size] * block_size + positions % block_size
+        offset, col = positions % block_size, positions // block_size
+        n["slot_mapping"][:t] = tables.host[tok_rows, col] * block_size + offset
+        if self.window_groups:
+            m = self.limits.max_blocks
+            cols = (1 + np.arange(self.window_groups))[:, None] * m + col[None, :]
+            n["window_slots"][:, :t] = tables.host[tok_rows[None, :], cols] * block_size + offset[None, :]
         seq_lens = starts_a + lens_a
         n["seq_lens"][:s] = seq_lens
         n["query_start_loc"][0] = 0
@@ -227,6 +245,8 @@ class StepBuffers:
         n["input_ids"][:t] = 0
         n["positions"][:t] = np.tile(np.arange(per), s)
         n["slot_mapping"][:t] = n["positions"][:t] % block_size
+        if self.window_groups:
+            n["window_slots"][:, :t] = n["slot_mapping"][:t]
         n["seq_lens"][:s] = per
         n["query_start_loc"][:s + 1] = np.arange(s + 1) * per
         n["table_rows"][:s] = self.limits.table_rows - 1
@@ -250,6 +270,8 @@ class StepBuffers:
         n["input_ids"][t:size] = 0
         n["positions"][t:size] = 0
         n["slot_mapping"][t:size] = -1
+        if self.window_groups:
+            n["window_slots"][:, t:size] = -1
         if self.lora:
             n["lora_slots"][t:size] = 0
         n["seq_lens"][s:size] = 0
@@ -258,14 +280,20 @@ class StepBuffers:
         self.num_tokens, self.num_seqs = t + size - s, size
 
     def snapshot(self) -> StagedStep:
-        """The staged step as arrays (copies of the used prefixes), to send to a pipeline stage."""
-        return StagedStep({name: self.np[name][:c].copy() for name, c in self._counts().items()}, self.num_tokens,
-                          self.num_seqs, self.num_rows, self.num_gather, self.num_deltas, self.width)
+        """The staged step as arrays (copies of the used prefixes), to send to a pipeline stage or a TP rank."""
+        arrays = {name: self.np[name][:c].copy() for name, c in self._counts().items()}
+        if self.window_groups:
+            arrays["window_slots"] = self.np["window_slots"][:, :self.num_tokens].copy()
+        return StagedStep(arrays, self.num_tokens, self.num_seqs, self.num_rows, self.num_gather, self.num_deltas,
+                          self.width)
 
     def load(self, step: StagedStep) -> None:
         """Stage what another process staged (a pipeline stage receiving the driver's StagedStep)."""
         for name, values in step.arrays.items():
-            self.np[name][:len(values)] = values
+            if name == "window_slots":
+                self.np[name][:, :values.shape[1]] = values
+            else:
+                self.np[name][:len(values)] = values
         self.num_tokens, self.num_seqs, self.num_rows = step.num_tokens, step.num_seqs, step.num_rows
         self.num_gather, self.num_deltas, self.width = step.num_gather, step.num_deltas, step.width
         qsl = step.arrays["query_start_loc"]
@@ -304,8 +332,13 @@ class StepBuffers:
         if full_width:
             torch.index_select(table, 0, d["table_rows"][:s], out=self.block_tables[:s])
         else:
-            w = max(self.width, 1)
-            torch.index_select(table[:, :w], 0, d["table_rows"][:s], out=self.block_tables.view(-1)[:s * w].view(s, w))
+            w, g = max(self.width, 1), 1 + self.window_groups
+            if g == 1:
+                torch.index_select(table[:, :w], 0, d["table_rows"][:s],
+                                   out=self.block_tables.view(-1)[:s * w].view(s, w))
+            else:  # each group's first w entries: [s, groups, w]
+                torch.index_select(table.view(table.shape[0], g, -1)[:, :, :w], 0, d["table_rows"][:s],
+                                   out=self.block_tables.view(-1)[:s * g * w].view(s, g, w))
 
     def gather_pending(self, prev_sampled: torch.Tensor) -> None:
         """input_ids[dst] = prev_sampled[src]: tokens the previous step sampled, read on the device."""
@@ -319,16 +352,21 @@ class StepBuffers:
         """Views of the device buffers for the staged step. Eager steps get the per-row lengths as host lists
         (the torch backend plans with them); a graph step gets none, so nothing can depend on them."""
         t, s, d = self.num_tokens, self.num_seqs, self.dev
+        g = 1 + self.window_groups
         if full_width:
-            tables = self.block_tables[:s]
+            tables = self.block_tables[:s].view(s, g, -1)
         else:
             w = max(self.width, 1)
-            tables = self.block_tables.view(-1)[:s * w].view(s, w)
-        return AttentionMetadata(
+            tables = self.block_tables.view(-1)[:s * g * w].view(s, g, w)
+        meta = AttentionMetadata(
             slot_mapping=d["slot_mapping"][:t], query_start_loc=d["query_start_loc"][:s + 1],
-            seq_lens=d["seq_lens"][:s], block_tables=tables, block_size=block_size,
+            seq_lens=d["seq_lens"][:s], block_tables=tables[:, 0], block_size=block_size,
             query_lens_host=list(self.query_lens_host) if host_lists else [],
             seq_lens_host=list(self.seq_lens_host) if host_lists else [])
+        if g > 1:  # one view per sliding group: its table column and its slots, the rest shared
+            meta.groups = [meta] + [replace(meta, slot_mapping=d["window_slots"][i, :t], block_tables=tables[:, 1 + i])
+                                    for i in range(self.window_groups)]
+        return meta
 
     # ---- sampling parameters ---------------------------------------------------------------------------------
     def put(self, name: str, values, k: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from engine.block_tables import BlockTables
+from engine.kv_groups import KVLayout
 from engine.config import EngineConfig
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START
 from engine.models.decoder import ModelSpec
@@ -43,6 +44,8 @@ class StepRunner:
     # Whether steps may carry forks (SamplingParams.n > 1) and copy-on-write block copies; others reject n > 1.
     supports_forks = False
     num_kv_blocks: int  # the KV cache's size in blocks, set by the subclass once its memory is profiled
+    # Its cache's KV groups (engine/kv_groups.py); None: one group of every layer (pipeline stages).
+    kv_layout: KVLayout | None = None
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, limits: BufferLimits,
                  executor, num_slots: int = NUM_SLOTS, slot_logits: bool = True, transfer=None):
@@ -63,14 +66,14 @@ class StepRunner:
         self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size,
                                                pin_memory=device.type == "cuda") for _ in self.slots]
         # Persistent block tables (engine/block_tables.py); the last device row is the padding rows' spare.
-        self.tables = BlockTables(limits.table_rows - 1, limits.max_blocks)
+        self.tables = BlockTables(limits.table_rows - 1, limits.max_blocks, limits.window_groups)
         self._next_step_id = 0
 
     @staticmethod
-    def buffer_limits(config: EngineConfig, max_model_len: int) -> BufferLimits:
+    def buffer_limits(config: EngineConfig, max_model_len: int, layout: KVLayout | None = None) -> BufferLimits:
         return BufferLimits(max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                             max_seqs=config.max_num_seqs, max_blocks=-(-max_model_len // config.block_size),
-                            lora=config.enable_lora)
+                            lora=config.enable_lora, window_groups=layout.num_window_groups if layout else 0)
 
     def max_graph_batch_size(self) -> int:
         """The largest decode batch replayed as a CUDA graph (0: no graphs)."""

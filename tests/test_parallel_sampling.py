@@ -77,10 +77,10 @@ def test_fork_shares_blocks_and_copy_on_write_gives_the_writer_its_own():
     assert child.block_table == parent.block_table and [bm.ref_counts[b] for b in parent.block_table] == [2, 2]
     bm.check_integrity([parent, child])
     shared_tail = child.block_table[1]
-    src, dst = bm.copy_on_write(child, 1)
+    [(src, dst)] = bm.copy_on_write(child, 1)
     assert (src, dst) == (shared_tail, child.block_table[1]) and dst not in parent.block_table
     assert bm.ref_counts[src] == 1 and bm.ref_counts[dst] == 1
-    assert bm.copy_on_write(parent, 1) is None  # the last holder writes in place
+    assert bm.copy_on_write(parent, 1) == []  # the last holder writes in place
     bm.check_integrity([parent, child])
     bm.free(parent)
     bm.free(child)

@@ -24,6 +24,12 @@ class AttentionMetadata:
     seq_lens_host: list[int] = field(default_factory=list)
     # Filled by the backend's prepare(): whatever it precomputes once per step and reuses for every layer.
     backend_data: object = None
+    # Sliding-window KV groups (engine/kv_groups.py): per group, this step's metadata for the layers in it (its
+    # block tables and slots; [0] is this one); None with one group.
+    groups: list | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self if self.groups is None else self.groups[group]
 
     @property
     def num_seqs(self) -> int:

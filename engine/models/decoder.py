@@ -318,6 +318,9 @@ class DecoderLM(nn.Module):
         self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size)
                              if self.is_first or tied_head else None)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, i) for i in range(start, end))
+        # Each layer's KV group (engine/kv_groups.py): which of a step's AttentionMetadata.groups it attends with;
+        # the runner sets it when its cache has sliding-window groups.
+        self.kv_group: tuple[int, ...] = (0,) * len(self.layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_unit_offset) if self.is_last else None
         self.rotary = rotary
         self.rotary_local = rotary_local
@@ -403,8 +406,10 @@ class DecoderLM(nn.Module):
         last = len(self.layers) - 1
         if self.norm_kernel is not None:
             return self._forward_fused(x, rope, kv_caches, meta, keep)
+        group = self.kv_group
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, rope_local if layer.local_rope else rope, kv, meta, keep if i == last else None)
+            x = layer(x, rope_local if layer.local_rope else rope, kv, meta.for_group(group[i]),
+                      keep if i == last else None)
         return self.norm(x) if self.is_last else x
 
     def sampled_hidden(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
@@ -419,9 +424,9 @@ class DecoderLM(nn.Module):
         return x if keep is not None else x.index_select(0, sampled)
 
     def _forward_fused(self, x, rope, kv_caches, meta, keep) -> torch.Tensor:
-        h, residual, last = x, None, len(self.layers) - 1
+        h, residual, last, group = x, None, len(self.layers) - 1, self.kv_group
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            h, residual = layer.forward_fused(h, residual, rope, kv, meta, self.norm_kernel,
+            h, residual = layer.forward_fused(h, residual, rope, kv, meta.for_group(group[i]), self.norm_kernel,
                                               keep if i == last else None)
         if self.is_last:
             return add_rms_norm(self.norm_kernel, self.norm, h, residual)[0]

@@ -97,8 +97,8 @@ class FusedDecoder:
         h, residual, pending = x, None, None
         last = len(model.layers) - 1
         for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
-            h, residual, pending = self.layer(layer, h, residual, pending, positions, kv, meta,
-                                              keep if i == last else None)
+            h, residual, pending = self.layer(layer, h, residual, pending, positions, kv,
+                                              meta.for_group(model.kv_group[i]), keep if i == last else None)
         if model.is_last:
             return self._norm(model.norm, h, residual, pending)[0]
         return residual + (pending(h) if pending is not None else h)  # a pipeline stage hands on the stream

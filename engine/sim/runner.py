@@ -25,6 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, run_now
+from engine.kv_groups import kv_layout
 from engine.memory import MemoryPlan, kv_blocks, modelled_plan
 from engine.model_runner import MAX_GRAPH_BATCH_SIZE
 from engine.models.decoder import ModelSpec
@@ -71,9 +72,9 @@ class SimOffloader:
     """KV swaps as copies on the copy stream: each waits for the compute stream (the blocks' last writer)
     and the next forward waits for it (it reads swapped-in blocks or reuses swapped-out ones)."""
 
-    def __init__(self, device: SimDevice, cost: CostModel, block_size: int):
+    def __init__(self, device: SimDevice, cost: CostModel, block_size: int, page_share: float = 1.0):
         self.device, self.cost = device, cost
-        self.bytes_per_block = cost.model.kv_bytes_per_token * block_size
+        self.bytes_per_block = cost.model.kv_bytes_per_token * block_size * page_share
         self.blocks_out = self.blocks_in = 0
 
     def run(self, ops: list[SwapOp]) -> None:
@@ -100,17 +101,20 @@ class SimRunner(StepRunner):
         self.sim = SimDevice()
         self.cost = CostModel(spec, torch.tensor([], dtype=dtype).element_size(), profile(config.sim_gpu),
                               config.sim_kernels_per_layer, config.tensor_parallel_size)
-        super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len),
+        self.kv_layout = kv_layout(config, spec)  # sliding-window KV groups: a block is a page of g layers
+        super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len, self.kv_layout),
                          SimExecutor(self.sim, 2), slot_logits=False, transfer=self._upload)
         tp = config.tensor_parallel_size
         self.backend_name = f"sim:{config.sim_gpu}" + (f", tensor parallel x{tp} (modelled)" if tp > 1 else "")
         self.tokens = SimTokens(tokenizer, config.sim_eos_rate, config.seed)
-        self.offloader = SimOffloader(self.sim, self.cost, config.block_size) if num_cpu_blocks else None
+        page_share = self.kv_layout.layers_per_page / spec.num_layers  # of a position's KV, one page's
+        self.offloader = SimOffloader(self.sim, self.cost, config.block_size, page_share) if num_cpu_blocks else None
         self.graph_sizes = (capture_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
                             if config.cuda_graphs else [])
         self.memory = self._plan(spec, self.cost.model.dtype_bytes)
-        self.num_kv_blocks = kv_blocks(self.memory, int(self.cost.model.kv_bytes_per_token) * config.block_size,
-                                       self.limits.max_seqs * self.limits.max_blocks, config.num_kv_blocks)
+        self.num_kv_blocks = kv_blocks(
+            self.memory, int(self.cost.model.kv_bytes_per_token * page_share) * config.block_size,
+            self.limits.max_seqs * self.limits.max_blocks * self.kv_layout.pages_per_block, config.num_kv_blocks)
 
     def _plan(self, spec: ModelSpec, dtype_bytes: int) -> MemoryPlan:
         """The memory profiling pass on modelled numbers (engine/memory.py): what the CUDA runner would hold
