@@ -7,7 +7,6 @@ excepted as in test_correctness_hf), the same engine with every layer's KV kept 
 
 from __future__ import annotations
 
-
 import pytest
 
 from engine import LLM, SamplingParams
@@ -132,7 +131,7 @@ def model(tmp_path_factory):
 
 def test_greedy_equals_hf_and_the_whole_context_layout(model):
     """Prompts around and past the window, decoded well past it: the same tokens as HF and as the engine that
-    keeps every layer's KV, with fewer pages in use at the end of prefill than that engine's blocks."""
+    keeps every layer's KV."""
     path, hf = model
     prompts = make_prompts(seed=5, lengths=(3, 11, 13, 30, 47, 70))
     grouped, whole = _engine(path), _engine(path, disable_hybrid_kv_cache_manager=True)
