@@ -132,3 +132,30 @@ def test_long_prompts_depend_on_the_window(hf, prompts, want):
         top = w.logprobs.topk(TOP, dim=-1).indices
         effect = (unwindowed.gather(1, top) - w.logprobs.gather(1, top)).abs().max().item()
         assert effect > WINDOW_EFFECT, (len(ids), effect)
+
+
+def test_greedy_equals_hf_after_preemption_and_on_prefix_hits(model_dir, hf, prompts, want):
+    """The sliding-window layout (engine/kv_groups.py) under pressure: 300 pages of 3 layers, while three long
+    prompts (two share a 504-token prefix, the third shares nothing), admitted a 128-token chunk at a time, grow
+    to about 600 together: sequences are preempted and recomputed. A second run of the same prompts is served
+    from the prefix cache (full and window pages). Every run gives HF's tokens."""
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    shifted = tok.encode(PASSAGE * 60)[7:607]  # no block in common with the others
+    cases = [(prompts[i][0], prompts[i][1], want[i]) for i in (0, len(SHORT), len(SHORT) + 1)]
+    cases.append((shifted, LONG_TOKENS, hf_greedy(hf, shifted, LONG_TOKENS)))
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=300, max_num_seqs=4, admission_margin=0.0,
+              max_num_batched_tokens=128)
+    try:
+        assert llm.engine.core.kv_layout.num_window_groups == 5
+        params = [SamplingParams(max_tokens=n, temperature=0) for _, n, _ in cases]
+        for attempt in range(2):
+            outs = llm.generate([ids for ids, _, _ in cases], params)
+            for i, (out, (_, _, w)) in enumerate(zip(outs, cases)):
+                assert out.token_ids == w.tokens, (attempt, first_difference(i, out.token_ids, w))
+            llm.check_integrity()
+            if attempt == 0:
+                assert llm.stats().num_preemptions > 0
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert stats.prefix_cache_hit_tokens >= 500 + 600  # the second run: the long prompts' blocks at least
