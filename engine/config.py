@@ -25,6 +25,10 @@ class EngineConfig:
     # takes the tokenizer transformers converts from the GGUF file.
     tokenizer: str | None = None
     dtype: str = "auto"
+    # The paged KV cache's dtype (vLLM's names): "auto" (the model's), "bfloat16" (on CPU with a float32 model:
+    # half the bytes per block, so twice the blocks), "fp8" / "fp8_e4m3" (e4m3 with per-layer scales of 1.0
+    # unless calibrated; cuda and sim only). engine/kv_dtype.py resolves it; docs/engine.md#kv-cache-dtype.
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -140,6 +144,9 @@ class EngineConfig:
         object.__setattr__(self, "model", model)
         _choice("dtype", self.dtype, _DTYPES)
         _choice("device", self.device, _DEVICES)
+        from engine import kv_dtype
+
+        kv_dtype.check_name(self.kv_cache_dtype, self.device)  # fp8 under device "auto": when the engine resolves it
         _choice("scheduler", self.scheduler, SCHEDULER_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive("block_size", self.block_size)
@@ -245,6 +252,8 @@ class EngineConfig:
             ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
             ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
             ("LoRA adapters (enable_lora, lora_modules, lora_dir)", self.enable_lora),
+            (f"kv_cache_dtype={self.kv_cache_dtype!r} (an fp8 KV cache runs on cuda)",
+             self.kv_cache_dtype.startswith("fp8")),
         ) if used]
         if unsupported:
             raise ValueError(f"a GGUF model (model={self.model!r}) is not supported with {'; '.join(unsupported)}")

@@ -30,6 +30,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.block_manager import BlockManager
+from engine.kv_dtype import resolve_kv_dtype
 from engine.kv_groups import KVLayout, kv_layout
 from engine.config import EngineConfig
 from engine.cpu.block_pool import CpuBlockPool
@@ -478,8 +479,8 @@ class EngineCore:
         cfg = self.config
         if not cfg.swap_space_gb:
             return cfg.num_cpu_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.dtype,
-                                                   self.kv_layout.layers_per_page)
+        kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, "sim" if self.simulated else self.compute_device)
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, kv_dtype, self.kv_layout.layers_per_page)
         return int(cfg.swap_space_gb * 1024**3) // per_block
 
     def _kv_capacity(self) -> dict[str, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.cpu.block_pool import contiguous_runs
+from engine.kv_dtype import bytes_view
 from engine.scheduler import SwapOp
 
 
@@ -34,16 +35,17 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     the compute stream to drain."""
     pin = kv_cache.device.type == "cuda"
     idx = torch.tensor(pairs, dtype=torch.long, pin_memory=pin).to(kv_cache.device, non_blocking=True)
+    kv_cache = bytes_view(kv_cache)  # an fp8 cache as bytes: index_copy_ has no fp8 kernel on CPU
     kv_cache.index_copy_(2, idx[:, 1], kv_cache.index_select(2, idx[:, 0]))
 
 
 class KVOffloader:
     def __init__(self, kv_cache: torch.Tensor, num_cpu_blocks: int):
-        self.kv_cache = kv_cache  # [L, 2, N, bs, Hkv, D]
+        self.kv_cache = bytes_view(kv_cache)  # [L, 2, N, bs, Hkv, D]; an fp8 cache (and its pool) as bytes
         self.device = kv_cache.device
         on_cuda = self.device.type == "cuda"
         shape = (num_cpu_blocks, kv_cache.shape[0], 2, *kv_cache.shape[3:])
-        self.host = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=on_cuda)
+        self.host = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=on_cuda)
         self.stream = torch.cuda.Stream(self.device) if on_cuda else None
         self.blocks_out = 0
         self.blocks_in = 0

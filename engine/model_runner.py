@@ -23,6 +23,7 @@ from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.executor import FWD_END, FWD_START, make_executor
+from engine.kv_dtype import resolve_kv_dtype
 from engine.kv_groups import kv_layout
 from engine.kv_offload import KVOffloader, copy_blocks
 from engine.lora.layers import LoRAModel
@@ -62,8 +63,9 @@ class ModelRunner(StepRunner):
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len, self.kv_layout),
                          make_executor(device, threaded))
         self.forward_overlaps_loop = device.type == "cuda" or threaded
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)  # the KV cache's (engine/kv_dtype.py)
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size,
-                                            softcap=spec.attn_softcap is not None)
+                                            softcap=spec.attn_softcap is not None, kv_cast=kv_dtype != dtype)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
         self.model = self._build_model(hf_config, spec, max_model_len, dtype)
         self.model.kv_group = self.kv_layout.layer_group
@@ -75,15 +77,15 @@ class ModelRunner(StepRunner):
                                          dtype=torch.int32, device=device)
         kv_spec = self.model.spec  # a tensor-parallel rank's own: its share of the KV heads (engine/tp)
         layout = self.kv_layout
-        per_block = self.kv_bytes_per_block(kv_spec, config.block_size, dtype, layout.layers_per_page)
-        self.memory = self._profile(dtype) if config.num_kv_blocks is None else None
+        per_block = self.kv_bytes_per_block(kv_spec, config.block_size, kv_dtype, layout.layers_per_page)
+        self.memory = self._profile(kv_dtype) if config.num_kv_blocks is None else None
         useful = self.limits.max_seqs * self.limits.max_blocks * layout.pages_per_block
         self.num_kv_blocks = self._agree_kv_blocks(kv_blocks(self.memory, per_block, useful, config.num_kv_blocks))
         # [g, 2, pages, block_size, kv heads, head_dim]: a page is one block of one KV group's g layers (all layers
         # with one group)
         shape = (layout.layers_per_page, 2, self.num_kv_blocks, config.block_size, kv_spec.num_kv_heads,
                  spec.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = self._layer_caches(self.kv_cache)
         self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
         self.graphs: DecodeGraphs | None = None
@@ -111,14 +113,14 @@ class ModelRunner(StepRunner):
         return [(kv_cache[i, 0], kv_cache[i, 1]) for i in self.kv_layout.layer_slot]
 
     # ---- the memory profiling pass (engine/memory.py) -----------------------------------------------------------
-    def _profile(self, dtype: torch.dtype) -> MemoryPlan:
+    def _profile(self, kv_dtype: torch.dtype) -> MemoryPlan:
         """Dummy steps at the engine's limits, before the KV cache exists, and what they leave for it: a
         forward of max_num_batched_tokens tokens over max_num_seqs sampled rows, then sampling every row the
         expensive way; on CUDA with graphs also a decode forward at the largest graph batch (the graphs'
         private pool holds its activations)."""
         spec, lim, cuda = self.model.spec, self.limits, self.device.type == "cuda"
         scratch = torch.zeros((self.kv_layout.layers_per_page, 2, 1, self.block_size, spec.num_kv_heads,
-                               spec.head_dim), dtype=dtype, device=self.device)  # one block: every dummy position uses it
+                               spec.head_dim), dtype=kv_dtype, device=self.device)  # one block: every dummy position uses it
         self.kv_caches = self._layer_caches(scratch)
         meter = CudaMeter(self.device) if cuda else HostMeter()
         with meter:

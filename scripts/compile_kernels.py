@@ -25,11 +25,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from engine import kv_dtype  # noqa: E402
 from engine.attention import triton_paged as tp  # noqa: E402
 from engine.models import fused_kernels as fk  # noqa: E402
 from engine.models import moe_triton as mt  # noqa: E402
 
-# (label, dtype, head_dim, group, block_size, decode, splits, sliding[, softcap])
+# (label, dtype, head_dim, group, block_size, decode, splits, sliding[, softcap[, merge_here[, KV cache dtype]]])
 ATTENTION_VARIANTS = [
     ("qwen2.5-0.5b decode", "bf16", 64, 7, 16, True, 1, False),
     ("qwen2.5-0.5b decode split", "bf16", 64, 7, 16, True, 8, False),
@@ -53,6 +54,12 @@ ATTENTION_VARIANTS = [
     ("qwen2.5-0.5b decode split, merged here", "bf16", 64, 7, 16, True, 16, False, False, True),
     ("llama-3.1-8b decode split, merged here", "bf16", 128, 4, 16, True, 16, False, False, True),
     ("gemma-2-2b decode split softcap, merged", "bf16", 256, 2, 16, True, 8, False, True, True),
+    # kv_cache_dtype: fp8 (e4m3) K/V dequantized to the model's dtype as they are read; bf16 K/V under fp32
+    ("llama-3.1-8b decode fp8 KV", "bf16", 128, 4, 16, True, 1, False, False, False, "fp8e4nv"),
+    ("llama-3.1-8b decode split fp8, merged", "bf16", 128, 4, 16, True, 16, False, False, True, "fp8e4nv"),
+    ("llama-3.1-8b prefill fp8 KV", "bf16", 128, 4, 16, False, 1, False, False, False, "fp8e4nv"),
+    ("gemma-2-2b prefill softcap fp8 KV", "bf16", 256, 2, 16, False, 1, True, True, False, "fp8e4nv"),
+    ("fp32 decode bf16 KV (tests)", "fp32", 64, 3, 16, True, 4, False, False, False, "bf16"),
 ]
 
 
@@ -70,26 +77,33 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict) -> ASTSource:
     return ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
 
 
+def _kv_mode(dtype: str, kv: str | None) -> int:
+    return kv_dtype.KV_SAME if kv in (None, dtype) else kv_dtype.KV_FP8 if kv.startswith("fp8") else kv_dtype.KV_CAST
+
+
 def attention_variant(dtype: str, head_dim: int, group: int, block_size: int, decode: bool, splits: int,
-                      sliding: bool, softcap: bool = False, merge_here: bool = False) -> tuple[ASTSource, int]:
+                      sliding: bool, softcap: bool = False, merge_here: bool = False,
+                      kv: str | None = None) -> tuple[ASTSource, int]:
     block_m = tp._dim(group) if decode else tp.prefill_block_m(group, head_dim)
     block_n, _ = tp.launch_config(head_dim, decode)
     cx = dict(NUM_HEADS=group * 2, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tp._dim(head_dim),
               BLOCK_SIZE=block_size, BLOCK_Q=1 if decode else block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
               NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding, SOFTCAP=softcap,
-              PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False, MERGE_HERE=merge_here)
-    ptr = f"*{dtype}"
-    pointers = {"q_ptr": ptr, "kc_ptr": ptr, "vc_ptr": ptr, "out_ptr": ptr, "part_acc_ptr": "*fp32",
+              PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False, MERGE_HERE=merge_here,
+              KV=_kv_mode(dtype, kv))
+    ptr, cache = f"*{dtype}", f"*{kv or dtype}"
+    pointers = {"q_ptr": ptr, "kc_ptr": cache, "vc_ptr": cache, "out_ptr": ptr, "part_acc_ptr": "*fp32",
                 "part_ml_ptr": "*fp32", "ticket_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "bt_ptr": "*i32"}
+                "bt_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     return _signature(tp._paged_attention_kernel, pointers, cx), tp.launch_config(head_dim, decode)[1]
 
 
-def store_variant(dtype: str, kv_heads: int, head_dim: int, block_size: int) -> ASTSource:
-    pointers = {n: f"*{dtype}" for n in ("k_ptr", "v_ptr", "kc_ptr", "vc_ptr")} | {"slot_ptr": "*i64"}
+def store_variant(dtype: str, kv_heads: int, head_dim: int, block_size: int, kv: str | None = None) -> ASTSource:
+    pointers = {n: f"*{dtype}" for n in ("k_ptr", "v_ptr")} | {n: f"*{kv or dtype}" for n in ("kc_ptr", "vc_ptr")}
+    pointers |= {"slot_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     return _signature(tp._store_kv_kernel, pointers,
                       dict(NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=tp._pow2(kv_heads),
-                           BLOCK_D=tp._pow2(head_dim), BLOCK_SIZE=block_size))
+                           BLOCK_D=tp._pow2(head_dim), BLOCK_SIZE=block_size, KV=_kv_mode(dtype, kv)))
 
 
 def merge_variant(num_heads: int, head_dim: int, splits: int) -> ASTSource:
@@ -102,6 +116,8 @@ def other_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
     return [("store_kv bf16", (store_variant("bf16", 2, 64, 16), 4)),
             ("store_kv bf16 llama-3.1-8b", (store_variant("bf16", 8, 128, 16), 4)),
             ("store_kv fp32 MQA, block 12", (store_variant("fp32", 1, 32, 12), 4)),
+            ("store_kv fp8 KV llama-3.1-8b", (store_variant("bf16", 8, 128, 16, "fp8e4nv"), 4)),
+            ("store_kv bf16 KV under fp32", (store_variant("fp32", 3, 64, 16, "bf16"), 4)),
             ("merge_splits 8", (merge_variant(14, 64, 8), 4)),
             ("merge_splits 16 llama-3.1-8b", (merge_variant(32, 128, 16), 4))]
 
@@ -137,11 +153,13 @@ def fused_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
         cx = dict(HAS_RESIDUAL=True, PRE_NORM=pre, UNIT_OFFSET=unit, BLOCK_N=block)
         return _signature(fk._add_rms_norm_kernel, ptrs | {"eps": "fp32"}, cx), fk._row_warps(block)
 
-    def rope(dtype, h, hkv, d, rot, qk_norm, unit):
-        ptrs = {k: f"*{dtype}" for k in ("qkv_ptr", "qn_ptr", "kn_ptr", "q_ptr", "kc_ptr", "vc_ptr")}
-        ptrs |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"}
+    def rope(dtype, h, hkv, d, rot, qk_norm, unit, kv=None):
+        ptrs = {k: f"*{dtype}" for k in ("qkv_ptr", "qn_ptr", "kn_ptr", "q_ptr")}
+        ptrs |= {k: f"*{kv or dtype}" for k in ("kc_ptr", "vc_ptr")}
+        ptrs |= {"pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32",
+                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
         cx = dict(NUM_HEADS=h, NUM_KV_HEADS=hkv, HEAD_DIM=d, HALF=rot // 2, BLOCK_D=fk._pow2(d), BLOCK_SIZE=16,
-                  QK_NORM=qk_norm, UNIT_OFFSET=unit)
+                  QK_NORM=qk_norm, UNIT_OFFSET=unit, KV=_kv_mode(dtype, kv))
         return _signature(fk._rope_store_kernel, ptrs, cx), 1 if d <= 128 else 2
 
     def gate_up(dtype, m, n, k, act, bias):
@@ -161,6 +179,7 @@ def fused_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
             ("rope_store qwen3 q/k norm", rope("bf16", 16, 8, 128, 128, True, False)),
             ("rope_store gemma-3 256 q/k norm", rope("bf16", 4, 1, 256, 256, True, True)),
             ("rope_store phi-4-mini partial", rope("bf16", 24, 8, 128, 96, False, False)),
+            ("rope_store llama-3.1-8b fp8 KV", rope("bf16", 32, 8, 128, 128, False, False, "fp8e4nv")),
             ("gate_up_act llama-3.2-1b decode", gate_up("bf16", 1, 8192, 2048, "silu", False)),
             ("gate_up_act llama-3.2-1b prefill", gate_up("bf16", 512, 8192, 2048, "silu", False)),
             ("gate_up_act gemma-2-2b decode", gate_up("bf16", 8, 9216, 2304, "gelu_pytorch_tanh", False)),

@@ -39,14 +39,17 @@ def get_backend(name: str, **kwargs):
     return cls(**kwargs)
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int, softcap: bool = False) -> str:
+def resolve_backend(name: str, device: torch.device, block_size: int, softcap: bool = False,
+                    kv_cast: bool = False) -> str:
     """The backend `name` ("auto" or a registry name) means on `device`; ValueError if it cannot run there.
     `softcap`: the model soft-caps attention scores (Gemma 2), which flash-attn before 2.6 cannot do; "auto"
-    then passes over it, and naming it is an error rather than a failure inside flash-attn at the first step."""
+    then passes over it, and naming it is an error rather than a failure inside flash-attn at the first step.
+    `kv_cast`: the KV cache is stored in another dtype than the model's (EngineConfig.kv_cache_dtype), which
+    flash-attn's kernels cannot read; the others convert (and dequantize fp8) as they read."""
     if name == "auto":
         if device.type != "cuda":
             return "cpu" if device.type == "cpu" and cpu_native.load() is not None else "torch"
-        if flash.AVAILABLE and block_size % flash.BLOCK_MULTIPLE == 0:
+        if flash.AVAILABLE and block_size % flash.BLOCK_MULTIPLE == 0 and not kv_cast:
             if not softcap or flash.supports_softcap():
                 return "flash_attn"
             logger.info("attention backend: not flash_attn, whose installed version (< 2.6) cannot soft-cap "
@@ -62,6 +65,9 @@ def resolve_backend(name: str, device: torch.device, block_size: int, softcap: b
         raise ValueError(f"attention_backend 'cpu' runs on cpu, not on {device.type}")
     if name == "flash_attn":
         flash.check_usable(device, block_size)
+        if kv_cast:
+            raise ValueError("attention_backend 'flash_attn' reads a KV cache in the model's dtype only; with "
+                             "kv_cache_dtype other than 'auto' use 'triton' or 'torch'")
         if softcap and not flash.supports_softcap():
             raise ValueError("attention_backend 'flash_attn' cannot soft-cap this model's attention scores "
                              "(attn_logit_softcapping): the installed flash-attn is older than 2.6; upgrade it, "

@@ -69,9 +69,11 @@ class FlashAttnPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                layer: LayerAttention | None = None) -> torch.Tensor:
+                layer: LayerAttention | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
-        `layer` None: the backend's own sliding window, no soft-cap. (flash-attn takes `softcap` from 2.6.)"""
+        `layer` None: the backend's own sliding window, no soft-cap. (flash-attn takes `softcap` from 2.6.)
+        The cache is in q's dtype (resolve_backend refuses another kv_cache_dtype), so the fp8 scales are unused."""
         layer = layer or LayerAttention(self.sliding_window)
         # flash-attn's window is (left, right) inclusive: HF's sliding window W sees keys i - W + 1 .. i.
         window = (layer.sliding_window - 1, 0) if layer.sliding_window is not None else (-1, -1)

@@ -2,7 +2,9 @@
 
 Runs anywhere; it is the CPU backend and the reference the GPU kernels are tested against. Each call may
 name its layer's sliding window and score soft-cap (LayerAttention); soft-capped layers (Gemma 2) go through
-explicit matmul + tanh + softmax, since SDPA has no soft-cap.
+explicit matmul + tanh + softmax, since SDPA has no soft-cap. A cache in another dtype than the model's
+(EngineConfig.kv_cache_dtype) is written converted (fp8: quantized with the layer's k_scale / v_scale) and read
+back in the model's dtype after the gather (engine/kv_dtype.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import torch.nn.functional as F
 
 from engine.cpu import kernels as cpu_native
 from engine.attention.metadata import AttentionMetadata, LayerAttention
+from engine.kv_dtype import bytes_view, from_cache, to_cache
+
+KVScales = tuple[torch.Tensor | None, torch.Tensor | None]  # a layer's (k_scale, v_scale); fp8 caches only
 
 
 @dataclass(slots=True)
@@ -139,26 +144,31 @@ class TorchPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                layer: LayerAttention | None = None) -> torch.Tensor:
+                layer: LayerAttention | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
-        `layer` None: the backend's own sliding window, no soft-cap."""
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        `layer` None: the backend's own sliding window, no soft-cap. k_scale / v_scale: the layer's fp8 scales
+        (scalar fp32 tensors; None = 1.0), read only for an fp8 cache."""
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         window = self.sliding_window if layer is None else layer.sliding_window
         softcap = None if layer is None else layer.softcap
         decodes, prefills = self._units_for(meta.backend_data, window)
         out = torch.empty_like(q)
+        scales = (k_scale, v_scale)
         for g in decodes:
-            out[g.tokens] = self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, scale, window, softcap)
+            out[g.tokens] = self._decode(q.index_select(0, g.tokens), k_cache, v_cache, g, scale, window, softcap,
+                                         scales)
         if meta.backend_data.layout.chunks:
-            self._attend_prefills(q, k_cache, v_cache, meta.backend_data, prefills, out, scale, window, softcap)
+            self._attend_prefills(q, k_cache, v_cache, meta.backend_data, prefills, out, scale, window, softcap,
+                                  scales)
         return out
 
     def _attend_prefills(self, q, k_cache, v_cache, plan: _Plan, prefills: list[_PrefillChunk], out: torch.Tensor,
-                         scale: float, window: int | None, softcap: float | None) -> None:
+                         scale: float, window: int | None, softcap: float | None, scales: KVScales) -> None:
         """Writes the multi-token chunks' rows of `out`."""
         for c in prefills:
             out[c.token_start:c.token_start + c.num_tokens] = self._prefill(
-                q[c.token_start:c.token_start + c.num_tokens], k_cache, v_cache, c, scale, softcap)
+                q[c.token_start:c.token_start + c.num_tokens], k_cache, v_cache, c, scale, softcap, scales)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
         """cache[blocks] as [B, max_blocks * block_size, Hkv, D], written into a reused buffer."""
@@ -171,17 +181,18 @@ class TorchPagedAttention:
         return out.view(blocks.shape[0], -1, *cache.shape[2:])
 
     def _decode(self, q, k_cache, v_cache, g: _DecodeGroup, scale: float, window: int | None,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, scales: KVScales) -> torch.Tensor:
         b = q.shape[0]
-        k = self._gather(k_cache, g.blocks, "k")  # [B, max_blocks * block_size, Hkv, D]
-        v = self._gather(v_cache, g.blocks, "v")
+        k = from_cache(self._gather(k_cache, g.blocks, "k"), q.dtype, scales[0])  # [B, max_blocks * bs, Hkv, D]
+        v = from_cache(self._gather(v_cache, g.blocks, "v"), q.dtype, scales[1])
         o = attend(q.view(b, -1, 1, q.shape[-1]), k.transpose(1, 2), v.transpose(1, 2), g.mask, scale, softcap)
         return o.view(b, -1, q.shape[-1])  # [B, H, D]
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, c: _PrefillChunk, scale: float, softcap: float | None) -> torch.Tensor:
-        k = k_cache[c.blocks].flatten(0, 1)[: c.seq_len]  # [seq_len, Hkv, D]
-        v = v_cache[c.blocks].flatten(0, 1)[: c.seq_len]
+    def _prefill(q, k_cache, v_cache, c: _PrefillChunk, scale: float, softcap: float | None,
+                 scales: KVScales) -> torch.Tensor:
+        k = from_cache(k_cache[c.blocks].flatten(0, 1)[: c.seq_len], q.dtype, scales[0])  # [seq_len, Hkv, D]
+        v = from_cache(v_cache[c.blocks].flatten(0, 1)[: c.seq_len], q.dtype, scales[1])
         # 4-D with a batch of one: torch's CPU flash kernel takes only 4-D inputs (3-D falls back to the
         # slower math path; docs/engine.md#attention-backends).
         o = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], c.mask, scale,
@@ -195,8 +206,9 @@ class CpuPagedAttention(TorchPagedAttention):
     Multi-token chunks go through the native prefill kernel (prefill_attention.cpp: all of a step's chunks in one
     call, K/V from the cache, instead of a gather and an SDPA call per chunk) where it supports the dtype and
     head size (fp32 and bf16 at every instruction-set level: AVX-512 intrinsics, or the portable path in the
-    avx2 and default builds; head size 64, 128 or 256), else through the torch backend's SDPA. What both kernels
-    gain over SDPA is in docs/engine.md#attention-backends."""
+    avx2 and default builds; head size 64, 128 or 256), else through the torch backend's SDPA. Both kernels also
+    read a bf16 cache under fp32 queries (kv_cache_dtype="bfloat16" with a float32 model), widening K/V to fp32 as
+    they read them. What both kernels gain over SDPA is in docs/engine.md#attention-backends."""
 
     name = "cpu"
 
@@ -224,14 +236,15 @@ class CpuPagedAttention(TorchPagedAttention):
                 torch.tensor([seq_len for _, _, seq_len in chunks], dtype=torch.int32, device=device))
 
     def _attend_prefills(self, q, k_cache, v_cache, plan: _Plan, prefills: list[_PrefillChunk], out: torch.Tensor,
-                         scale: float, window: int | None, softcap: float | None) -> None:
+                         scale: float, window: int | None, softcap: float | None, scales: KVScales) -> None:
         unit = plan.native_prefill
-        if unit is None or q.dtype not in self.prefill_dtypes or q.shape[-1] not in self.prefill_head_sizes:
+        if unit is None or q.dtype not in self.prefill_dtypes or q.shape[-1] not in self.prefill_head_sizes \
+                or not native_reads(q.dtype, k_cache.dtype):
             units = plan.other_windows.get(window)
             if units is None:  # SDPA's chunks: built once per step and window, on first use
                 chunks_only = replace(plan.layout, dec_rows=[])
                 units = plan.other_windows[window] = (plan.decodes, super()._units(chunks_only, window)[1])
-            return super()._attend_prefills(q, k_cache, v_cache, plan, units[1], out, scale, window, softcap)
+            return super()._attend_prefills(q, k_cache, v_cache, plan, units[1], out, scale, window, softcap, scales)
         if q.stride(-1) != 1 or q.stride(1) != q.shape[-1]:  # rows may be strided; each row's heads may not
             q = q.contiguous()
         self.kernel.paged_prefill(q, k_cache, v_cache, unit.blocks, unit.q_start, unit.q_len, unit.seq_len, scale,
@@ -258,7 +271,8 @@ class CpuPagedAttention(TorchPagedAttention):
         return plan.decodes, None  # both native units take the window as a kernel argument
 
     def _decode(self, q, k_cache, v_cache, g: _NativeDecode, scale: float, window: int | None,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, scales: KVScales) -> torch.Tensor:
+        """(A CPU cache is never fp8, so `scales` are not read: engine/kv_dtype.py refuses fp8 on cpu.)"""
         return self.kernel.paged_decode(q.contiguous(), k_cache, v_cache, g.blocks, g.lens, scale, window or 0,
                                         softcap or 0.0)
 
@@ -310,8 +324,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(probs.view(b, hkv, -1, lk), v).view(b, h, lq, d)
 
 
+def native_reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the CPU kernels read a cache of `cache_dtype` with queries of `q_dtype`: one dtype (fp32 or bf16),
+    or fp32 queries over a bf16 cache (kv_cache_dtype="bfloat16" with a float32 model)."""
+    return cache_dtype == q_dtype or (q_dtype == torch.float32 and cache_dtype == torch.bfloat16)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write the step's new K/V rows into their paged slots (slot = block_id * block_size + offset)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write the step's new K/V rows into their paged slots (slot = block_id * block_size + offset), in the
+    cache's dtype (fp8: x / scale, rounded and saturated; engine/kv_dtype.py)."""
+    for x, cache, s in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = bytes_view(cache.view(-1, *cache.shape[2:]))  # fp8 as bytes: CPU index_copy_ has no fp8 kernel
+        rows.index_copy_(0, slot_mapping, bytes_view(to_cache(x, cache.dtype, s)))

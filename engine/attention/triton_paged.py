@@ -6,9 +6,14 @@ block_size % 256 == 0, FlashInfer JIT-compiles with nvcc at first use, and torch
 private and synchronizes in its bookkeeping. The kernels follow the usual flash-attention recipe (online
 softmax over key tiles; flash-decoding splits of the key range for small decode batches).
 
+A cache in another dtype than the model's (EngineConfig.kv_cache_dtype, engine/kv_dtype.py) is converted as it
+is written and read: bf16 rounded to nearest even; fp8 (e4m3) stored as x / scale rounded to nearest even and
+saturated at +-448, read as stored * scale in fp32 and then in q's dtype for the dots, as vLLM's Triton
+attention does. The scales are the layer's k_scale / v_scale tensors.
+
 Every per-step value the kernels read comes from tensors (slot_mapping, query_start_loc, seq_lens,
-block_tables) and the launch grids depend only on static shapes (tokens, sequences, heads), so a decode step
-can be captured in a CUDA graph. They run on CUDA, and on CPU tensors under the Triton interpreter
+block_tables, the fp8 scales) and the launch grids depend only on static shapes (tokens, sequences, heads),
+so a decode step can be captured in a CUDA graph. They run on CUDA, and on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1 set before this module is imported), which is how the CPU test suite checks them
 against the PyTorch reference. Importing this module never needs Triton: without it `AVAILABLE` is False.
 """
@@ -21,6 +26,7 @@ import os
 import torch
 
 from engine.attention.metadata import AttentionMetadata, LayerAttention
+from engine.kv_dtype import FP8_MAX, KV_CAST, KV_FP8, kv_mode
 
 try:  # the CPU torch build ships without Triton; the GPU runtime treats it as optional too
     import triton
@@ -40,14 +46,48 @@ def usable_on(device: torch.device) -> bool:
 
 
 if AVAILABLE:
+    # (jit code reads globals only as constexprs)
+    _FP8_MAX, _KV_CAST, _KV_FP8 = tl.constexpr(FP8_MAX), tl.constexpr(KV_CAST), tl.constexpr(KV_FP8)
 
     @triton.jit
-    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    def _round_e4m3(x):
+        """fp32 `x` rounded to the nearest e4m3 value (ties to even), saturated at +-FP8_MAX, kept in fp32: the
+        cast that follows is then exact. By its bits, because the interpreter's fp32 -> fp8e4nv cast (triton
+        3.9) goes wrong where the rounding carries into the exponent (it halves the value it should give)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        ax = tl.abs(x)
+        # below 2^-6 (e4m3's smallest normal) the values are the multiples of 2^-9: round x * 2^9 to an
+        # integer by adding and removing 1.5 * 2^23
+        sub = ((ax * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        out = tl.where(ax < 0.015625, tl.where(x < 0, -sub, sub), normal)
+        return tl.minimum(tl.maximum(out, -_FP8_MAX), _FP8_MAX)
+
+    @triton.jit
+    def cache_value(x, scale_ptr, cache_ptr, KV: tl.constexpr):
+        """`x` as the cache at `cache_ptr` stores it (KV: engine/kv_dtype.kv_mode): as is; cast (bf16 rounded to
+        nearest even by its bits, the interpreter's cast truncates); or fp8: x / scale, rounded, saturated."""
+        if KV == _KV_FP8:
+            out = _round_e4m3(x.to(tl.float32) / tl.load(scale_ptr).to(tl.float32))
+            out = out.to(cache_ptr.dtype.element_ty)
+        elif KV == _KV_CAST:
+            out = x.to(tl.float32)
+            if cache_ptr.dtype.element_ty == tl.bfloat16:
+                bits = out.to(tl.uint32, bitcast=True)
+                out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            out = out.to(cache_ptr.dtype.element_ty)
+        else:
+            out = x
+        return out
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-        """One program per token: copy its K and V rows ([Hkv, D]) to slot_mapping[t]; -1 = padding."""
+                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV: tl.constexpr):
+        """One program per token: its K and V rows ([Hkv, D]) to slot_mapping[t] in the cache's dtype (cache_value);
+        -1 = padding."""
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         blk = tl.maximum(slot, 0) // BLOCK_SIZE
@@ -56,9 +96,9 @@ if AVAILABLE:
         d = tl.arange(0, BLOCK_D)[None, :]
         # (h * 0 + slot) broadcasts the scalar first: the interpreter rejects `block & scalar` masks.
         mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & ((h * 0 + slot) >= 0)
-        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+        k = cache_value(tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask), k_scale_ptr, kc_ptr, KV)
         tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d, k, mask=mask)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+        v = cache_value(tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask), v_scale_ptr, vc_ptr, KV)
         tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d, v, mask=mask)
 
     @triton.jit
@@ -87,18 +127,21 @@ if AVAILABLE:
 
     @triton.jit
     def _paged_attention_kernel(
-            q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr,
+            q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, ticket_ptr, k_scale_ptr, v_scale_ptr,
             qsl_ptr, seq_lens_ptr, bt_ptr, num_seqs, scale, window, softcap,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
             NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr, MERGE_HERE: tl.constexpr = False):
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr, MERGE_HERE: tl.constexpr = False,
+            KV: tl.constexpr = 0):
         """Program (tile, kv head, split): BLOCK_Q query tokens of one sequence times the GROUP query heads
         sharing kv head `kvh` (BLOCK_M rows), attending keys [0, own position] (or the sliding window) of
         its sequence; split `split` of NUM_SPLITS covers one slice of that key range. MERGE_HERE: the last
-        split of a (tile, kv head) to finish merges the partials itself (no second launch)."""
+        split of a (tile, kv head) to finish merges the partials itself (no second launch). KV
+        (engine/kv_dtype.kv_mode): K/V tiles read as stored, converted to q's dtype, or fp8 dequantized
+        (stored * scale in fp32, then q's dtype)."""
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -137,6 +180,11 @@ if AVAILABLE:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_scale = 1.0
+        v_scale = 1.0
+        if KV == _KV_FP8:
+            k_scale = tl.load(k_scale_ptr).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr).to(tl.float32)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_ok = offs_n < hi
@@ -144,6 +192,10 @@ if AVAILABLE:
             in_blk = offs_n % BLOCK_SIZE
             k = tl.load(kc_ptr + (blk * stride_kb + in_blk * stride_ks + kvh * stride_kh)[None, :]
                         + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [D, N]
+            if KV == _KV_FP8:
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            elif KV == _KV_CAST:
+                k = k.to(q.dtype)
             s = safe_dot(q, k, PRECISION, UPCAST) * scale  # [M, N] fp32
             if SOFTCAP:  # cap * tanh(s / cap), tanh through exp (tl has no tanh); saturates to +-cap
                 s = softcap - 2.0 * softcap / (tl.exp(2.0 * s / softcap) + 1.0)
@@ -158,6 +210,10 @@ if AVAILABLE:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vc_ptr + (blk * stride_vb + in_blk * stride_vs + kvh * stride_vh)[:, None]
                         + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+            if KV == _KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            elif KV == _KV_CAST:
+                v = v.to(q.dtype)
             acc = acc * alpha[:, None] + safe_dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
 
@@ -244,25 +300,42 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def kv_scale_args(kv: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                  placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors a kernel reads in mode `kv` (kv_mode); `placeholder` (never read) when not fp8."""
+    if kv != KV_FP8:
+        return placeholder, placeholder
+    if k_scale is None or v_scale is None:
+        raise ValueError("an fp8 KV cache needs the layer's k_scale and v_scale tensors")
+    return k_scale, v_scale
+
+
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """k/v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (-1 = skip)."""
+                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """k/v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (-1 = skip), in the
+    caches' dtype (fp8: quantized with the scalar scale tensors k_scale / v_scale)."""
     t, hkv, d = k.shape
     if t == 0:
         return
+    kv = kv_mode(k.dtype, k_cache.dtype)
+    ks, vs = kv_scale_args(kv, k_scale, v_scale, slot_mapping)
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, slot_mapping, ks, vs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d), BLOCK_SIZE=k_cache.shape[1])
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d), BLOCK_SIZE=k_cache.shape[1], KV=kv)
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                            block_n: int | None = None, num_splits: int | None = None,
                            out: torch.Tensor | None = None, softcap: float | None = None,
-                           merge_in_kernel: bool = False) -> torch.Tensor:
+                           merge_in_kernel: bool = False, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] over caches [num_blocks, block_size, Hkv, D]; returns [T, H, D].
+    Caches in another dtype than q's are converted as they are read; fp8 ones dequantized with the scalar
+    scale tensors k_scale / v_scale (required then).
 
     A step whose chunks are all single tokens (T == number of sequences) runs in decode mode: one tile per
     sequence and, when that leaves the GPU underused, the key range split across programs (flash-decoding).
@@ -296,8 +369,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32 rounding (exact-ish vs torch)
     default_n, num_warps = launch_config(head_dim, decode)
+    kv = kv_mode(q.dtype, k_cache.dtype)
+    ks, vs = kv_scale_args(kv, k_scale, v_scale, meta.seq_lens)
     _paged_attention_kernel[(num_tiles, hkv, splits)](
-        q, k_cache, v_cache, out, part_acc, part_ml, tickets, meta.query_start_loc, meta.seq_lens,
+        q, k_cache, v_cache, out, part_acc, part_ml, tickets, ks, vs, meta.query_start_loc, meta.seq_lens,
         meta.block_tables,
         num_seqs, scale, sliding_window or 0, softcap or 0.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -306,7 +381,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=k_cache.shape[1], BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n or default_n,
         NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
         PRECISION=precision,
-        UPCAST=INTERPRETED and q.dtype != torch.float32, MERGE_HERE=merge_here, num_warps=num_warps)
+        UPCAST=INTERPRETED and q.dtype != torch.float32, MERGE_HERE=merge_here, KV=kv, num_warps=num_warps)
     if splits > 1 and not merge_here:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
@@ -375,10 +450,12 @@ class TritonPagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                layer: LayerAttention | None = None) -> torch.Tensor:
+                layer: LayerAttention | None = None, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
-        `layer` None: the backend's own sliding window, no soft-cap (both are kernel arguments per call)."""
-        store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        `layer` None: the backend's own sliding window, no soft-cap (both are kernel arguments per call).
+        k_scale / v_scale: the layer's fp8 scales (read only for an fp8 cache)."""
+        store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         layer = layer or LayerAttention(self.sliding_window)
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, layer.sliding_window, self.block_n,
-                                      self.num_splits, softcap=layer.softcap)
+                                      self.num_splits, softcap=layer.softcap, k_scale=k_scale, v_scale=v_scale)

@@ -10,7 +10,8 @@
 // Parallel over sequences (or (sequence, KV head) when there are few); the G = H / Hkv query heads sharing a
 // KV head are processed together so each K/V row is loaded once for all of them. Scores are kept for the
 // whole context (two passes over the scores, one over K, one over V); accumulation is fp32 for fp32 and bf16
-// caches alike.
+// caches alike. The cache may be bf16 under fp32 queries (kv_cache_dtype="bfloat16" with a float32 model):
+// its rows are widened to fp32 as they are read, and everything else is the fp32 path.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -179,17 +180,22 @@ inline void axpy_rows(const float* s, const T* v, int64_t stride, int64_t m, flo
 
 // DIM: the head size when it is a compile-time 64 or 128 (then the AVX-512 block path where the CPU has it:
 // scores of 16 rows at a time with one transposing reduction, value rows accumulated in registers), else 0
-// (the portable per-row loops, which the compiler vectorizes within each row).
-template <int DIM, typename T>
+// (the portable per-row loops, which the compiler vectorizes within each row). T: the queries' and output's
+// dtype; C: the cache's (T, or bf16 under fp32 queries).
+template <int DIM, typename T, typename C = T>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out, double scale,
                  int64_t window, double softcap) {
+  static_assert(std::is_same_v<T, C> || (std::is_same_v<T, float> && std::is_same_v<C, at::BFloat16>),
+                "one dtype, or fp32 queries over a bf16 cache");
+  // The AVX512-BF16 paths multiply bf16 queries and probabilities: only where the queries are bf16 themselves.
+  constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -217,18 +223,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       // into L1, gained less. The gain is sensitive to code generation (the same walk rewritten
       // around a prefetch lambda lost it), so re-measure a change in the engine or over a many-layer pool: a
       // benchmark on one layer's cache runs from L3. Figures: docs/engine.md#decode-attention-cpu_decodecpp.
-      auto for_each_run = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
+      auto for_each_run = [&](const C* base_ptr, int64_t lo, int64_t hi, auto&& f) {
         for (int64_t blk = lo / block_size; blk * block_size < hi; ++blk) {
           if ((blk + 2) * block_size < hi) {
             const char* next = reinterpret_cast<const char*>(base_ptr + int64_t(table[blk + 2]) * block_elems);
-            for (int64_t off = 0; off < int64_t(block_elems * sizeof(T)); off += 64)
+            for (int64_t off = 0; off < int64_t(block_elems * sizeof(C)); off += 64)
               __builtin_prefetch(next + off, 0, 1);  // locality 1: PREFETCHT2
           }
           const int64_t start = std::max(lo, blk * block_size), stop = std::min(hi, (blk + 1) * block_size);
           f(start, int64_t(table[blk]) * block_size + start - blk * block_size, stop - start);
         }
       };
-      auto for_each_row = [&](const T* base_ptr, int64_t lo, int64_t hi, auto&& f) {
+      auto for_each_row = [&](const C* base_ptr, int64_t lo, int64_t hi, auto&& f) {
         for_each_run(base_ptr, lo, hi, [&](int64_t t0, int64_t r0, int64_t cnt) {
           for (int64_t i = 0; i < cnt; ++i) f(t0 + i, r0 + i);
         });
@@ -243,11 +249,11 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         for_each_run(kp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
           for (int64_t c0 = 0; c0 < cnt; c0 += 16) {
             const int64_t m = std::min<int64_t>(16, cnt - c0);
-            const T* rows = kp + (r0 + c0) * row_stride + h0 * DIM;
+            const C* rows = kp + (r0 + c0) * row_stride + h0 * DIM;
             for (int64_t j = 0; j < hs; ++j) {
               __m512 d;
 #ifdef TANDEM_AVX512_BF16
-              if constexpr (std::is_same_v<T, at::BFloat16>)
+              if constexpr (kBf16)
                 d = _mm512_mul_ps(dots16_bf16<DIM>(qp + (b * heads + h0 * group + j) * DIM, rows + (j / group) * DIM,
                                                    row_stride, m), _mm512_set1_ps(float(scale)));
               else
@@ -260,7 +266,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       } else
 #endif
       for_each_row(kp, first, len, [&](int64_t t, int64_t row) {
-        const T* krow = kp + row * row_stride + h0 * dim;
+        const C* krow = kp + row * row_stride + h0 * dim;
         for (int64_t j = 0; j < hs; ++j)
           scores[j * n + (t - first)] = dot(qf.data() + j * dim, krow + (j / group) * dim, dim);
       });
@@ -289,14 +295,14 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       if constexpr (kBlocked) {
         auto values = [&](const auto* weights) {  // the fp32 scores, or their bf16 copies
           for_each_run(vp, first, len, [&](int64_t t0, int64_t r0, int64_t cnt) {
-            const T* rows = vp + r0 * row_stride + h0 * DIM;
+            const C* rows = vp + r0 * row_stride + h0 * DIM;
             for (int64_t j = 0; j < hs; ++j)
               axpy_rows<DIM>(weights + j * n + (t0 - first), rows + (j / group) * DIM, row_stride, cnt,
                              acc.data() + j * DIM);
           });
         };
 #ifdef TANDEM_AVX512_BF16
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if constexpr (kBf16) {
           // Value rows by VDPBF16PS on bf16 probabilities (fp32 sums, as torch's CPU flash attention does for
           // bf16): fewer instructions than widening every V row to fp32, which shows once the cache is in L3
           // and memory no longer stalls the loop (docs/engine.md#decode-attention-cpu_decodecpp).
@@ -309,7 +315,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       } else
 #endif
       for_each_row(vp, first, len, [&](int64_t t, int64_t row) {
-        const T* vrow = vp + row * row_stride + h0 * dim;
+        const C* vrow = vp + row * row_stride + h0 * dim;
         for (int64_t j = 0; j < hs; ++j)
           axpy(scores[j * n + (t - first)], vrow + (j / group) * dim, acc.data() + j * dim, dim);
       });
@@ -320,22 +326,30 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
-// q [B, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous); block_tables [B, W] int32;
-// seq_lens [B] int32 (the new token included, its K/V already stored); window 0 = full context;
-// softcap 0 = off.
-// Returns [B, H, D].
+// q [B, H, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] (contiguous; q's dtype, or bf16 under fp32 q);
+// block_tables [B, W] int32; seq_lens [B] int32 (the new token included, its K/V already stored); window 0 =
+// full context; softcap 0 = off.
+// Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                         double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  const bool widen = q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;  // fp32 q, bf16 cache
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || widen) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "dtype mismatch: the cache must be in q's dtype, or bf16 under fp32 q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "tables must be int32");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head layout mismatch");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(q);
-  if (q.scalar_type() == at::kFloat) {
+  if (widen) {
+    using B = at::BFloat16;
+    auto run = [&](auto impl) { impl(q, k_cache, v_cache, tables, lens, out, scale, window, softcap); };
+    if (q.size(2) == 64) run(decode_impl<64, float, B>);
+    else if (q.size(2) == 128) run(decode_impl<128, float, B>);
+    else run(decode_impl<0, float, B>);
+  } else if (q.scalar_type() == at::kFloat) {
     if (q.size(2) == 64) decode_impl<64, float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
     else if (q.size(2) == 128) decode_impl<128, float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);
     else decode_impl<0, float>(q, k_cache, v_cache, tables, lens, out, scale, window, softcap);

@@ -25,6 +25,11 @@
 //   rounded to bf16 nearest-even. exp: the same Cody-Waite reduction and Cephes polynomial as simd.h, 2^n
 //   built from the exponent bits; the causal and window masks are vector compares and selects.
 //
+// The cache may be bf16 under fp32 queries (kv_cache_dtype="bfloat16" with a float32 model): both paths then run
+// their fp32 kernels on K and V widened as they are packed (Avx512: K into its fp32 tiles, V rows into a
+// per-thread fp32 copy of the key chunk; portable: as it widens a bf16 cache anyway), so the cache read is half
+// the bytes and the arithmetic is fp32's.
+//
 // Work items are (chunk, KV head, tile of query positions), the G = H / Hkv query heads of the KV head
 // together (each K/V row packed once for all of them), handed out heaviest first from a shared counter
 // (causal tiles late in a sequence cost several times the early ones). K is transposed once per (chunk, KV
@@ -57,16 +62,21 @@ constexpr int64_t KC = 256;  // keys per chunk: the online softmax rescales the 
 template <typename T>
 constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
 
-// The call's arguments, and how every path finds a key's cache row. DIM: the head size; T: float or bf16.
-template <int DIM_, typename T_>
+// The call's arguments, and how every path finds a key's cache row. DIM: the head size; T: float or bf16 (the
+// queries and the output); C: the cache's dtype, T or bf16 under fp32 queries.
+template <int DIM_, typename T_, typename C_ = T_>
 struct Args {
   static constexpr int DIM = DIM_;
   using T = T_;
+  using C = C_;
   static_assert(DIM % 64 == 0 && DIM <= kMaxDim, "head sizes 64, 128, 256");
+  static_assert(std::is_same_v<T, C> || (std::is_same_v<T, float> && std::is_same_v<C, at::BFloat16>),
+                "one dtype, or fp32 queries over a bf16 cache");
+  static constexpr bool kWiden = !std::is_same_v<T, C>;  // the cache's rows widened to fp32 as they are packed
 
   const T* q;
-  const T* kc;
-  const T* vc;
+  const C* kc;
+  const C* vc;
   T* out;
   int64_t q_stride, out_stride, heads, kv_heads, group, block_size, row_stride, table_width;
   const int32_t *tables, *q_start, *q_len, *seq_len;
@@ -75,11 +85,12 @@ struct Args {
   int64_t num_chunks, k_pack_bytes;
 
   const T* zero_row() const { return reinterpret_cast<const T*>(kZeroRow); }
+  const C* zero_cache_row() const { return reinterpret_cast<const C*>(kZeroRow); }
 
   // The first key a query at position `pos` sees: 0, or the start of its sliding window.
   int64_t window_start(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
-  const T* cache_row(const T* cache, int64_t c, int64_t key, int64_t h) const {
+  const C* cache_row(const C* cache, int64_t c, int64_t key, int64_t h) const {
     const int64_t block = tables[c * table_width + key / block_size];
     return cache + (block * block_size + key % block_size) * row_stride + h * DIM;
   }
@@ -105,14 +116,16 @@ inline __mmask16 lane_range(int64_t base, int64_t lo, int64_t hi) {
   return a > b ? __mmask16(0) : __mmask16(((1u << (b - a + 1)) - 1) << a);
 }
 
-template <int DIM, typename T>
-struct Avx512 : Args<DIM, T> {
-  using Args<DIM, T>::kc;
-  using Args<DIM, T>::vc;
-  using Args<DIM, T>::scale;
-  using Args<DIM, T>::softcap;
-  using Args<DIM, T>::cache_row;
-  using Args<DIM, T>::zero_row;
+template <int DIM, typename T, typename C = T>
+struct Avx512 : Args<DIM, T, C> {
+  using Base = Args<DIM, T, C>;
+  using Base::kc;
+  using Base::vc;
+  using Base::scale;
+  using Base::softcap;
+  using Base::cache_row;
+  using Base::zero_cache_row;
+  using Base::kWiden;
 
   static constexpr int U = DIM * int(sizeof(T)) / 4;  // 32-bit units per row: bf16 pairs, or floats
   static constexpr int SR = 8;                        // query rows per score micro-kernel (8 accumulators + K)
@@ -129,6 +142,7 @@ struct Avx512 : Args<DIM, T> {
     // micro-kernel reads one contiguous block (a pass reading part of every row ran the 256-dim kernel
     // well below the 128-dim one per flop); fp32: unused
     std::vector<uint32_t> vp;
+    std::vector<float> vw;       // a bf16 cache under fp32 queries: the key chunk's V rows widened, [KC][DIM]
     std::vector<const T*> vrow;  // fp32: each key's V row (padding keys: a zero row)
     std::vector<float> s, o, m, l;  // scores / probabilities [rows][KC], outputs [rows][DIM], max, sum
     std::vector<at::BFloat16> p;    // bf16 probabilities [rows][KC]
@@ -138,6 +152,7 @@ struct Avx512 : Args<DIM, T> {
   void init(Scratch& w, bool pack_here) const {
     w.kp.resize(pack_here ? KC * U : 0);
     w.vp.resize(kBf16<T> ? KC / 2 * DIM : 0);
+    w.vw.resize(kWiden ? KC * DIM : 0);
     w.vrow.resize(KC);
   }
 
@@ -161,27 +176,42 @@ struct Avx512 : Args<DIM, T> {
   // micro-kernel: dst[u][j] = unit u (a float, or a bf16 pair) of key k0 + j.
   void pack_k(uint32_t* dst, int64_t c, int64_t h, int64_t k0, int64_t k1) const {
     for (int64_t j = 0; j < 16; ++j) {
-      const uint32_t* src = k0 + j < k1 ? reinterpret_cast<const uint32_t*>(cache_row(kc, c, k0 + j, h)) : kZeroRow;
-      for (int u = 0; u < U; ++u) dst[u * 16 + j] = src[u];
+      if constexpr (kWiden) {  // bf16 keys as fp32 bits: a bf16 value's bits are the top half of its fp32's
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(k0 + j < k1 ? cache_row(kc, c, k0 + j, h)
+                                                                            : zero_cache_row());
+        for (int u = 0; u < U; ++u) dst[u * 16 + j] = uint32_t(src[u]) << 16;
+      } else {
+        const uint32_t* src = k0 + j < k1 ? reinterpret_cast<const uint32_t*>(cache_row(kc, c, k0 + j, h)) : kZeroRow;
+        for (int u = 0; u < U; ++u) dst[u * 16 + j] = src[u];
+      }
     }
   }
 
   // Keys [k0, k0 + 16 * tiles) of KV head h's V for the value micro-kernel; keys from k1 on are zeros.
   void pack_v(Scratch& w, int64_t c, int64_t h, int64_t k0, int64_t k1, int64_t tiles) const {
     for (int64_t j = 0; j < 16 * tiles; ++j) {
-      const T* v = k0 + j < k1 ? cache_row(vc, c, k0 + j, h) : zero_row();
-      if constexpr (kBf16<T>) {
-        if (j % 2) {  // rows j - 1 and j, 16 bits at a time within each 128-bit lane
-          const T* prev = w.vrow[j - 1];
-          for (int ch = 0; ch < DIM / 32; ++ch) {
-            const __m512i a = _mm512_loadu_si512(prev + 32 * ch), b = _mm512_loadu_si512(v + 32 * ch);
-            uint32_t* d = vpack(w, j / 2, 32 * ch);
-            _mm512_storeu_si512(d, _mm512_unpacklo_epi16(a, b));
-            _mm512_storeu_si512(d + 16, _mm512_unpackhi_epi16(a, b));
+      const C* v = k0 + j < k1 ? cache_row(vc, c, k0 + j, h) : zero_cache_row();
+      if constexpr (kWiden) {  // 16 bf16 values at a time, shifted into the top halves of fp32 lanes
+        float* d = w.vw.data() + j * DIM;
+        for (int i = 0; i < DIM; i += 16) {
+          const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)));
+          _mm512_storeu_ps(d + i, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+        }
+        w.vrow[j] = d;
+      } else {
+        if constexpr (kBf16<T>) {
+          if (j % 2) {  // rows j - 1 and j, 16 bits at a time within each 128-bit lane
+            const T* prev = w.vrow[j - 1];
+            for (int ch = 0; ch < DIM / 32; ++ch) {
+              const __m512i a = _mm512_loadu_si512(prev + 32 * ch), b = _mm512_loadu_si512(v + 32 * ch);
+              uint32_t* d = vpack(w, j / 2, 32 * ch);
+              _mm512_storeu_si512(d, _mm512_unpacklo_epi16(a, b));
+              _mm512_storeu_si512(d + 16, _mm512_unpackhi_epi16(a, b));
+            }
           }
         }
+        w.vrow[j] = v;
       }
-      w.vrow[j] = v;
     }
   }
 
@@ -351,14 +381,15 @@ inline vf exp_nonpositive(vf x) {
 
 using tandem_simd::widen;
 
-template <int DIM, typename T>
-struct Kernel : Args<DIM, T> {
-  using Args<DIM, T>::kc;
-  using Args<DIM, T>::vc;
-  using Args<DIM, T>::scale;
-  using Args<DIM, T>::softcap;
-  using Args<DIM, T>::cache_row;
-  using Args<DIM, T>::zero_row;
+template <int DIM, typename T, typename C = T>
+struct Kernel : Args<DIM, T, C> {
+  using Base = Args<DIM, T, C>;
+  using Base::kc;
+  using Base::vc;
+  using Base::scale;
+  using Base::softcap;
+  using Base::cache_row;
+  using Base::zero_cache_row;
 
   static constexpr int U = DIM;              // K packed as fp32 (bf16 widened)
   static constexpr int SR = W == 8 ? 6 : 2;  // score rows: SR x NV accumulators + NV of K + a broadcast
@@ -369,7 +400,7 @@ struct Kernel : Args<DIM, T> {
   // Per-thread buffers.
   struct Scratch {
     std::vector<uint32_t> kp;  // [KC / 16][DIM][16] fp32 bits: per-item packed K (chunks too large to pack ahead)
-    std::vector<float> vp;     // bf16: the key chunk's V rows widened, [KC][DIM]; fp32: unused
+    std::vector<float> vp;     // a bf16 cache: the key chunk's V rows widened, [KC][DIM]; fp32: unused
     std::vector<const float*> vrow;  // each key's V row in fp32 (padding keys: a zero row)
     std::vector<float> s, o, m, l;   // scores / probabilities [rows][KC], outputs [rows][DIM], max, sum
     std::vector<float> qb;           // the item's query rows in fp32, contiguous [rows_pad][DIM]
@@ -377,7 +408,7 @@ struct Kernel : Args<DIM, T> {
 
   void init(Scratch& w, bool pack_here) const {
     w.kp.resize(pack_here ? KC * U : 0);
-    w.vp.resize(kBf16<T> ? KC * DIM : 0);
+    w.vp.resize(kBf16<C> ? KC * DIM : 0);
     w.vrow.resize(KC);
   }
 
@@ -394,7 +425,7 @@ struct Kernel : Args<DIM, T> {
   void pack_k(uint32_t* dst, int64_t c, int64_t h, int64_t k0, int64_t k1) const {
     float* d = reinterpret_cast<float*>(dst);
     for (int64_t j = 0; j < 16; ++j) {
-      const T* src = k0 + j < k1 ? cache_row(kc, c, k0 + j, h) : zero_row();
+      const C* src = k0 + j < k1 ? cache_row(kc, c, k0 + j, h) : zero_cache_row();
       for (int u = 0; u < DIM; ++u) d[u * 16 + j] = widen(src[u]);
     }
   }
@@ -403,8 +434,8 @@ struct Kernel : Args<DIM, T> {
   // on are zeros.
   void pack_v(Scratch& w, int64_t c, int64_t h, int64_t k0, int64_t k1, int64_t tiles) const {
     for (int64_t j = 0; j < 16 * tiles; ++j) {
-      const T* v = k0 + j < k1 ? cache_row(vc, c, k0 + j, h) : zero_row();
-      if constexpr (kBf16<T>) {
+      const C* v = k0 + j < k1 ? cache_row(vc, c, k0 + j, h) : zero_cache_row();
+      if constexpr (kBf16<C>) {
         float* d = w.vp.data() + j * DIM;
         for (int i = 0; i < DIM; ++i) d[i] = widen(v[i]);
         w.vrow[j] = d;
@@ -666,11 +697,20 @@ using Bf16Kernel = Avx512<DIM, at::BFloat16>;
 template <int DIM>
 using Bf16Kernel = portable::Kernel<DIM, at::BFloat16>;
 #endif
+// fp32 queries over a bf16 cache: the fp32 kernel of either path on K/V widened as they are packed.
+#ifdef TANDEM_PREFILL_AVX512
+template <int DIM>
+using WidenKernel = Avx512<DIM, float, at::BFloat16>;
+#else
+template <int DIM>
+using WidenKernel = portable::Kernel<DIM, float, at::BFloat16>;
+#endif
 
 }  // namespace
 
 // Writes the prefill rows of `out` [T, H, D] (the step's decode rows are left alone). q [T, H, D] (rows may be
-// strided: a view of the fused QKV projection); caches [num_blocks, block_size, Hkv, D]; per chunk c:
+// strided: a view of the fused QKV projection); caches [num_blocks, block_size, Hkv, D] in q's dtype, or bf16
+// under fp32 q; per chunk c:
 // block_tables[c] (int32), its query rows [q_start[c], q_start[c] + q_len[c]) at positions
 // [seq_len[c] - q_len[c], seq_len[c]) (its K/V already stored); window 0 = full context; softcap 0 = off.
 void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -682,8 +722,10 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "q and out rows must be [H, D] contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-              q.scalar_type() == out.scalar_type(), "dtype mismatch");
+  const bool widen = q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16;  // fp32 q, bf16 cache
+  TORCH_CHECK((q.scalar_type() == k_cache.scalar_type() || widen) && v_cache.scalar_type() == k_cache.scalar_type() &&
+              q.scalar_type() == out.scalar_type(), "dtype mismatch: the cache must be in q's dtype, or bf16 under "
+              "fp32 q; out in q's");
   for (const at::Tensor* t : {&block_tables, &q_start, &q_len, &seq_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "tables must be contiguous int32");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3), "head layout mismatch");
@@ -691,9 +733,10 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     using P = decltype(tag);
     P p{};
     using T = std::remove_const_t<std::remove_pointer_t<decltype(p.q)>>;
+    using C = std::remove_const_t<std::remove_pointer_t<decltype(p.kc)>>;
     p.q = q.data_ptr<T>();
-    p.kc = k_cache.data_ptr<T>();
-    p.vc = v_cache.data_ptr<T>();
+    p.kc = k_cache.data_ptr<C>();
+    p.vc = v_cache.data_ptr<C>();
     p.out = out.data_ptr<T>();
     p.q_stride = q.stride(0);
     p.out_stride = out.stride(0);
@@ -717,7 +760,11 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int64_t dim = q.size(2);
   TORCH_CHECK(dim == 64 || dim == 128 || dim == 256, "paged_prefill supports head sizes 64, 128 and 256, got ",
               dim);
-  if (q.scalar_type() == at::kFloat) {
+  if (widen) {
+    if (dim == 64) run(Prefill<WidenKernel<64>>{});
+    else if (dim == 128) run(Prefill<WidenKernel<128>>{});
+    else run(Prefill<WidenKernel<256>>{});
+  } else if (q.scalar_type() == at::kFloat) {
     if (dim == 64) run(Prefill<Fp32Kernel<64>>{});
     else if (dim == 128) run(Prefill<Fp32Kernel<128>>{});
     else run(Prefill<Fp32Kernel<256>>{});

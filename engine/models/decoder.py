@@ -164,6 +164,17 @@ class Attention(nn.Module):
         self.layer = spec.layer_attention(layer)  # this layer's window and soft-cap, passed on every call
         self.backend = backend
         self.rope_kernel = None  # CPU: cpu_fused's in-place RoPE (DecoderLM.use_cpu_kernels)
+        # An fp8 KV cache's per-tensor scales (stored = x / scale), vLLM's k_scale / v_scale: 1.0 unless
+        # calibrated, and fixed once the cache holds data (engine/kv_dtype.py). fp32 scalars on the model's
+        # device, read by the kernels (no host sync, CUDA-graph safe); kept out of the checkpoint's tensors.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+
+    def reset_kv_scales(self, device: torch.device) -> None:
+        """Scales of 1.0 in fp32 on `device`: after to_empty (which leaves buffers uninitialised) and the model's
+        dtype cast."""
+        self.k_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.v_scale = torch.ones((), dtype=torch.float32, device=device)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -184,7 +195,8 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(self.q_norm(qk[:, :h]), *rope), apply_rope(self.k_norm(qk[:, h:]), *rope)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, d)
-        o = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.layer)
+        o = self.backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.layer, k_scale=self.k_scale,
+                                 v_scale=self.v_scale)
         return o.reshape(t, self.q_size)
 
 
@@ -331,6 +343,11 @@ class DecoderLM(nn.Module):
         self.fused = None  # CUDA: the fused forward's layers (use_gpu_kernels)
         # Tensor parallelism (engine/models/tp.py): gathers the head's vocabulary shards to rank 0; None = whole head.
         self.vocab_gather = None
+
+    def reset_kv_scales(self, device: torch.device) -> None:
+        """Every layer's fp8 KV scales to 1.0 (Attention.reset_kv_scales); the loaders call it after to_empty."""
+        for layer in self.layers:
+            layer.self_attn.reset_kv_scales(device)
 
     def pack_for_cpu(self) -> None:
         """Loaded CPU model: every linear and the LM head packed for the CPU's GEMM (engine/cpu/linear.py:

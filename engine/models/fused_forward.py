@@ -114,10 +114,11 @@ class FusedDecoder:
         norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.q_norm.unit_offset) \
             if attn.q_norm is not None else ()
         q = fk.rope_store(qkv, positions, rotary.cos, rotary.sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                          kv[0], kv[1], meta.slot_mapping, *norms)
+                          kv[0], kv[1], meta.slot_mapping, *norms, k_scale=attn.k_scale, v_scale=attn.v_scale)
         o = triton_paged.paged_attention_triton(q, kv[0], kv[1], meta, attn.scale, attn.layer.sliding_window,
                                                 self.attention.block_n, self.attention.num_splits,
-                                                softcap=attn.layer.softcap, merge_in_kernel=True)
+                                                softcap=attn.layer.softcap, merge_in_kernel=True,
+                                                k_scale=attn.k_scale, v_scale=attn.v_scale)
         o = o.view(o.shape[0], attn.q_size)
         if keep is not None:
             o, residual = o.index_select(0, keep), residual.index_select(0, keep)

@@ -5,7 +5,8 @@ layer folded into the few kernels that read the data anyway.
                     stream; Gemma's sandwich form (residual + norm_a(x), then norm_b of that) in the same pass
     rope_store      per (token, head) of the q/k/v GEMM's output: the optional per-head q/k RMSNorm (Qwen3,
                     Gemma 3), RoPE (rotate-half, partial rotary passes the tail through), q into its own
-                    buffer, k and v straight into their paged cache slots (slot -1 = padding, skipped)
+                    buffer, k and v straight into their paged cache slots (slot -1 = padding, skipped), in
+                    the cache's dtype (kv_cache_dtype: converted, or fp8 quantized with the layer's scales)
     gate_up_act     the gate/up GEMM with act(gate) * up in its epilogue (SiLU, or Gemma's tanh GELU)
     act_mul         act(gate) * up alone, for a gate/up linear the GEMM cannot replace (a LoRA wrapper)
 
@@ -24,12 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_paged import AVAILABLE, INTERPRETED, tl, triton
+from engine.attention.triton_paged import AVAILABLE, INTERPRETED, kv_scale_args, tl, triton
+from engine.kv_dtype import kv_mode
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the MLP activations the epilogues compute
 
 if AVAILABLE:
-    from engine.attention.triton_paged import safe_dot
+    from engine.attention.triton_paged import cache_value, safe_dot
 
     @triton.jit
     def _round(x, OUT: tl.constexpr):
@@ -83,15 +85,16 @@ if AVAILABLE:
 
     @triton.jit
     def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
-                           eps, stride_t, stride_qt, stride_qh,
+                           k_scale_ptr, v_scale_ptr, eps, stride_t, stride_qt, stride_qh,
                            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                           QK_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+                           QK_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, KV: tl.constexpr):
         """Program (token t, head h) over qkv [T, (H + 2 Hkv) * D]: heads h < H are query heads, written
         rotated to q [T, H, D]; the others are key heads, written rotated to the K cache with the matching
-        value head copied to the V cache, at slot_mapping[t] (-1: skipped). Dims d < 2 * HALF rotate
-        (d pairs with d +- HALF), the rest pass through (partial rotary)."""
+        value head copied to the V cache, at slot_mapping[t] (-1: skipped), in the cache's dtype (KV:
+        engine/kv_dtype.kv_mode). Dims d < 2 * HALF rotate (d pairs with d +- HALF), the rest pass through
+        (partial rotary)."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         dtype = q_ptr.dtype.element_ty
@@ -130,8 +133,9 @@ if AVAILABLE:
             off = tl.maximum(slot, 0) % BLOCK_SIZE
             kvh = h - NUM_HEADS
             keep = d_ok & ((d * 0 + slot) >= 0)  # a broadcast scalar mask: the interpreter rejects `block & scalar`
-            tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + d, out, mask=keep)
-            v = tl.load(row + NUM_KV_HEADS * HEAD_DIM + d, mask=d_ok, other=0.0)
+            tl.store(kc_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + d,
+                     cache_value(out, k_scale_ptr, kc_ptr, KV), mask=keep)
+            v = cache_value(tl.load(row + NUM_KV_HEADS * HEAD_DIM + d, mask=d_ok, other=0.0), v_scale_ptr, vc_ptr, KV)
             tl.store(vc_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + d, v, mask=keep)
 
     @triton.jit
@@ -229,12 +233,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                slot_mapping: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-               eps: float = 0.0, unit_offset: bool = False) -> torch.Tensor:
+               eps: float = 0.0, unit_offset: bool = False, k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (H + 2 Hkv) * D] (q heads, k heads, v heads; rows may be strided) -> rotated q [T, H, D]; the
     rotated k and the v rows written into caches [num_blocks, block_size, Hkv, D] at slot_mapping [T]
-    (-1 = skip). cos/sin: the fp32 tables [max_positions, rotary_dim / 2] (RotaryEmbedding's), read at
-    `positions` [T] and rounded to qkv's dtype as eager's tables are. q_norm / k_norm: per-head RMSNorm
-    weights applied before the rotation (both or neither)."""
+    (-1 = skip), in the caches' dtype (fp8: quantized with the scalar scale tensors k_scale / v_scale).
+    cos/sin: the fp32 tables [max_positions, rotary_dim / 2] (RotaryEmbedding's), read at `positions` [T] and
+    rounded to qkv's dtype as eager's tables are. q_norm / k_norm: per-head RMSNorm weights applied before the
+    rotation (both or neither)."""
     _need_triton()
     t = qkv.shape[0]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -250,13 +256,16 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     if t == 0:
         return q
     norm = q_norm is not None
+    kv = kv_mode(qkv.dtype, k_cache.dtype)
+    ks, vs = kv_scale_args(kv, k_scale, v_scale, cos)
     _rope_store_kernel[(t, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos, q, k_cache, v_cache,
-        slot_mapping, eps, qkv.stride(0), q.stride(0), q.stride(1),
+        slot_mapping, ks, vs, eps, qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half, BLOCK_D=_pow2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], QK_NORM=norm, UNIT_OFFSET=unit_offset, num_warps=1 if head_dim <= 128 else 2)
+        BLOCK_SIZE=k_cache.shape[1], QK_NORM=norm, UNIT_OFFSET=unit_offset, KV=kv,
+        num_warps=1 if head_dim <= 128 else 2)
     return q
 
 

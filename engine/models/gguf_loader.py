@@ -220,6 +220,7 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, backend, dtype: to
     model.lm_head = None
     model = model.to_empty(device=device)
     model.rotary = rotary.to(device)
+    model.reset_kv_scales(device)
     params = dict(model.named_parameters())
     for pname, value in place.after:
         if params[pname].shape != value.shape:

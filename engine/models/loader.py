@@ -155,6 +155,7 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
         model = DecoderLM(spec, None, backend, layers)
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above
+    model.reset_kv_scales(device)  # fp32 too
     model.rotary_local = local.to(device) if local is not None else None
     load_weights(model, model_dir, tp)
     if tp is not None:

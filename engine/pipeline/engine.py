@@ -56,6 +56,7 @@ def stage_specs(core: EngineCore, limits: BufferLimits, sample_on_stage: bool) -
     return [StageSpec(model=cfg.model, index=i, num_stages=p, layers=layers, block_size=cfg.block_size,
                       limits=limits, max_model_len=core.max_model_len, dtype=dtype,
                       device=core.compute_device.type, attention_backend=cfg.attention_backend,
+                      kv_cache_dtype=cfg.kv_cache_dtype,
                       num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
                       # the stages (and their TP ranks) share one host's memory: each takes its share
                       cpu_kv_cache_bytes=None if cfg.cpu_kv_cache_bytes is None else cfg.cpu_kv_cache_bytes // n,

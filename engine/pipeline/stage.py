@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import get_backend, resolve_backend
+from engine.kv_dtype import resolve_kv_dtype
 from engine.memory import HostMeter
 from engine.models import build_model, load_hf_config, model_spec
 from engine.models.tp import local_spec
@@ -46,6 +47,7 @@ class StageSpec:
     dtype: str  # a torch dtype name, e.g. "float32"
     device: str  # "cpu" | "cuda" (inside a Ray actor the visible GPU is cuda:0)
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (engine/kv_dtype.py)
     num_kv_blocks: int | None = None  # None: size from the stage's own memory (see kv_capacity)
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_bytes: int | None = None  # None: cpu_memory_utilization x available RAM (engine/memory.py)
@@ -105,20 +107,21 @@ class StageWorker:
         dtype = getattr(torch, spec.dtype)
         hf_config = load_hf_config(spec.model)
         self.model_spec = model_spec(hf_config)
+        kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype, dtype, self.device)
         backend_name = resolve_backend(spec.attention_backend, self.device, spec.block_size,
-                                       softcap=self.model_spec.attn_softcap is not None)
+                                       softcap=self.model_spec.attn_softcap is not None, kv_cast=kv_dtype != dtype)
         self.backend = get_backend(backend_name, sliding_window=self.model_spec.sliding_window)
         self.tp = StageTP(spec.tp, self.model_spec) if spec.tp is not None else None
         build_spec = local_spec(self.model_spec, spec.tp.size) if self.tp else self.model_spec
         self.model = build_model(spec.model, hf_config, build_spec, spec.max_model_len, self.backend,
                                  dtype, self.device, layers=spec.layers, tp=self.tp.shard if self.tp else None)
-        self.num_kv_blocks = spec.num_kv_blocks or self.kv_capacity(dtype)
+        self.num_kv_blocks = spec.num_kv_blocks or self.kv_capacity(kv_dtype)
         if self.tp is not None:
             self.num_kv_blocks = self.tp.agree(self.num_kv_blocks)
         n_layers = spec.layers[1] - spec.layers[0]
         ms = self.model.spec  # a TP rank's own share of the KV heads
         self.kv_cache = torch.zeros((n_layers, 2, self.num_kv_blocks, spec.block_size, ms.num_kv_heads,
-                                     ms.head_dim), dtype=dtype, device=self.device)
+                                     ms.head_dim), dtype=kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(n_layers)]
         self.buffers = [StepBuffers(spec.limits, self.device) for _ in range(2 if spec.token_safe else 1)]
         # This stage's copy of the driver's persistent block tables (engine/block_tables.py), kept current by
@@ -139,10 +142,10 @@ class StageWorker:
         """(KV blocks this stage holds, attention backend class): what the group asks a new stage actor."""
         return self.num_kv_blocks, type(self.backend).__name__
 
-    def kv_capacity(self, dtype: torch.dtype) -> int:
+    def kv_capacity(self, kv_dtype: torch.dtype) -> int:
         """KV blocks this stage's memory holds for its own layers (the driver uses the smallest over stages)."""
         ms, spec = self.model.spec, self.spec
-        elem = torch.tensor([], dtype=dtype).element_size()
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
         per_block = 2 * (spec.layers[1] - spec.layers[0]) * spec.block_size * ms.num_kv_heads * ms.head_dim * elem
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -198,7 +201,8 @@ class StageWorker:
         """A TP rank > 0 of this stage: run rank 0's steps (engine/tp/stage.py) until it stops the group."""
         bufs, steps = self.buffers[0], 0
         hidden_buf = None if self.spec.is_first else torch.zeros(
-            self.spec.limits.max_tokens, self.model_spec.hidden_size, dtype=self.kv_cache.dtype, device=self.device)
+            self.spec.limits.max_tokens, self.model_spec.hidden_size, dtype=getattr(torch, self.spec.dtype),
+            device=self.device)
         while True:
             with torch.inference_mode():
                 running, hidden = self.tp.receive(bufs, self.device_tables, hidden_buf)

@@ -8,7 +8,8 @@ are separate kernels with very different arithmetic intensity:
             bytes_gemm = every layer's weights + the LM head (when a row samples) + activations in and out
                          + the fp32 logits written;  flops_gemm = 2 * params * tokens + 2 * hidden * vocab * rows
     attn  = max(kv_bytes / (BW * bw_fraction * occupancy), attn_flops / (FLOPS * flops_fraction))
-            kv_bytes = each row's whole context read once (K and V, every layer) + the new tokens' K/V written;
+            kv_bytes = each row's whole context read once (K and V, every layer) + the new tokens' K/V written,
+                       at the KV cache's bytes per value (kv_cache_dtype: 1 for fp8, else the model dtype's);
             attn_flops = 4 * heads * head_dim * layers per (query, key) pair, causal within a chunk;
             occupancy = min(1, work units / SMs): a decode attention kernel runs one unit per (row, head,
             split of 512 keys), so one short row cannot pull the whole HBM bandwidth
@@ -92,6 +93,9 @@ class GpuProfile:
     # Fitted fixed terms (photon-* profiles only; zero for datasheet profiles).
     forward_fixed_s: float = 0.0
     sample_fixed_s: float = 0.0
+    # fp8 conversions (compute capability 8.9+: Hopper, Blackwell, Ada), which an fp8 KV cache's Triton kernels
+    # need (engine/kv_dtype.py); the Ampere GPUs (A100, RTX 3090) lack them.
+    fp8: bool = True
 
     def __post_init__(self) -> None:
         if not (0 < self.bw_fraction <= 1 and 0 < self.flops_fraction <= 1):
@@ -107,14 +111,15 @@ PROFILES: dict[str, GpuProfile] = {p.name: p for p in (
     GpuProfile("b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
                pcie_bytes_per_s=_GEN5, link_bytes_per_s=720 * GB),
     GpuProfile("a100", memory_bytes=80 * GB, hbm_bytes_per_s=2.039e12, bf16_flops=312e12, num_sms=108,
-               pcie_bytes_per_s=_GEN4, kernel_gap_graph_s=2e-6, kernel_gap_eager_s=3e-6, link_bytes_per_s=230 * GB),
+               pcie_bytes_per_s=_GEN4, kernel_gap_graph_s=2e-6, kernel_gap_eager_s=3e-6, link_bytes_per_s=230 * GB,
+               fp8=False),
     # Photon's GPUs, fitted to its tables (see the module doc; `python -m engine.sim.calibrate` re-derives
     # the three fitted constants). Photon's forward is its own implementation, not this decoder, so the
     # per-kernel terms are zero and its launch overhead lives in the fitted forward_fixed_s.
     GpuProfile("photon-3090", memory_bytes=24 * GB, hbm_bytes_per_s=936e9, bf16_flops=71e12, num_sms=82,
                pcie_bytes_per_s=_GEN4, link_bytes_per_s=_GEN4, allreduce_latency_s=20e-6,  # no NVLink: PCIe
                kernel_gap_graph_s=0.0, kernel_gap_eager_s=0.0, graph_launch_s=0.0, bw_fraction=1.0,
-               forward_fixed_s=2.125e-3, sample_fixed_s=0.222e-3),
+               forward_fixed_s=2.125e-3, sample_fixed_s=0.222e-3, fp8=False),
     GpuProfile("photon-b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
                pcie_bytes_per_s=_GEN5, link_bytes_per_s=720 * GB, kernel_gap_graph_s=0.0,
                kernel_gap_eager_s=0.0, graph_launch_s=0.0, bw_fraction=0.49, forward_fixed_s=1.883e-3,
@@ -163,7 +168,7 @@ class ModelCost:
     head_weight_bytes: float  # the LM head (the tied embedding when tied)
     layer_params: float
     qkv_params: float  # of layer_params, the q/k/v projection: the part of the last layer every row runs
-    kv_bytes_per_token: float  # K and V of one position, every layer
+    kv_bytes_per_token: float  # K and V of one position, every layer, at the KV cache's bytes per value
     dtype_bytes: int
     layer_kernels: int  # per layer: PyTorch kernels, then the attention backend's Triton launches
     layer_triton: int
@@ -173,10 +178,11 @@ class ModelCost:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, dtype_bytes: int, kernels_per_layer: int | None = None,
-                  tp: int = 1) -> "ModelCost":
+                  tp: int = 1, kv_dtype_bytes: int | None = None) -> "ModelCost":
         """`tp` > 1: one rank's share under Megatron sharding (engine/models/tp.py): heads, KV heads (one each
         when there are fewer than ranks: replicated), MLP width and vocabulary split, and the two kernels a
-        layer adds for its all-reduces (whose time CostModel.tp_comm_s prices)."""
+        layer adds for its all-reduces (whose time CostModel.tp_comm_s prices). `kv_dtype_bytes`: the KV
+        cache's bytes per value (None: the model's)."""
         if spec.moe is not None:
             raise ValueError(f"device='sim' models dense decoders only: {spec.family} is a mixture-of-experts "
                              "model (per-token expert routing is not in the cost model); run it on cpu or cuda")
@@ -197,7 +203,8 @@ class ModelCost:
         return cls(layers=spec.num_layers, hidden=h, vocab=spec.vocab_size, heads=spec.num_heads,
                    head_dim=spec.head_dim, layer_weight_bytes=layer_params * dtype_bytes,
                    head_weight_bytes=spec.vocab_size * h * dtype_bytes, layer_params=layer_params, qkv_params=qkv,
-                   kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes,
+                   kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+                   * (kv_dtype_bytes or dtype_bytes),
                    dtype_bytes=dtype_bytes, layer_kernels=kernels + (2 if tp > 1 else 0), layer_triton=triton,
                    layer_views=views, tp=tp)
 
@@ -229,11 +236,12 @@ class CostModel:
     """Device times for one model on one profile (seconds)."""
 
     def __init__(self, spec: ModelSpec, dtype_bytes: int, profile: GpuProfile,
-                 kernels_per_layer: int | None = None, tp: int = 1):
+                 kernels_per_layer: int | None = None, tp: int = 1, kv_dtype_bytes: int | None = None):
         """tp > 1: one rank of a tensor-parallel group on `profile` GPUs linked as the profile says; every rank
-        runs the same step, so a step takes one rank's share plus the collectives."""
+        runs the same step, so a step takes one rank's share plus the collectives. kv_dtype_bytes: the KV
+        cache's bytes per value (None: the model dtype's; 1 for fp8), what attention reads and writes."""
         self.profile = profile
-        self.model = ModelCost.from_spec(spec, dtype_bytes, kernels_per_layer, tp)
+        self.model = ModelCost.from_spec(spec, dtype_bytes, kernels_per_layer, tp, kv_dtype_bytes)
         self.vocab = spec.vocab_size  # rank 0 samples over the whole vocabulary
         p = profile
         self._bw = p.hbm_bytes_per_s * p.bw_fraction

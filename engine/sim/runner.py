@@ -25,6 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import capture_sizes
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, run_now
+from engine.kv_dtype import is_fp8, resolve_kv_dtype
 from engine.kv_groups import kv_layout
 from engine.memory import MemoryPlan, kv_blocks, modelled_plan
 from engine.model_runner import MAX_GRAPH_BATCH_SIZE
@@ -99,8 +100,13 @@ class SimRunner(StepRunner):
     def __init__(self, config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, max_model_len: int,
                  tokenizer, num_cpu_blocks: int = 0):
         self.sim = SimDevice()
-        self.cost = CostModel(spec, torch.tensor([], dtype=dtype).element_size(), profile(config.sim_gpu),
-                              config.sim_kernels_per_layer, config.tensor_parallel_size)
+        gpu = profile(config.sim_gpu)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, "sim")
+        if is_fp8(kv_dtype) and not gpu.fp8:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs fp8 conversions (compute capability "
+                             f"8.9+), which sim_gpu={config.sim_gpu!r} lacks; use h100, h200 or b200")
+        self.cost = CostModel(spec, torch.tensor([], dtype=dtype).element_size(), gpu, config.sim_kernels_per_layer,
+                              config.tensor_parallel_size, torch.tensor([], dtype=kv_dtype).element_size())
         self.kv_layout = kv_layout(config, spec)  # sliding-window KV groups: a block is a page of g layers
         super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len, self.kv_layout),
                          SimExecutor(self.sim, 2), slot_logits=False, transfer=self._upload)
