@@ -486,12 +486,13 @@ class EngineCore:
     def _kv_capacity(self) -> dict[str, int]:
         """KV bytes per position by group and the cache's capacity in positions (EngineStats)."""
         layout, bm, spec = self.kv_layout, self.block_manager, self.runner.spec
-        cache = getattr(self.runner, "kv_cache", None)  # the KV dtype may differ from the model's
-        elem = cache.element_size() if cache is not None else torch.tensor([], dtype=self.dtype).element_size()
-        per = layout.bytes_per_token(spec.num_kv_heads, spec.head_dim, elem)
+        kv_dtype = resolve_kv_dtype(self.config.kv_cache_dtype, self.dtype,
+                                    "sim" if self.simulated else self.compute_device)
+        per = layout.bytes_per_token(spec.num_kv_heads, spec.head_dim, torch.tensor([], dtype=kv_dtype).element_size())
         past = bm.num_blocks * bm.block_size
         return {"kv_bytes_per_token_full": int(per["full"]), "kv_bytes_per_token_sliding": int(per.get("sliding", 0)),
-                "kv_capacity_tokens": past // layout.pages_per_block, "kv_capacity_tokens_past_window": past}
+                "kv_capacity_tokens": past // layout.pages_per_block, "kv_capacity_tokens_past_window": past,
+                "kv_cache_dtype": str(kv_dtype).removeprefix("torch.")}
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state and counters (engine/stats.py: typed, immutable; a key that is

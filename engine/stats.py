@@ -40,6 +40,7 @@ class EngineStats:
     # (positions past every window hold full-attention pages only). Equal without sliding-window groups.
     kv_capacity_tokens: int
     kv_capacity_tokens_past_window: int
+    kv_cache_dtype: str  # what the KV cache is stored in (EngineConfig.kv_cache_dtype resolved)
     # ---- scheduler: preemption, swapping, forks (cumulative)
     num_preemptions: int
     num_offloads: int

@@ -144,6 +144,14 @@ def test_greedy_equals_hf_and_the_whole_context_layout(model):
     grouped.check_integrity()
     stats = grouped.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    # K and V of one position in one layer: 2 KV heads of 16, fp32 = 256 bytes; 2 full and 4 sliding layers
+    assert (stats.kv_bytes_per_token_full, stats.kv_bytes_per_token_sliding) == (2 * 256, 4 * 256)
+    assert whole.stats().kv_bytes_per_token_full == 6 * 256 and whole.stats().kv_bytes_per_token_sliding == 0
+    pages = stats.kv_blocks_total
+    assert (stats.kv_capacity_tokens, stats.kv_capacity_tokens_past_window) == (pages * 4 // 3, pages * 4)
+    half = _engine(path, kv_cache_dtype="bfloat16", num_kv_blocks=30).stats()
+    assert (half.kv_bytes_per_token_full, half.kv_bytes_per_token_sliding, half.kv_cache_dtype) == \
+        (256, 512, "bfloat16")
 
 
 @pytest.mark.parametrize("cpu_blocks", [0, 64], ids=["soft_reset", "offload"])
