@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """KV capacity with sliding-window groups (issue 48): real Gemma 3 270M, fp32, CPU, a fixed KV budget.
 
-Each configuration gets the same `cpu_kv_cache_bytes` and the same requests: --requests prompts of --prompt-len
+Each configuration gets the same KV bytes (--kv-mib: the blocks that many bytes hold in its own layout and KV dtype,
+passed as num_kv_blocks; cpu_kv_cache_bytes would also have to pay the profiling pass's activations, 262,144-wide
+logits rows here) and the same requests: --requests prompts of --prompt-len
 distinct tokens (prefix caching off, so nothing is shared), each generating --max-tokens greedily (EOS ignored),
 all submitted at once. Reported per configuration: the most requests decoding at once (past their prompt),
 the most running at once, preemptions, the KV positions the cache holds (stats), wall time; and whether every
@@ -36,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=1900)
     p.add_argument("--max-tokens", type=int, default=100)
     p.add_argument("--requests", type=int, default=14)
-    p.add_argument("--kv-mib", type=float, default=300.0, help="cpu_kv_cache_bytes, MiB (same for every config)")
+    p.add_argument("--kv-mib", type=float, default=300.0, help="KV cache bytes, MiB (the same for every config)")
     p.add_argument("--configs", nargs="+", default=["whole", "grouped", "grouped_bf16kv"])
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="short requests, a small budget: does it run")
@@ -58,12 +60,29 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
+def num_blocks(model_dir: str, name: str, kv_bytes: int) -> int:
+    """The blocks (pages, with KV groups) `kv_bytes` hold in configuration `name`'s layout and KV dtype."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.kv_groups import kv_layout
+    from engine.model_runner import ModelRunner
+    from engine.models.loader import load_hf_config, model_spec
+
+    config = EngineConfig(model=model_dir, **CONFIGS[name])
+    spec = model_spec(load_hf_config(model_dir))
+    dtype = torch.bfloat16 if CONFIGS[name].get("kv_cache_dtype") == "bfloat16" else torch.float32
+    per = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype, kv_layout(config, spec).layers_per_page)
+    return kv_bytes // per
+
+
 def run(model_dir: str, name: str, args, prompts) -> dict:
     from engine import LLM, SamplingParams
 
+    kv_bytes = int(args.kv_mib * 2**20)
     try:
-        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=False, max_model_len=4096,
-                  cpu_kv_cache_bytes=int(args.kv_mib * 2**20), max_num_seqs=64, **CONFIGS[name])
+        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=False, max_model_len=4096, max_num_seqs=64,
+                  num_kv_blocks=num_blocks(model_dir, name, kv_bytes), **CONFIGS[name])
     except (TypeError, ValueError) as exc:  # a configuration this build does not have
         return {"config": name, "skipped": str(exc)}
     engine, core = llm.engine, llm.engine.core
