@@ -108,6 +108,26 @@ def test_weight_bandwidth_floor_holds_for_8b_decode(gpu):
             assert fwd >= 16e9 / peak, (rows, graph)  # the checkpoint's size over peak bandwidth, too
 
 
+def test_sliding_layers_read_only_their_window():
+    """Gemma-3-like layers (5 sliding of window 512 to 1 global): a decode row at context 4096 reads 4096 keys in
+    the global layers and 512 in the sliding ones, so its KV read is (4096 + 5 * 512 + 6) / (6 * (4096 + 1)) of
+    the same model with no window (one new position written per layer)."""
+    import dataclasses
+
+    spec = spec_of(QWEN)
+    layers = 24
+    types = tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers))
+    windowed = CostModel(dataclasses.replace(spec, num_layers=layers, sliding_window=512, layer_types=types), 2,
+                         PROFILES["h100"])
+    full = CostModel(dataclasses.replace(spec, num_layers=layers, sliding_window=None, layer_types=()), 2,
+                     PROFILES["h100"])
+    decode = StepShape([1] * 64, [4096] * 64, 64)  # memory-bound: the time is the bytes
+    ratio = windowed.attention_s(decode) / full.attention_s(decode)
+    assert ratio == pytest.approx((4096 + 5 * 512 + 6) / (6 * (4096 + 1)), rel=1e-6)
+    short = StepShape([1] * 64, [300] * 64, 64)  # inside the window: no difference
+    assert windowed.attention_s(short) == pytest.approx(full.attention_s(short), rel=1e-9)
+
+
 def test_cost_grows_with_context_and_rows_and_prefill_is_compute_bound():
     cost = CostModel(spec_of(QWEN), 2, PROFILES["h100"])
     short, long_ = StepShape([1] * 32, [100] * 32, 32), StepShape([1] * 32, [4000] * 32, 32)

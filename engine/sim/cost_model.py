@@ -174,6 +174,10 @@ class ModelCost:
     layer_triton: int
     layer_views: int
     tp: int = 1  # tensor-parallel ranks: every size above is one rank's share
+    # Sliding-window layers (Gemma, Mistral): their share of the layers, and the window; the attention kernels read
+    # only the window's keys there (whatever the KV layout keeps).
+    sliding_share: float = 0.0
+    window: int | None = None
 
 
     @classmethod
@@ -206,7 +210,9 @@ class ModelCost:
                    kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
                    * (kv_dtype_bytes or dtype_bytes),
                    dtype_bytes=dtype_bytes, layer_kernels=kernels + (2 if tp > 1 else 0), layer_triton=triton,
-                   layer_views=views, tp=tp)
+                   layer_views=views, tp=tp,
+                   sliding_share=sum(map(spec.is_sliding, range(spec.num_layers))) / spec.num_layers,
+                   window=spec.sliding_window)
 
     @property
     def kernels_per_forward(self) -> int:
@@ -286,6 +292,10 @@ class CostModel:
             return 0.0
         units = float((m.heads * np.ceil(s / ATTN_SPLIT_KEYS) * np.maximum(1.0, np.ceil(q / 64))).sum())
         pairs = float((q * (s - (q - 1) / 2.0)).sum())  # causal within the chunk
+        if m.sliding_share:  # sliding layers read at most the window (and a chunk's own keys) per row
+            w = np.minimum(s, m.window + q - 1)
+            keys = (1 - m.sliding_share) * keys + m.sliding_share * float(w.sum())
+            pairs = (1 - m.sliding_share) * pairs + m.sliding_share * float(np.minimum(q * s, q * m.window).sum())
         occupancy = min(1.0, units / self.profile.num_sms)
         nbytes = (keys + float(q.sum())) * m.kv_bytes_per_token
         attn_flops = pairs * 4.0 * m.heads * m.head_dim * m.layers  # QK^T and PV
