@@ -479,7 +479,8 @@ class EngineCore:
         cfg = self.config
         if not cfg.swap_space_gb:
             return cfg.num_cpu_blocks
-        kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, "sim" if self.simulated else self.compute_device)
+        kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, "sim" if self.simulated else self.compute_device,
+                                    cfg.attention_backend)
         per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, kv_dtype, self.kv_layout.layers_per_page)
         return int(cfg.swap_space_gb * 1024**3) // per_block
 
@@ -487,7 +488,7 @@ class EngineCore:
         """KV bytes per position by group and the cache's capacity in positions (EngineStats)."""
         layout, bm, spec = self.kv_layout, self.block_manager, self.runner.spec
         kv_dtype = resolve_kv_dtype(self.config.kv_cache_dtype, self.dtype,
-                                    "sim" if self.simulated else self.compute_device)
+                                    "sim" if self.simulated else self.compute_device, self.config.attention_backend)
         per = layout.bytes_per_token(spec.num_kv_heads, spec.head_dim, torch.tensor([], dtype=kv_dtype).element_size())
         past = bm.num_blocks * bm.block_size
         return {"kv_bytes_per_token_full": int(per["full"]), "kv_bytes_per_token_sliding": int(per.get("sliding", 0)),

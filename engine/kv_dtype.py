@@ -6,7 +6,9 @@ PyTorch paths write and read a cache of another dtype than the model's.
   and widened back to fp32 when read (the CPU kernels take fp32 queries over bf16 K/V, fp32 arithmetic). With
   a bf16 model it is the same as "auto"; on CUDA with an fp32 or fp16 model the Triton kernels convert too.
 - "fp8" / "fp8_e4m3" (vLLM's names; "fp8" means e4m3): torch.float8_e4m3fn K/V on CUDA (GPUs with fp8
-  conversions: compute capability 8.9 or later, which Triton's fp8e4nv needs) and on the simulated device.
+  conversions: compute capability 8.9 or later, which Triton's fp8e4nv needs) and on the simulated device; on CPU
+  only through the PyTorch attention backend (attention_backend="torch": slow, a reference for what fp8 storage
+  does to a model's outputs, since its stores round exactly as the Triton kernels do).
   A value is stored as x / scale rounded to nearest even and saturated at +-448 (e4m3's largest finite value,
   as vLLM saturates) and read back as stored * scale. The scales are per tensor and per layer (`k_scale`,
   `v_scale` on each decoder layer's Attention) and 1.0 unless calibrated: what vLLM uses when a checkpoint
@@ -31,20 +33,21 @@ FP8_MIN_CAPABILITY = (8, 9)  # Triton converts to and from fp8e4nv from sm_89 (A
 KV_SAME, KV_CAST, KV_FP8 = 0, 1, 2
 
 
-def check_name(name: str, device: str) -> None:
-    """Config-time check: a known name, and fp8 not on an explicit CPU device (device "auto" is checked when
-    the engine resolves it, resolve_kv_dtype)."""
+def check_name(name: str, device: str, backend: str | None = None) -> None:
+    """Config-time check: a known name, and fp8 not on an explicit CPU device (but for the torch attention backend;
+    device "auto" is checked when the engine resolves it, resolve_kv_dtype)."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    if name in FP8_NAMES and device == "cpu":
+    if name in FP8_NAMES and device == "cpu" and backend != "torch":
         raise ValueError(_fp8_not_here(name, "cpu"))
 
 
-def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str,
+                     backend: str | None = None) -> torch.dtype:
     """The dtype the KV cache is stored in for `name` with a model in `model_dtype` on `device` (a torch device,
     or "sim" for the simulated accelerator, whose runner checks its GPU profile). ValueError naming the value
     and where it runs when it cannot run here."""
-    check_name(name, "")
+    check_name(name, "", backend)
     kind = device if isinstance(device, str) else device.type
     if name == "auto":
         return model_dtype
@@ -53,7 +56,7 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device |
             raise ValueError(f"kv_cache_dtype='bfloat16' on cpu needs a float32 or bfloat16 model (the CPU "
                              f"kernels' dtypes), not {model_dtype}")
         return torch.bfloat16
-    if kind not in ("cuda", "sim"):
+    if kind not in ("cuda", "sim") and not (kind == "cpu" and backend == "torch"):
         raise ValueError(_fp8_not_here(name, kind))
     if kind == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
@@ -64,7 +67,8 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device |
 
 def _fp8_not_here(name: str, device: str) -> str:
     return (f"kv_cache_dtype={name!r} (an fp8 KV cache) runs on cuda (compute capability 8.9+) and on "
-            f"device='sim', not on {device}; on cpu use 'auto' or 'bfloat16' (half the bytes of an fp32 cache)")
+            f"device='sim', not on {device}; on cpu use 'auto' or 'bfloat16' (half the bytes of an fp32 cache), or "
+            f"attention_backend='torch' (slow: a reference for fp8's accuracy)")
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

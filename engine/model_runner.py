@@ -63,7 +63,7 @@ class ModelRunner(StepRunner):
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len, self.kv_layout),
                          make_executor(device, threaded))
         self.forward_overlaps_loop = device.type == "cuda" or threaded
-        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)  # the KV cache's (engine/kv_dtype.py)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, config.attention_backend)  # the KV cache's (engine/kv_dtype.py)
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size,
                                             softcap=spec.attn_softcap is not None, kv_cast=kv_dtype != dtype)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)

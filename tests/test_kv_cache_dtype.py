@@ -49,6 +49,29 @@ def test_fp8_is_refused_on_cpu_at_config_and_at_engine_construction(name):
         LLM(config.model, kv_cache_dtype=name, num_kv_blocks=16)
 
 
+def test_fp8_on_cpu_through_the_torch_backend_stores_fp8(tiny_model_factory):
+    """attention_backend='torch' takes an fp8 cache on CPU (the reference for fp8 storage's accuracy,
+    bench/bench_kv_dtype.py): the cache holds float8_e4m3fn, and its first layer's K/V (which no attention read
+    has touched yet) is the bf16 cache's first layer rounded to e4m3, value for value."""
+    path, _ = tiny_model_factory("llama")
+    from test_correctness_hf import make_prompts
+
+    prompt = make_prompts(seed=4, lengths=(17,))[0]
+    caches = {}
+    for kv in ("bfloat16", "fp8"):
+        llm = LLM(str(path), dtype="bfloat16", kv_cache_dtype=kv, attention_backend="torch", num_kv_blocks=16,
+                  block_size=4, enable_prefix_caching=False)
+        out = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
+        assert len(out.token_ids) == 2
+        caches[kv] = llm.engine.core.runner.kv_caches[0]
+        llm.shutdown()
+    assert caches["fp8"][0].dtype == torch.float8_e4m3fn
+    for fp8, bf16 in zip(caches["fp8"], caches["bfloat16"]):  # K, then V
+        written = bf16.float().abs().sum(-1) > 0  # the slots the prompt and the first token wrote
+        assert written.sum() == 18 * 2  # 17 prompt positions and the first sampled token, 2 KV heads each
+        assert torch.equal(fp8.float()[written], bf16.to(torch.float8_e4m3fn).float()[written])
+
+
 def test_fp8_is_refused_for_a_gguf_model():
     from engine.models.from_gguf import smollm2_gguf
 

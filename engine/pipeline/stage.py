@@ -107,7 +107,7 @@ class StageWorker:
         dtype = getattr(torch, spec.dtype)
         hf_config = load_hf_config(spec.model)
         self.model_spec = model_spec(hf_config)
-        kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype, dtype, self.device)
+        kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype, dtype, self.device, spec.attention_backend)
         backend_name = resolve_backend(spec.attention_backend, self.device, spec.block_size,
                                        softcap=self.model_spec.attn_softcap is not None, kv_cast=kv_dtype != dtype)
         self.backend = get_backend(backend_name, sliding_window=self.model_spec.sliding_window)
