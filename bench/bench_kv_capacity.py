@@ -7,7 +7,10 @@ logits rows here) and the same requests: --requests prompts of --prompt-len
 distinct tokens (prefix caching off, so nothing is shared), each generating --max-tokens greedily (EOS ignored),
 all submitted at once. Reported per configuration: the most requests decoding at once (past their prompt),
 the most running at once, preemptions, the KV positions the cache holds (stats), wall time; and whether every
-configuration's tokens equal the whole-context layout's. Configurations:
+configuration's tokens equal the whole-context layout's. Then the capacity proper: max_num_seqs = N with N such
+requests, from the most that decoded at once upwards, until one preempts: the largest N that ran without a
+preemption is how many such requests the cache runs at once (oversubscribed, admission by the next chunk's need
+lets a new request in that later preempts others, so the first figure runs lower). Configurations:
 
   whole    every layer's KV for the whole context (disable_hybrid_kv_cache_manager=True: Tandem before groups)
   grouped  sliding layers keep only their window (the default)
@@ -76,13 +79,13 @@ def num_blocks(model_dir: str, name: str, kv_bytes: int) -> int:
     return kv_bytes // per
 
 
-def run(model_dir: str, name: str, args, prompts) -> dict:
+def run(model_dir: str, name: str, args, prompts, max_num_seqs: int = 64) -> dict:
     from engine import LLM, SamplingParams
 
     kv_bytes = int(args.kv_mib * 2**20)
     try:
-        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=False, max_model_len=4096, max_num_seqs=64,
-                  num_kv_blocks=num_blocks(model_dir, name, kv_bytes), **CONFIGS[name])
+        llm = LLM(model_dir, dtype="float32", enable_prefix_caching=False, max_model_len=4096,
+                  max_num_seqs=max_num_seqs, num_kv_blocks=num_blocks(model_dir, name, kv_bytes), **CONFIGS[name])
     except (TypeError, ValueError) as exc:  # a configuration this build does not have
         return {"config": name, "skipped": str(exc)}
     engine, core = llm.engine, llm.engine.core
@@ -122,14 +125,25 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 200_000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     rows = [run(model_dir, name, args, prompts) for name in args.configs]
+    for r in rows:  # the capacity: the most that run at once without a preemption
+        if "skipped" in r:
+            continue
+        n = max(1, r["most_decoding_at_once"])
+        while n <= len(prompts):
+            if run(model_dir, r["config"], args, prompts[:n], max_num_seqs=n)["preemptions"]:
+                break
+            n += 1
+        r["run_at_once_without_preemption"] = n - 1 if n <= len(prompts) else f">= {len(prompts)}"
     ref = next((r for r in rows if r["config"] == "whole" and "tokens" in r), None)
     base = ref["most_decoding_at_once"] if ref else None
     info = machine()
     print(f"# KV capacity, Gemma 3 270M fp32 on {info['cpu']} ({info['cores']} cores); KV budget {args.kv_mib:g} MiB; "
           f"{args.requests} requests of {args.prompt_len} + {args.max_tokens} tokens")
-    print("| config | layout | decoding at once | vs whole | running at once | preemptions | KV positions (in window / "
-          "past) | bytes/position full + sliding | tokens = whole | wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    cap = ref.get("run_at_once_without_preemption") if ref else None
+    print("| config | layout | run at once without preemption | vs whole | decoding at once (all submitted) | vs whole "
+          "| running at once | preemptions | KV positions (in window / past) | bytes/position full + sliding | "
+          "tokens = whole | wall s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "skipped" in r:
             print(f"| {r['config']} | skipped: {r['skipped']} |")
@@ -138,7 +152,10 @@ def main() -> None:
             f"{sum(a == b for a, b in zip(r['tokens'], ref['tokens']))}/{len(prompts)} requests" if ref else "-"
         r["tokens_equal_whole"] = same
         ratio = f"{r['most_decoding_at_once'] / base:.2f}x" if base else "-"
-        print(f"| {r['config']} | {r['layout']} | {r['most_decoding_at_once']} | {ratio} | {r['most_running_at_once']} | "
+        n = r["run_at_once_without_preemption"]
+        cap_ratio = f"{n / cap:.2f}x" if isinstance(n, int) and isinstance(cap, int) and cap else "-"
+        print(f"| {r['config']} | {r['layout']} | {n} | {cap_ratio} | {r['most_decoding_at_once']} | {ratio} | "
+              f"{r['most_running_at_once']} | "
               f"{r['preemptions']} | {r['kv_capacity_tokens']:,} / {r['kv_capacity_tokens_past_window']:,} | "
               f"{r['kv_bytes_per_token_full']:,} + {r['kv_bytes_per_token_sliding']:,} | {same} | {r['wall_s']} |")
     if args.json:
