@@ -356,8 +356,10 @@ class Scheduler:
                 return
             seq = c.seq
             if c.num_tokens != 1 or not c.samples or seq.inflight_refs != 1 or c.start != len(seq.token_ids) - 1 \
-                    or not can_speculate(seq):
-                continue  # a prompt chunk, a sequence also in flight elsewhere, or one that cannot speculate
+                    or c.start < len(seq.prompt_token_ids) or not can_speculate(seq):
+                # A prompt chunk (also the last prompt token alone after a prefix hit: n > 1 siblings fork off its
+                # row), a sequence also in flight elsewhere, or one that cannot speculate.
+                continue
             room = min(room, seq.max_total_len - len(seq.token_ids) - 1)  # its last row's token ends it at most
             draft = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max) \
                 if room > 0 else []
