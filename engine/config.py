@@ -136,7 +136,8 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     # Speculative decoding (engine/spec_decode.py), vLLM's names: {"method": "ngram", "num_speculative_tokens": K,
-    # "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}. None: off.
+    # "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}, or a draft model:
+    # {"model": DIR, "num_speculative_tokens": K} ("method": "draft_model" optional). None: off.
     speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
@@ -299,11 +300,15 @@ class EngineConfig:
             raise ValueError(f"sim_spec_acceptance must be a number in [0, 1] or None, got {a!r}")
         if self.speculative_config is None:
             return
-        self.speculative()  # raises ValueError naming a bad field
+        spec = self.speculative()  # raises ValueError naming a bad field
         where = [name for name, on in (("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
                                        ("tensor_parallel_size > 1", self.tensor_parallel_size > 1)) if on]
         if where:
             raise ValueError(f"speculative_config is not supported with {', '.join(where)} yet")
+        if spec.method == "draft_model" and self.device == "sim":
+            raise ValueError("speculative_config with a draft model is not supported on the simulated device "
+                             "(device='sim', whose tokens are hashes); use the ngram method with "
+                             "sim_spec_acceptance to model acceptance")
 
     def _check_lora(self) -> None:
         """LoRA fields; enable_lora is implied by an adapter source."""

@@ -141,7 +141,16 @@ class EngineCore:
         # runner's cache decides (pipeline stages keep one group); this is what this device's runner will use.
         self.kv_layout = kv_layout(config, self.spec)
         num_cpu_blocks = self._num_cpu_blocks()
+        speculative = config.speculative()
+        # A draft model (engine/spec_draft.py) is loaded before the runner profiles memory, which then counts its
+        # weights and sizes its KV cache with the target's; it runs on this device's runner only.
+        drafting = speculative is not None and speculative.method == "draft_model"
+        if drafting and make_runner is not None:
+            raise ValueError("speculative_config with a draft model runs on a single device's runner only")
+        self.draft = _draft_model(self, speculative) if drafting else None
         self.runner = (make_runner or _local_runner)(self, num_cpu_blocks)
+        if self.draft is not None:
+            self.draft.allocate(self.runner.num_kv_blocks, self.runner.executor)
         self.kv_layout = self.runner.kv_layout or KVLayout.single(self.spec.num_layers)
         num_blocks = self.runner.num_kv_blocks  # what its memory profiling pass left room for (engine/memory.py)
         # EngineConfig.pipeline_depth, resolved: None is 2 where the forward overlaps the loop, else 1
@@ -159,7 +168,7 @@ class EngineCore:
                                    policy=config.scheduler, admission_margin=config.admission_margin,
                                    cpu_pool=self.cpu_pool, one_step_per_seq=self.runner.one_step_per_seq,
                                    lora_slots=self.lora_slots, caching=config.enable_prefix_caching,
-                                   speculative=config.speculative())
+                                   speculative=speculative, propose=self.draft and self.draft.propose)
         self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
                                                   sorted(self.eos_token_ids))
         self.requests: dict[str | tuple[str, int], Sequence] = {}  # by Sequence.key
@@ -568,7 +577,15 @@ def _local_runner(core: EngineCore, num_cpu_blocks: int) -> StepRunner:
 
         return SimRunner(core.config, core.spec, core.dtype, core.max_model_len, core.tokenizer, num_cpu_blocks)
     return ModelRunner(core.config, core.hf_config, core.spec, core.compute_device, core.dtype,
-                       core.max_model_len, num_cpu_blocks)
+                       core.max_model_len, num_cpu_blocks,
+                       draft_kv_bytes_per_page=core.draft.kv_bytes_per_page if core.draft is not None else 0)
+
+
+def _draft_model(core: EngineCore, speculative):
+    """The draft model of speculative_config (engine/spec_draft.py), on the target's device and dtype."""
+    from engine.spec_draft import DraftModel
+
+    return DraftModel(speculative.model, core.config, core.spec, core.compute_device, core.dtype, core.max_model_len)
 
 
 def _resolve_device(device: str) -> torch.device:

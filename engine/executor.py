@@ -112,6 +112,11 @@ class SerialExecutor(_HostExecutor):
     def submit(self, step, fn: Callable, *args) -> Future:
         return self._pool.submit(fn, *args)
 
+    def call(self, fn: Callable, *args):
+        """Run `fn` on the worker after every job submitted so far, wait for it and return its result (a draft
+        model's proposal, engine/spec_draft.py: one thread runs torch work, never two beside each other)."""
+        return self._pool.submit(fn, *args).result()
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
@@ -121,6 +126,11 @@ class InlineExecutor(_HostExecutor):
 
     def submit(self, step, fn: Callable, *args) -> None:
         run_now(step, fn, *args)
+
+    @staticmethod
+    def call(fn: Callable, *args):
+        """Run `fn` now and return its result (SerialExecutor.call)."""
+        return fn(*args)
 
     def shutdown(self) -> None:
         pass
@@ -144,6 +154,12 @@ class StreamExecutor:
     def submit(self, step, fn: Callable, *args) -> None:
         with torch.cuda.stream(self.compute_stream):
             run_now(step, fn, *args)
+
+    def call(self, fn: Callable, *args):
+        """Run `fn` with the compute stream current (its kernels queue after every step's) and return its result;
+        errors are raised here (SerialExecutor.call)."""
+        with torch.cuda.stream(self.compute_stream):
+            return fn(*args)
 
     def mark(self, step_id: int, point: int) -> None:
         self._marks[step_id % _RING][point].record(self.compute_stream)

@@ -53,7 +53,9 @@ class ModelRunner(StepRunner):
     supports_forks = True
 
     def __init__(self, config: EngineConfig, hf_config, spec: ModelSpec, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0):
+                 dtype: torch.dtype, max_model_len: int, num_cpu_blocks: int = 0, draft_kv_bytes_per_page: int = 0):
+        """draft_kv_bytes_per_page: what a draft model's KV cache (engine/spec_draft.py, one page for each of this
+        cache's) adds per page, so the memory profile sizes the two together."""
         if device.type == "cpu":
             cpu_alloc.advise()  # glibc's malloc costs the CPU forward page faults every step
             if config.cpu_threads is not None:
@@ -77,7 +79,8 @@ class ModelRunner(StepRunner):
                                          dtype=torch.int32, device=device)
         kv_spec = self.model.spec  # a tensor-parallel rank's own: its share of the KV heads (engine/tp)
         layout = self.kv_layout
-        per_block = self.kv_bytes_per_block(kv_spec, config.block_size, kv_dtype, layout.layers_per_page)
+        per_block = self.kv_bytes_per_block(kv_spec, config.block_size, kv_dtype, layout.layers_per_page) \
+            + draft_kv_bytes_per_page
         self.memory = self._profile(kv_dtype) if config.num_kv_blocks is None else None
         useful = self.limits.max_seqs * self.limits.max_blocks * layout.pages_per_block
         self.num_kv_blocks = self._agree_kv_blocks(kv_blocks(self.memory, per_block, useful, config.num_kv_blocks))

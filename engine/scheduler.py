@@ -27,7 +27,7 @@ from engine.config import SCHEDULER_POLICIES
 from engine.cpu.block_pool import CpuBlockPool
 from engine.outputs import TokenLogprob
 from engine.sequence import Sequence, SeqStatus
-from engine.spec_decode import DEFAULT_BATCH_LIMIT, SpeculativeConfig, propose_ngram
+from engine.spec_decode import DEFAULT_BATCH_LIMIT, Propose, SpeculativeConfig, ngram_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None,
                  one_step_per_seq: bool = False, lora_slots=None, caching: bool | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, propose: Propose | None = None):
         if policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
         self.bm = block_manager
@@ -151,6 +151,12 @@ class Scheduler:
         # Speculative decoding (engine/spec_decode.py): None is off. `_spec_on`: it runs in the step being planned.
         self.speculative = speculative
         self._spec_on = False
+        # Where drafts come from (engine/spec_decode.py): a draft model's proposer is the core's (it runs a model);
+        # the n-gram method's is made here.
+        if speculative is not None and propose is None:
+            assert speculative.method == "ngram", "a draft model's proposer comes from the engine core"
+            propose = ngram_proposer(speculative)
+        self.propose = propose
         # Running sequences above which no step speculates: disable_by_batch_size, or by default where it stopped
         # paying (DEFAULT_BATCH_LIMIT), at most the most whose every decode still fits K drafts in a step's
         # sampling rows (max_num_seqs), so a full batch keeps the two-slot pipeline.
@@ -242,6 +248,7 @@ class Scheduler:
         while accepted < k and tokens[row + accepted] == draft[accepted]:
             accepted += 1
         seq.num_computed = c.start + 1 + accepted  # the committed token at `start` and the accepted drafts
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)  # a draft model's KV likewise
         self.counters["spec_draft_tokens"] += k
         self.counters["spec_accepted_tokens"] += accepted
         self.counters["spec_verify_chunks"] += 1
@@ -345,35 +352,48 @@ class Scheduler:
         return self._spec_on and seq.num_computed >= len(seq.prompt_token_ids) and can_speculate(seq)
 
     def _add_drafts(self, out: SchedulerOutput, budget: list[int]) -> None:
-        """Give the planned one-token decodes of speculating sequences their n-gram drafts, within the token
-        budget, the sampling rows of a step (max_num_seqs: the slot buffers' rows) and the free blocks (never
-        preempting anyone for a draft)."""
+        """Give the planned one-token decodes of speculating sequences drafts, within the token budget, the sampling
+        rows of a step (max_num_seqs: the slot buffers' rows) and the free blocks (never preempting anyone for a
+        draft). Room is reserved first, blocks included (a draft model writes KV at the draft positions while it
+        proposes), then one call proposes for every sequence of the step."""
+        chunks, rooms = self._draft_room(out, budget)
+        if not chunks:
+            return
+        for c, draft in zip(chunks, self.propose([c.seq for c in chunks], rooms)):
+            k = len(draft)  # (at most its room)
+            if not k:
+                continue
+            c.num_tokens, c.draft = 1 + k, draft
+            c.seq.num_computed += k
+            out.num_tokens += k
+            out.num_draft_tokens += k
+
+    def _draft_room(self, out: SchedulerOutput, budget: list[int]) -> tuple[list[ScheduledChunk], list[int]]:
+        """The chunks that may carry drafts and how many each, their budget and rows taken and their blocks
+        allocated."""
         spec, bm = self.speculative, self.bm
         rows = sum(1 for c in out.chunks if c.samples) + len(out.forks)
+        chunks, rooms = [], []
         for c in out.chunks:
             room = min(spec.num_speculative_tokens, budget[0], self.max_num_seqs - rows)
             if room < 1:
-                return
+                break
             seq = c.seq
             if c.num_tokens != 1 or not c.samples or seq.inflight_refs != 1 or c.start != len(seq.token_ids) - 1 \
-                    or not can_speculate(seq):
-                continue  # a prompt chunk, a sequence also in flight elsewhere, or one that cannot speculate
+                    or c.start < len(seq.prompt_token_ids) or not can_speculate(seq):
+                # A prompt chunk (also the last prompt token alone after a prefix hit: n > 1 siblings fork off its
+                # row), a sequence also in flight elsewhere, or one that cannot speculate.
+                continue
             room = min(room, seq.max_total_len - len(seq.token_ids) - 1)  # its last row's token ends it at most
-            draft = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max) \
-                if room > 0 else []
-            if not draft:
+            if room < 1 or bm.blocks_needed(seq, seq.num_computed + room) > bm.num_free - self.margin_blocks:
                 continue
-            k = len(draft)
-            if bm.blocks_needed(seq, seq.num_computed + k) > bm.num_free - self.margin_blocks:
-                continue
-            ok = bm.allocate(seq, seq.num_computed + k, start=c.start)
+            ok = bm.allocate(seq, seq.num_computed + room, start=c.start)
             assert ok, "the free blocks were checked"
-            c.num_tokens, c.draft = 1 + k, draft
-            seq.num_computed += k
-            budget[0] -= k
-            out.num_tokens += k
-            out.num_draft_tokens += k
-            rows += k
+            chunks.append(c)
+            rooms.append(room)
+            budget[0] -= room
+            rows += room
+        return chunks, rooms
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """The schedulable running sequences: decodes (Sequence.is_decoding) and the rest, in running order.
@@ -547,6 +567,8 @@ class Scheduler:
             self._copies += self.bm.copy_on_write(seq, seq.num_computed // bs)
             self.num_cow_copies += 1
             seq.cow = False
+            # A draft model's cache is not copied: its KV in the copied block is recomputed at the next proposal.
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed // bs * bs)
         ok = self.bm.allocate(seq, seq.num_computed + n)
         assert ok, "capacity was computed from the free blocks"
         return n
@@ -582,7 +604,7 @@ class Scheduler:
         self.num_soft_resets += 1
         self.kv_tokens_discarded += seq.num_computed
         self.bm.free(seq)
-        seq.num_computed = seq.num_cached = 0
+        seq.num_computed = seq.num_cached = seq.num_draft_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -616,6 +638,7 @@ class Scheduler:
         base = seq.window_base
         self.bm.free(seq)  # shared device blocks just lose this reference: their other holders keep them
         seq.block_hashes = hashes  # the content is unchanged
+        seq.num_draft_computed = 0  # a draft model's KV stays behind: it comes back in other blocks
         seq.window_base = base  # the blocks before it come back without window pages
         seq.status = SeqStatus.SWAPPED
         self.swapped.append(seq)

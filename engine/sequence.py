@@ -47,7 +47,7 @@ class Sequence:
     """
 
     __slots__ = ("request_id", "params", "prompt", "prompt_token_ids", "token_ids", "num_pending",
-                 "num_computed", "num_cached", "block_table", "block_hashes", "window_table", "window_base",
+                 "num_computed", "num_cached", "num_draft_computed", "block_table", "block_hashes", "window_table", "window_base",
                  "cpu_window", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "stop_token", "eos_token_ids", "max_total_len", "pending_src", "released",
@@ -77,6 +77,9 @@ class Sequence:
         self.num_pending = 0
         self.num_computed = 0
         self.num_cached = 0  # prompt tokens served from the prefix cache
+        # A draft model's KV (engine/spec_decode.py): positions whose draft KV matches token_ids (set back on a
+        # rejection, a preemption or a copy-on-write, like num_computed; the next proposal catches up from here).
+        self.num_draft_computed = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of this sequence's full blocks, in order
         # Sliding-window KV groups (engine/kv_groups.py): k pages per logical block; those of the blocks before

@@ -140,6 +140,22 @@ def test_n_stop_strings_penalties_and_eos_keep_their_meaning(tiny_model_factory)
     spec.check_integrity()
 
 
+def test_n_siblings_fork_off_a_prompt_whose_last_token_runs_alone(tiny_model_factory):
+    """A prefix hit leaves a repeated prompt's last token to a chunk of its own, which looks like a decode; it must
+    not carry drafts: the n > 1 siblings sample their first tokens from its one row."""
+    path, _ = tiny_model_factory("llama")
+    base, spec = _pair(path, block_size=4)
+    prompts = [p for p in _repetitive_prompts(6, 8) if len(p) % 4][:4]  # a partial last block: never cached
+    params = SamplingParams(max_tokens=12, temperature=0, n=2, ignore_eos=True)
+    ref = base.generate(prompts, params)
+    for _ in range(2):  # the second run hits the prefix cache up to the last token
+        outs = spec.generate(prompts, params)
+        assert [(o.index, o.token_ids) for o in outs] == [(o.index, o.token_ids) for o in ref]
+    s = spec.stats()
+    assert s.prefix_cache_hit_tokens > 0 and s.spec_draft_tokens > 0
+    spec.check_integrity()
+
+
 def test_no_speculation_above_disable_by_batch_size(tiny_model_factory):
     path, _ = tiny_model_factory("llama")
     llm = LLM(str(path), speculative_config={**NGRAM, "disable_by_batch_size": 2})
