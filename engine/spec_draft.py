@@ -93,7 +93,7 @@ class DraftModel:
         for j in range(1, max(rooms)):  # draft j + 1 from draft j, at position len(token_ids) + j - 1
             rows = [(i, len(s.token_ids) + j - 1, 1) for i, s in enumerate(seqs) if rooms[i] > j]
             self._forward(seqs, rows, [True] * len(rows), tables, dev_tables, drafts, j)
-        host = drafts.tolist()  # the proposal's one wait for the device: the scheduler stages and compares ids
+        host = drafts.tolist()  # sync-ok: the proposal's one wait for the device (the scheduler stages the ids)
         for seq, room in zip(seqs, rooms):
             seq.num_draft_computed = len(seq.token_ids) + room - 1  # KV of the last draft is never written
         return [row[:room] for row, room in zip(host, rooms)]
@@ -150,7 +150,7 @@ class DraftModel:
         ids = dev[7] if col == 0 else drafts[idx_d, col - 1]
         meta = AttentionMetadata(slot_mapping=slots_d, query_start_loc=qsl_d.int(), seq_lens=seq_lens_d.int(),
                                  block_tables=dev_tables.index_select(0, idx_d), block_size=bs,
-                                 query_lens_host=lens.tolist(), seq_lens_host=(starts + lens).tolist())
+                                 query_lens_host=lens.tolist(), seq_lens_host=(starts + lens).tolist())  # host memory
         self.backend.prepare(meta)
         hidden = self.model.sampled_hidden(ids, positions_d, self.kv_caches, meta, sampled_d)
         drafts[sampled_seqs_d, col] = self.model.logits(hidden).argmax(-1)
