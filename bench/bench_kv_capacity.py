@@ -8,9 +8,9 @@ distinct tokens (prefix caching off, so nothing is shared), each generating --ma
 all submitted at once. Reported per configuration: the most requests decoding at once (past their prompt),
 the most running at once, preemptions, the KV positions the cache holds (stats), wall time; and whether every
 configuration's tokens equal the whole-context layout's. Then the capacity proper: max_num_seqs = N with N such
-requests, from the most that decoded at once upwards, until one preempts: the largest N that ran without a
-preemption is how many such requests the cache runs at once (oversubscribed, admission by the next chunk's need
-lets a new request in that later preempts others, so the first figure runs lower). Configurations:
+requests, from the most that decoded at once upwards: the largest N whose N requests all decoded at once with no
+preemption is how many such requests the cache runs together (oversubscribed, admission by the next chunk's need
+lets a new request in that later preempts others, so the first figure can run lower). Configurations:
 
   whole    every layer's KV for the whole context (disable_hybrid_kv_cache_manager=True: Tandem before groups)
   grouped  sliding layers keep only their window (the default)
@@ -130,7 +130,8 @@ def main() -> None:
             continue
         n = max(1, r["most_decoding_at_once"])
         while n <= len(prompts):
-            if run(model_dir, r["config"], args, prompts[:n], max_num_seqs=n)["preemptions"]:
+            trial = run(model_dir, r["config"], args, prompts[:n], max_num_seqs=n)
+            if trial["preemptions"] or trial["most_decoding_at_once"] < n:
                 break
             n += 1
         r["run_at_once_without_preemption"] = n - 1 if n <= len(prompts) else f">= {len(prompts)}"
@@ -140,7 +141,7 @@ def main() -> None:
     print(f"# KV capacity, Gemma 3 270M fp32 on {info['cpu']} ({info['cores']} cores); KV budget {args.kv_mib:g} MiB; "
           f"{args.requests} requests of {args.prompt_len} + {args.max_tokens} tokens")
     cap = ref.get("run_at_once_without_preemption") if ref else None
-    print("| config | layout | run at once without preemption | vs whole | decoding at once (all submitted) | vs whole "
+    print("| config | layout | run together (all decoding, no preemption) | vs whole | decoding at once (all submitted) | vs whole "
           "| running at once | preemptions | KV positions (in window / past) | bytes/position full + sliding | "
           "tokens = whole | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
