@@ -8,6 +8,7 @@ checks that drafts were proposed and accepted, so that it really compares specul
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from collections import Counter
@@ -223,9 +224,6 @@ def test_real_model_greedy_is_identical_and_drafts_are_accepted():
 
 def test_app_arg_and_async_engine(tiny_model_factory):
     """`serve run ... speculative_config='{...}'` reaches the engine config; AsyncLLM speculates like LLM."""
-    import asyncio
-
-    from engine.async_engine import AsyncLLM
     from serve_app.builder import AppConfig
 
     app = AppConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
@@ -237,6 +235,15 @@ def test_app_arg_and_async_engine(tiny_model_factory):
     prompt = _repetitive_prompts(5, 1)[0]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     ref = LLM(str(path)).generate([prompt], params)[0].token_ids
+    tokens, stats = async_tokens(config, prompt, params)
+    assert tokens == ref and stats.spec_draft_tokens > 0
+
+
+def async_tokens(config, prompt, params):
+    """One request through AsyncLLM (the core in its own thread or process, as Serve runs it): its tokens and the
+    engine's stats after it."""
+    from engine.async_engine import AsyncLLM
+
     llm = AsyncLLM(config)
 
     async def run():
@@ -246,8 +253,7 @@ def test_app_arg_and_async_engine(tiny_model_factory):
         return final.token_ids
 
     try:
-        assert asyncio.run(run()) == ref
-        assert llm.stats().spec_draft_tokens > 0
+        return asyncio.run(run()), llm.stats()
     finally:
         llm.shutdown()
 

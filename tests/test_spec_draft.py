@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import tiny_models
+from test_spec_decode import async_tokens
 from engine import LLM, EngineConfig, SamplingParams
 
 K = 4
@@ -223,9 +224,6 @@ def test_n_stop_strings_and_eos_keep_their_meaning(drafts):
 
 def test_app_arg_and_async_engine(drafts):
     """`serve run ... speculative_config='{"model": ...}'` reaches the engine config; AsyncLLM speculates like LLM."""
-    import asyncio
-
-    from engine.async_engine import AsyncLLM
     from serve_app.builder import AppConfig
 
     target, by_kind = drafts["llama"]
@@ -239,16 +237,5 @@ def test_app_arg_and_async_engine(drafts):
     prompt = _prompts(5, 1)[0]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     ref = LLM(str(target)).generate([prompt], params)[0].token_ids
-    llm = AsyncLLM(config)
-
-    async def run():
-        final = None
-        async for out in llm.generate(prompt, params):
-            final = out
-        return final.token_ids
-
-    try:
-        assert asyncio.run(run()) == ref
-        assert llm.stats().spec_draft_tokens > 0
-    finally:
-        llm.shutdown()
+    tokens, stats = async_tokens(config, prompt, params)
+    assert tokens == ref and stats.spec_draft_tokens > 0
