@@ -140,6 +140,9 @@ class EngineCore:
         # Sliding-window layers' KV groups (engine/kv_groups.py): blocks are pages of one group's layers. The
         # runner's cache decides (pipeline stages keep one group); this is what this device's runner will use.
         self.kv_layout = kv_layout(config, self.spec)
+        # What the KV cache is stored in (engine/kv_dtype.py), resolved once: the host pool and stats size by it.
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype,
+                                         "sim" if self.simulated else self.compute_device, config.attention_backend)
         num_cpu_blocks = self._num_cpu_blocks()
         speculative = config.speculative()
         # A draft model (engine/spec_draft.py) is loaded before the runner profiles memory, which then counts its
@@ -488,21 +491,19 @@ class EngineCore:
         cfg = self.config
         if not cfg.swap_space_gb:
             return cfg.num_cpu_blocks
-        kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, "sim" if self.simulated else self.compute_device,
-                                    cfg.attention_backend)
-        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, kv_dtype, self.kv_layout.layers_per_page)
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, cfg.block_size, self.kv_dtype,
+                                                   self.kv_layout.layers_per_page)
         return int(cfg.swap_space_gb * 1024**3) // per_block
 
     def _kv_capacity(self) -> dict[str, int]:
         """KV bytes per position by group and the cache's capacity in positions (EngineStats)."""
         layout, bm, spec = self.kv_layout, self.block_manager, self.runner.spec
-        kv_dtype = resolve_kv_dtype(self.config.kv_cache_dtype, self.dtype,
-                                    "sim" if self.simulated else self.compute_device, self.config.attention_backend)
-        per = layout.bytes_per_token(spec.num_kv_heads, spec.head_dim, torch.tensor([], dtype=kv_dtype).element_size())
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        per = layout.bytes_per_token(spec.num_kv_heads, spec.head_dim, elem)
         past = bm.num_blocks * bm.block_size
         return {"kv_bytes_per_token_full": int(per["full"]), "kv_bytes_per_token_sliding": int(per.get("sliding", 0)),
                 "kv_capacity_tokens": past // layout.pages_per_block, "kv_capacity_tokens_past_window": past,
-                "kv_cache_dtype": str(kv_dtype).removeprefix("torch.")}
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch.")}
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state and counters (engine/stats.py: typed, immutable; a key that is
