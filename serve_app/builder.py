@@ -121,8 +121,8 @@ class AppConfig(BaseModel):
     # fewer per streamed chunk, which on a CPU host comes out of the forward's cores
     # (docs/serving.md#colocated-the-engine-inside-the-ingress). Gives up the engine router's prefix affinity
     # across replicas, autoscaling, ingress replicas apart from engines, pipeline and tensor parallelism. None
-    # (the default): on where the app is one CPU engine replica behind one ingress and none of those is asked
-    # for (`colocated_by_default`); false keeps the two deployments apart.
+    # (the default): on where the app is one engine replica behind one ingress, on any device, and none of
+    # those is asked for (`colocated_by_default`); false keeps the two deployments apart.
     colocated: bool | None = None
     # Pipeline parallelism (engine field pipeline_parallel_size > 1): each replica's placement group holds
     # the replica plus one bundle per stage (a GPU each on cuda); STRICT_PACK keeps a stage group on one
@@ -130,10 +130,10 @@ class AppConfig(BaseModel):
     pp_placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
     # Where each engine replica runs its engine core (scheduler, KV, runner, sampler): true, in a child process,
     # the replica keeping only the frontend (text, stop strings, streams), so the core's loop never waits on
-    # Serve's code for the GIL (engine/core_proc.py); false, on a thread of the replica. None (auto): a process
-    # on a GPU, a thread on CPU and on the simulated device, where small VMs measured the process slower over
-    # HTTP: it needs a core of its own (docs/serving.md#the-engine-core-process has the figures). Pipeline- and tensor-parallel engines drive Ray actors from
-    # the core and always keep it on a replica thread.
+    # Serve's code for the GIL (engine/core_proc.py); false, on a thread of the replica. None (auto,
+    # `core_process_by_default`): a process on a GPU and in the simulated device's colocated app, a thread on
+    # CPU (docs/serving.md#the-engine-core-process has the figures). Pipeline- and tensor-parallel engines drive
+    # Ray actors from the core and always keep it on a replica thread.
     engine_core_process: bool | None = None
     # Streams are paced so that one engine replica's streams together get at most about this many chunks a
     # second (a stream's interval: open streams / this; its first chunk and its finish are never held). The
@@ -225,9 +225,10 @@ class AppConfig(BaseModel):
     def autoscaling(self) -> bool:
         return self.max_replicas is not None
 
-    def colocated_on(self, device: str) -> bool:
-        """Whether the app is built colocated on `device` (a resolved one: cpu, cuda or sim)."""
-        return self.colocated if self.colocated is not None else colocated_by_default(self, device)
+    @property
+    def is_colocated(self) -> bool:
+        """Whether the app is built colocated (`colocated`, or its default)."""
+        return self.colocated if self.colocated is not None else colocated_by_default(self)
 
 
 def _coerce(declared, value):
@@ -237,22 +238,29 @@ def _coerce(declared, value):
     return adapter.validate_python(value)
 
 
-def colocated_by_default(cfg: AppConfig, device: str) -> bool:
-    """`colocated` left unset: on for one CPU engine replica behind one ingress. There the Serve processes'
-    CPU comes out of the forward's cores, and the engine hop is what colocation removes (measured in
-    docs/serving.md#colocated-the-engine-inside-the-ingress). Off on a GPU (the serving CPU is spare there and
-    the split app keeps its retry of a request whose engine died before its first token), and wherever the
-    config asks for something only the split app has: several or autoscaled replicas, ingress scaling or
-    placement, pipeline or tensor parallelism, or an engine_transport of its own choosing."""
-    return device == "cpu" and (cfg.num_replicas or 1) == 1 and not cfg.split_only() and \
-        not cfg.ingress_resources and cfg.engine_transport == "auto"
+def colocated_by_default(cfg: AppConfig) -> bool:
+    """`colocated` left unset: on for one engine replica behind one ingress, on every device. The engine hop is
+    a Python process and a Serve call per streamed chunk: on a CPU host its CPU comes out of the forward's
+    cores, and at GPU rates it is what limits the streamed tokens and adds to TTFT (measured on both in
+    docs/serving.md#colocated-the-engine-inside-the-ingress). With one replica the split app's retry of a
+    request whose engine died before its first token has no other replica to go to. Off wherever the config
+    asks for something only the split app has: several or autoscaled replicas, ingress scaling or placement,
+    pipeline or tensor parallelism, or an engine_transport of its own choosing."""
+    return (cfg.num_replicas or 1) == 1 and not cfg.split_only() and not cfg.ingress_resources and \
+        cfg.engine_transport == "auto"
+
+
+def core_process_by_default(device: str, colocated: bool) -> bool:
+    """`engine_core_process` left unset: the core in a process of its own on a GPU, and on the simulated device
+    when the app is colocated; on a replica thread on CPU (the forward takes every core there, and a process
+    only adds a competitor) and in the simulated device's split app. Measured on 2-core VMs:
+    docs/serving.md#the-engine-core-process."""
+    return device == "cuda" or (device == "sim" and colocated)
 
 
 def app_is_colocated(args: dict | None = None) -> bool:
-    """Whether build_app(args) builds the colocated app (one deployment, COLOCATED_DEPLOYMENT), resolving
-    device "auto" as build_app does."""
-    cfg = AppConfig(**(args or {}))
-    return cfg.colocated_on(_resolve_device(cfg.device))
+    """Whether build_app(args) builds the colocated app (one deployment, COLOCATED_DEPLOYMENT)."""
+    return AppConfig(**(args or {})).is_colocated
 
 
 def engine_transport(choice: str, device: str) -> str:
@@ -283,9 +291,11 @@ def build_app(args: dict | None = None) -> serve.Application:
                     cfg.api_keys, cfg.limits.model_dump())
     ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
                           tool_parser=cfg.tool_parser)
-    core_process = (device == "cuda" if cfg.engine_core_process is None else cfg.engine_core_process) and \
+    colocated = cfg.is_colocated
+    core_process = (core_process_by_default(device, colocated) if cfg.engine_core_process is None
+                    else cfg.engine_core_process) and \
         engine_cfg.pipeline_parallel_size == 1 and (engine_cfg.tensor_parallel_size == 1 or device == "sim")
-    if cfg.colocated_on(device):
+    if colocated:
         max_in_flight = None if cfg.max_queued_requests < 0 else \
             _engine_max_ongoing(cfg, engine_cfg) + cfg.max_queued_requests
         return _colocated_deployment(cfg, engine_cfg, device).bind(

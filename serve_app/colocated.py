@@ -1,16 +1,17 @@
 """The ingress and its engine in one replica (AppConfig.colocated): no engine hop.
 
 A streamed token normally crosses two Serve hops after the engine commits it: engine replica to ingress,
-ingress to Serve's HTTP proxy, each a Python process that spends CPU per chunk. On a GPU that CPU is spare;
-on a CPU host it comes out of the cores the forward runs on, and worse, every time a Serve process takes a
-core for a moment it stalls the forward's other OpenMP thread at the next barrier. Here the OpenAI ingress
+ingress to Serve's HTTP proxy, each a Python process that spends CPU per chunk. On a CPU host it comes out
+of the cores the forward runs on, and worse, every time a Serve process takes a core for a moment it stalls
+the forward's other OpenMP thread at the next barrier; at GPU rates the hop's CPU per chunk is what limits the
+streamed tokens, and its latency adds to every TTFT. Here the OpenAI ingress
 builds its engine (cluster.replica.EngineReplica) inside its own replica and calls it directly: one Python
 process fewer per chunk, nothing serialized between the two.
 
 What it gives up: the engine-side request router (prefix and LoRA affinity across replicas; Serve's proxy
 picks among colocated replicas by ongoing requests), ingress replicas scaled apart from engines, and the
 retry of a request whose engine replica died before its first token (the ingress dies with it). It is the
-default for an app of one CPU engine replica behind one ingress (serve_app.builder.colocated_by_default).
+default for an app of one engine replica behind one ingress (serve_app.builder.colocated_by_default).
 """
 
 from __future__ import annotations

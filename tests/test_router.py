@@ -357,9 +357,9 @@ def engine_deployment(app):
     return dep if dep.name == COLOCATED_DEPLOYMENT else dep.init_args[0]._bound_deployment
 
 
-def test_one_cpu_engine_replica_is_colocated_with_its_ingress_unless_the_config_needs_them_apart():
-    """`colocated` unset: on for one CPU engine replica behind one ingress, off on a GPU or the simulated one
-    and wherever the config asks for something only the split app has; an explicit value wins."""
+def test_one_engine_replica_is_colocated_with_its_ingress_unless_the_config_needs_them_apart():
+    """`colocated` unset: on for one engine replica behind one ingress on any device, off wherever the config
+    asks for something only the split app has; an explicit value wins."""
     def deployments(args: dict) -> set[str]:
         app = build_app(args)
         dep = app._bound_deployment
@@ -369,13 +369,14 @@ def test_one_cpu_engine_replica_is_colocated_with_its_ingress_unless_the_config_
 
     assert deployments({"device": "cpu"}) == {COLOCATED_DEPLOYMENT}
     assert deployments({"device": "cpu", "num_replicas": 1, "cpu_threads": 1}) == {COLOCATED_DEPLOYMENT}
-    assert deployments({"device": "sim"}) == {"OpenAIIngress", "EngineReplica"}
+    assert deployments({"device": "sim"}) == {COLOCATED_DEPLOYMENT}
     for args in ({"num_replicas": 2}, {"min_replicas": 1, "max_replicas": 2}, {"ingress_replicas": 2},
                  {"ingress_replicas": 1, "ingress_max_replicas": 2}, {"ingress_resources": {"head": 0.01}},
                  {"engine_transport": "grpc"}, {"tensor_parallel_size": 2},
                  {"engine": {"pipeline_parallel_size": 2}}, {"colocated": False}):
         assert deployments({"device": "cpu", **args}) == {"OpenAIIngress", "EngineReplica"}, args
-    assert deployments({"device": "sim", "colocated": True}) == {COLOCATED_DEPLOYMENT}
+    assert deployments({"device": "sim", "colocated": False}) == {"OpenAIIngress", "EngineReplica"}
+    assert deployments({"device": "sim", "num_replicas": 2}) == {"OpenAIIngress", "EngineReplica"}
 
 
 def test_cli_strings_are_coerced_like_serve_run_args():
@@ -544,3 +545,19 @@ def test_prefix_hashes_are_per_adapter(router):
     lora = LoRARequest("sql", "/adapters/sql")
     cached = replica("lora_cached", waiting=1, hashes=prefix_hashes(tokens, BS, 64, lora.hash_root))
     assert choose(router, [cached, replica("idle")], lora_pending(tokens, "sql"))[0] == "lora_cached"
+
+
+def test_engine_core_process_default_follows_device_and_topology():
+    """`engine_core_process` unset: a process on a GPU and in the simulated device's colocated app, a thread on
+    CPU and in the simulated device's split app; an explicit value wins."""
+    def core_process(args: dict) -> bool:
+        dep = build_app(args)._bound_deployment
+        if dep.name == COLOCATED_DEPLOYMENT:
+            return dep.init_kwargs["core_process"]
+        return dep.init_args[0]._bound_deployment.init_args[2]  # EngineReplica(config, all_cores, core_process, ...)
+
+    assert core_process({"device": "sim"}) is True
+    assert core_process({"device": "sim", "colocated": False}) is False
+    assert core_process({"device": "cpu"}) is False
+    assert core_process({"device": "cpu", "engine_core_process": True}) is True
+    assert core_process({"device": "sim", "engine_core_process": False}) is False

@@ -1,7 +1,7 @@
 """Both ways a stream crosses Serve. The other Serve tests run the defaults: the proxy on gRPC
-(tests/serve_cluster.py applies serve_app.builder.CLUSTER_ENV as scripts/serve.sh does), and the ingress streams
-from the engine over gRPC on CPU (engine_transport auto), over Ray actor calls on the simulated device
-(tests/test_sim_serve.py). This module runs Serve's own default on both hops on CPU (`engine_transport: ray`,
+(tests/serve_cluster.py applies serve_app.builder.CLUSTER_ENV as scripts/serve.sh does), and where the app is
+split, the ingress streams from the engine over gRPC on CPU (engine_transport auto) and over Ray actor calls on a
+GPU or the simulated device. This module runs Serve's own default on both hops on CPU (`engine_transport: ray`,
 RAY_SERVE_PROXY_USE_GRPC=0), so that combination keeps working too.
 
 Oracle: the offline engine on the same embedded model; greedy output must match exactly. A disconnect must still
@@ -33,7 +33,7 @@ def test_the_transport_is_an_app_option_grpc_on_cpu_and_ray_elsewhere_by_default
     def transport(args: dict) -> str:
         return build_app(args)._bound_deployment.init_kwargs["engine_transport"]
 
-    assert transport({"device": "cpu", "colocated": False}) == "grpc" and transport({"device": "sim"}) == "ray"
+    assert transport({"device": "cpu", "colocated": False}) == "grpc" and transport({"device": "sim", "colocated": False}) == "ray"
     assert transport({"device": "cpu", "engine_transport": "ray"}) == "ray"
     assert transport({"device": "sim", "engine_transport": "grpc"}) == "grpc"
     with pytest.raises(ValueError, match="engine_transport"):

@@ -46,15 +46,15 @@ def test_replica_reports_simulated_device_time(cluster, client):
     from ray import serve
 
     client.completions.create(model="qwen2.5-0.5b", prompt="warm up", max_tokens=16)
-    handle = serve.get_deployment_handle("EngineReplica", app_name=cluster.app_name)
+    handle = serve.get_deployment_handle(cluster.engine_deployment, app_name=cluster.app_name)
     stats = handle.stats.remote().result(timeout_s=30)
     assert stats["sim_gpu"] == "h100" and stats["device_busy_s"] > 0
     assert 0 < stats["device_busy_fraction"] <= 1
 
 
 def test_coalesced_streams_reassemble_exactly(cluster):
-    """32 streams at simulated-H100 speed: the replica sends whatever was committed since Ray took its last
-    chunk, so events carry several tokens. Reassembled, each stream is exactly the offline engine's output:
+    """32 streams at simulated-H100 speed: a stream's event carries whatever was committed since its last one
+    (paced streams, and a consumer slower than the engine), so events carry several tokens. Reassembled, each stream is exactly the offline engine's output:
     text, every token's logprob and top logprobs in order, usage and finish_reason."""
     import asyncio
     import json
