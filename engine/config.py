@@ -223,6 +223,8 @@ class EngineConfig:
         elif not os.path.isdir(model):
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
                              f"tokenizer files) or a .gguf file; {model!r} is not a directory")
+        elif (scheme := self._int4_scheme()) is not None:
+            self._check_quantized(f"a {scheme.method} int4 checkpoint (model={self.model!r})")
 
     @property
     def gguf_file(self) -> str | None:
@@ -245,8 +247,21 @@ class EngineConfig:
             raise ValueError(f"model {self.model!r} names a GGUF file that does not exist")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer must be a directory of tokenizer files; {self.tokenizer!r} is not one")
+        self._check_quantized(f"a GGUF model (model={self.model!r})")
+        self.model_dir  # noqa: B018 - written now (or found): a bad file fails here, naming itself
+
+    def _int4_scheme(self):
+        """The GPTQ / AWQ int4 scheme of the checkpoint directory (engine/models/int4_loader.py), None when it is
+        not quantized; ValueError naming a quantization_config Tandem does not run."""
+        from engine.models.int4_loader import checkpoint_scheme
+
+        return checkpoint_scheme(self.model)
+
+    def _check_quantized(self, what: str) -> None:
+        """Quantized weights (GGUF, GPTQ/AWQ int4): CPU, fp32 activations, one device, no adapters (what the
+        quantized kernels cover)."""
         unsupported = [why for why, used in (
-            (f"device={self.device!r} (quantized GGUF weights run on CPU; device='cpu' or 'auto' without CUDA)",
+            (f"device={self.device!r} (quantized weights run on CPU; device='cpu' or 'auto' without CUDA)",
              self.device not in ("auto", "cpu")),
             (f"dtype={self.dtype!r} (its quantized linears take float32 activations: 'auto' or 'float32')",
              self.dtype not in ("auto", "float32")),
@@ -257,8 +272,7 @@ class EngineConfig:
              self.kv_cache_dtype.startswith("fp8")),
         ) if used]
         if unsupported:
-            raise ValueError(f"a GGUF model (model={self.model!r}) is not supported with {'; '.join(unsupported)}")
-        self.model_dir  # noqa: B018 - written now (or found): a bad file fails here, naming itself
+            raise ValueError(f"{what} is not supported with {'; '.join(unsupported)}")
 
     def token_budget(self) -> int:
         """max_num_batched_tokens, resolved: as given, else 2048 on cuda and sim, and on CPU 512 tokens per

@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.cpu import kernels as cpu_native
 from engine.cpu import linear as cpu_linear
-from engine.models import fused_forward, moe, tp as tensor_parallel
+from engine.models import fused_forward, int4_loader, moe, tp as tensor_parallel
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 from engine.models.gguf_loader import build_gguf_model
 
@@ -153,6 +153,12 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
+    scheme = int4_loader.checkpoint_scheme(model_dir)
+    if scheme is not None:  # GPTQ / AWQ int4: its linears as Q4_1 QuantLinears, before the float ones are loaded
+        if tp is not None:
+            raise ValueError(f"a {scheme.method} int4 model runs on one device, without tensor parallelism")
+        int4_loader.place_int4_linears(model, model_dir, scheme, dtype, device)
+        fused = False
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above
     model.reset_kv_scales(device)  # fp32 too

@@ -1,0 +1,231 @@
+"""GPTQ and AWQ int4 checkpoints served quantized on CPU: their groups become the Q4_1 blocks of engine/cpu/quant.py.
+
+A checkpoint directory whose config.json carries a `quantization_config` (as transformers reads it) with
+quant_method "gptq" or "awq" and 4 bits keeps, per quantized linear, `qweight` (int32, eight 4-bit weights
+each), `qzeros` (int32, eight 4-bit zero points each) and `scales` (fp16), one scale and zero point per
+`group_size` weights along K (the input features) and output n:
+
+    w[n, k] = scales[k // g, n] * (q[n, k] - z[k // g, n])
+
+- GPTQ (AutoGPTQ / optimum's layout): qweight [K / 8, N], weight k in bits 4 * (k % 8) of row k // 8; qzeros
+  [K / g, N / 8], zero point n in bits 4 * (n % 8). checkpoint_format "gptq" (v1, the common one) stores each
+  zero point minus one, so z is the stored value + 1; "gptq_v2" stores z. Act-order checkpoints (desc_act: a
+  permuted g_idx) are refused: their groups are not runs of K.
+- AWQ (AutoAWQ's GEMM layout): qweight [K, N / 8] and qzeros [K / g, N / 8], packed along N in the order
+  0, 2, 4, 6, 1, 3, 5, 7 (nibble i of word c holds output 8c + ORDER[i]); z as stored.
+
+Why Q4_1: a Q4_1 block is 32 weights along K with one fp16 scale d and one fp16 min m, w = d * q + m, and a
+group of g (a multiple of 32) is g / 32 such blocks with d = scale and m = -scale * z. So the CPU's quantized
+GEMM (gemm_quant.cpp, every ISA level) runs these checkpoints with no kernel of their own, at 20 bytes per 32
+weights (the checkpoint's 16 + 2 scale bytes per 128, plus the mins). d is the checkpoint's scale exactly; m is
+-scale * z rounded to fp16, which is exact where z is a power of two (symmetric GPTQ: z = 8) and otherwise off
+by at most half an fp16 ulp of m (AWQ, asymmetric GPTQ): the weights then differ from the checkpoint's own
+dequantization by that much (docs/features.md says so; tests/test_int4_checkpoint.py bounds it).
+
+Runs on CPU with float32 activations, one device, no LoRA, like a GGUF file (EngineConfig refuses the rest by
+name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.cpu.quant import BLOCK, QuantLinear, QuantWeight
+from engine.models.decoder import DecoderLM
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    """A checkpoint's int4 quantization, validated: the method, the group size along K (None: one group, the
+    whole row), and what is added to a stored zero point to get z."""
+
+    method: str  # "gptq" | "awq"
+    group_size: int | None
+    zero_offset: int  # 1 for GPTQ v1 (zero points stored minus one), else 0
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+
+def quantization_config(model_dir: str | Path) -> dict | None:
+    """config.json's quantization_config, or None (read as JSON: cheap enough for EngineConfig's checks)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # no readable config: the checkpoint's own load reports it
+    qc = config.get("quantization_config")
+    return qc if isinstance(qc, dict) else None
+
+
+def int4_scheme(qc: dict) -> Int4Scheme:
+    """The scheme of a quantization_config; ValueError naming what Tandem does not run."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("gptq", "awq"):
+        raise ValueError(f"quantization_config quant_method={qc.get('quant_method')!r} is not supported; Tandem "
+                         "serves 'gptq' and 'awq' int4 checkpoints (and GGUF files) quantized on CPU")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{method} with bits={bits!r} is not supported: 4-bit only")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or not (group == -1 or (group > 0 and group % BLOCK == 0)):
+        raise ValueError(f"{method} group_size={group!r} is not supported: -1 or a multiple of {BLOCK}")
+    if method == "gptq":
+        if qc.get("desc_act"):
+            raise ValueError("gptq with desc_act=true (act-order) is not supported: its groups are not runs of "
+                             "the input features")
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"gptq checkpoint_format={fmt!r} is not supported: 'gptq' or 'gptq_v2'")
+        offset = 1 if fmt == "gptq" else 0
+    else:
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"awq version={qc.get('version')!r} is not supported: the GEMM layout ('gemm') only")
+        if qc.get("zero_point", True) is False:
+            raise ValueError("awq with zero_point=false is not supported")
+        offset = 0
+    return Int4Scheme(method, None if group == -1 else group, offset)
+
+
+def checkpoint_scheme(model_dir: str | Path) -> Int4Scheme | None:
+    """The int4 scheme of a checkpoint directory, None when it is not quantized; ValueError for a quantization
+    Tandem does not run."""
+    qc = quantization_config(model_dir)
+    return None if qc is None else int4_scheme(qc)
+
+
+def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words -> their eight 4-bit values (uint8), lowest bits first, expanded along `dim`."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    words = packed.to(torch.int32).unsqueeze(-1)  # [..., 1]
+    vals = ((words >> shifts) & 0xF).to(torch.uint8)  # [..., 8]
+    if dim == 0:  # packed along rows: [R, C, 8] -> [R, 8, C] -> [8R, C]
+        return vals.permute(0, 2, 1).reshape(-1, packed.shape[1])
+    return vals.reshape(packed.shape[0], -1)  # along columns: [R, C * 8]
+
+
+def unpack(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [N, K] uint8, z [G, N] int32 with the offset applied, scales [G, N] fp16) of one linear."""
+    if scheme.method == "gptq":
+        q = _nibbles(qweight, 0).t()  # [K, N] -> [N, K]
+        z = _nibbles(qzeros, 1)
+    else:
+        order = torch.tensor(AWQ_ORDER)
+        inverse = torch.argsort(order)  # natural output j sits at nibble inverse[j % 8]
+
+        def awq(packed: torch.Tensor) -> torch.Tensor:
+            vals = _nibbles(packed, 1).view(packed.shape[0], -1, 8)  # [R, C, 8] in nibble order
+            return vals[:, :, inverse].reshape(packed.shape[0], -1)
+
+        q = awq(qweight).t()
+        z = awq(qzeros)
+    return q.contiguous(), z.to(torch.int32) + scheme.zero_offset, scales.to(torch.float16)
+
+
+def to_q4_1(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
+    """One linear's int4 groups as Q4_1 blocks (the module docstring: d = scale, m = -scale * z in fp16)."""
+    q, z, s = unpack(scheme, qweight, qzeros, scales)
+    n, k = q.shape
+    of_block = _group_of(scheme, k, s, z, n)[::BLOCK]  # each Q4_1 block's group (groups are whole blocks)
+    d = s.t()[:, of_block]  # [N, K / 32] fp16, the checkpoint's scale as it is
+    m = (-(s.float() * z.float())).to(torch.float16).t()[:, of_block]
+    qs = q.view(n, k // BLOCK, BLOCK)
+    packed = qs[..., :16] | (qs[..., 16:] << 4)  # Q4_1: weights 0-15 in the low nibbles, 16-31 in the high
+    blocks = torch.cat((d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), packed), dim=-1)
+    return QuantWeight("Q4_1", blocks.reshape(n, -1), k)
+
+
+def _group_of(scheme: Int4Scheme, k: int, s: torch.Tensor, z: torch.Tensor, n: int) -> torch.Tensor:
+    """Each input feature's group (k // group_size; the last group may be short, as GPTQ makes it when K is not
+    a multiple of the group size), after checking that the tensors agree."""
+    group = scheme.group_size or k
+    groups = -(-k // group)
+    if k % BLOCK or s.shape != (groups, n) or z.shape != s.shape:
+        raise ValueError(f"int4 tensors do not agree: {n} x {k} weights in groups of {group} need scales and zeros "
+                         f"of {(groups, n)}; got {tuple(s.shape)} and {tuple(z.shape)}")
+    return torch.arange(k) // group
+
+
+class _Checkpoint:
+    """The directory's tensors by name across its safetensors files, read on demand."""
+
+    def __init__(self, model_dir: str):
+        from engine.models.loader import _safetensors_files
+
+        self.where: dict[str, Path] = {}
+        for path in _safetensors_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                self.where.update((name, path) for name in f.keys())
+        self.model_dir = model_dir
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ValueError(f"checkpoint {self.model_dir!r} lacks tensor {name!r}")
+        with safe_open(str(self.where[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+
+def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    """Replace the quantized linears of `model` (a DecoderLM on the meta device, before to_empty) by Q4_1
+    QuantLinears holding their bytes (engine/models/loader.py's build_model calls it; its load_weights then fills
+    every float parameter left: embeddings, norms, the LM head, linears the checkpoint kept in float). Refuses
+    what it does not run, and a quantized tensor it did not place (a quantized LM head, an unknown module)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"a {scheme.method} int4 model runs quantized on CPU in float32 only, not {device.type} "
+                         f"{dtype} (CUDA int4 kernels are not built)")
+    spec = model.spec
+    if spec.moe is not None:
+        raise ValueError(f"a {scheme.method} int4 mixture-of-experts model is not supported")
+    ckpt = _Checkpoint(model_dir)
+    placed: set[str] = set()
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i + model.layer_range[0]}"
+        attn = [f"{pre}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        for owner, attr, names in ((layer.self_attn, "qkv_proj", attn),
+                                   (layer.self_attn, "o_proj", [f"{pre}.self_attn.o_proj"]),
+                                   (layer.mlp, "gate_up_proj", [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"]),
+                                   (layer.mlp, "down_proj", [f"{pre}.mlp.down_proj"])):
+            placed.update(_place_linear(ckpt, scheme, owner, attr, names))
+    unplaced = sorted(n for n in ckpt.where if n.endswith(".qweight") and n not in placed)
+    if unplaced:
+        raise ValueError(f"checkpoint {model_dir!r} quantizes tensors Tandem runs only in float: {unplaced[:8]}")
+
+
+def _place_linear(ckpt: _Checkpoint, scheme: Int4Scheme, owner: nn.Module, attr: str, names: list[str]
+                  ) -> list[str]:
+    """owner.attr := a QuantLinear of the rows of `names` stacked, when the checkpoint quantized them (a float
+    linear is left for load_weights). Biases (Qwen2's q/k/v) stay fp32. Returns the qweight names placed."""
+    quantized = [f"{n}.qweight" in ckpt for n in names]
+    if not any(quantized):
+        return []
+    if not all(quantized):
+        raise ValueError(f"the checkpoint quantizes some of {names} and not the others")
+    parts = [to_q4_1(scheme, ckpt.get(f"{n}.qweight"), ckpt.get(f"{n}.qzeros"), ckpt.get(f"{n}.scales"))
+             for n in names]
+    for n, part in zip(names, parts):
+        if f"{n}.g_idx" in ckpt:
+            _check_g_idx(ckpt.get(f"{n}.g_idx"), scheme, part.in_features, n)
+    biases = [ckpt.get(f"{n}.bias") for n in names if f"{n}.bias" in ckpt]
+    setattr(owner, attr, QuantLinear(parts, torch.cat(biases).float() if biases else None))
+    return [f"{n}.qweight" for n in names]
+
+
+def _check_g_idx(g_idx: torch.Tensor, scheme: Int4Scheme, in_features: int, name: str) -> None:
+    """A GPTQ g_idx must be the plain k // group_size (no act-order permutation): refuse it otherwise."""
+    group = scheme.group_size or in_features
+    if not torch.equal(g_idx.to(torch.int64), torch.arange(in_features) // group):
+        raise ValueError(f"{name}.g_idx is not k // group_size: act-order GPTQ checkpoints are not supported")
