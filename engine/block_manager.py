@@ -84,14 +84,27 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Pages to add so `seq` can hold `num_tokens` positions (a new logical block takes a page in every group;
-        what the window frees meanwhile is not counted: the need is an upper bound)."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) * self.pages_per_block
+    def blocks_needed(self, seq: Sequence, num_tokens: int, start: int | None = None) -> int:
+        """Pages `allocate(seq, num_tokens, start)` takes from the free pool, net: a new logical block takes a page
+        in every group, and with window groups the slide at `start` (default seq.num_computed) first gives back
+        the window pages no query from there on reads. Negative when the slide gives back more than is taken."""
+        new = max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) * self.pages_per_block
+        return new - self.slide_frees(seq, seq.num_computed if start is None else start)
 
     def capacity(self, seq: Sequence, free_pages: int) -> int:
-        """Positions past `seq.num_computed` that its pages plus `free_pages` more hold."""
+        """Positions past `seq.num_computed` that its pages plus `free_pages` more hold, the pages the slide at
+        seq.num_computed gives back among them (every new logical block takes a page in every group)."""
+        free_pages += self.slide_frees(seq, seq.num_computed)
         return (len(seq.block_table) + free_pages // self.pages_per_block) * self.block_size - seq.num_computed
+
+    def slide_frees(self, seq: Sequence, start: int) -> int:
+        """Pages `slide(seq, start)` would put back in the free pool: the window pages behind the window that
+        only `seq` references (a page shared with a sibling or another request stays with them)."""
+        if not self.window_groups:
+            return 0
+        lo = min(self._first_window_block(start), len(seq.block_table))
+        k, refs = self.window_groups, self.ref_counts
+        return sum(1 for b in seq.window_table[seq.window_base * k:lo * k] if refs[b] == 1)
 
     def pages_held(self, seq: Sequence) -> int:
         """Pages that only `seq` references: what freeing it gives back."""
@@ -188,14 +201,15 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, start: int | None = None) -> bool:
         """Grow `seq`'s block table to hold `num_tokens` positions; False (and no change) if it can't. `start`:
         the first position the step being planned computes for it (default: seq.num_computed); with window
-        groups, the blocks no query from there on reads give their window pages back first."""
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > self.num_free:
+        groups, the blocks no query from there on reads give their window pages back first, so what the growth
+        takes is net of them (blocks_needed) and they may be among the pages it takes."""
+        start = seq.num_computed if start is None else start
+        if self.blocks_needed(seq, num_tokens, start) > self.num_free:
             return False
         if self.window_groups:
-            self.slide(seq, seq.num_computed if start is None else start)
+            self.slide(seq, start)
         table, window = seq.block_table, seq.window_table
-        for _ in range(needed // self.pages_per_block):
+        for _ in range(max(0, -(-num_tokens // self.block_size) - len(table))):
             table.append(self._pop_free())
             for _ in range(self.window_groups):
                 window.append(self._pop_free())
