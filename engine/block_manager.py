@@ -123,6 +123,12 @@ class BlockManager:
             reused += sum(1 for h in hashes[lo:] for b in self.hash_to_window[h] if refs[b] == 0)
         return new + reused
 
+    def admission_capacity(self, hits: list[int], hashes: list[int], free_pages: int) -> int:
+        """Positions past the hits that admitting a sequence with these prefix hits holds with `free_pages` free
+        (what admission_pages counts, inverted)."""
+        reused = self.admission_pages(hits, hashes, len(hits) * self.block_size)
+        return (free_pages - reused) // self.pages_per_block * self.block_size
+
     def prompt_hashes(self, seq: Sequence) -> list[int] | None:
         """Chained hashes of the full blocks of `seq.token_ids` before its last token, computed once per
         token count and kept on the sequence (a request waiting at the head of the queue is looked up again

@@ -464,7 +464,14 @@ class Scheduler:
             needed = self.bm.admission_pages(hits, hashes, computed + n)
             margin = self.margin_blocks if self.running else 0
             if needed + margin > self.bm.num_free:
-                return
+                if self.running:
+                    return
+                # Alone, its first chunk shrinks to what the free pages hold, as a running prefill's does: with
+                # window groups a chunk wider than the window can need more pages than the prompt ever holds at
+                # once (RequestLimits.check admitted it on the latter), and nobody running will free any.
+                n = min(n, self.bm.admission_capacity(hits, hashes, self.bm.num_free))
+                if n <= 0:
+                    return
             if seq.lora is not None and not self.lora_slots.acquire(seq):
                 return  # every adapter slot is held by running sequences: wait in line for one
             self.waiting.popleft()
