@@ -47,10 +47,11 @@ class BlockManager:
     group. `Sequence.block_table` holds the full-attention group's pages, one per logical block, as without
     groups; `Sequence.window_table` holds k pages per logical block (block i's at [i * k, (i + 1) * k)) for the
     sliding groups, of which the blocks before `Sequence.window_base` have gone back to the pool (their entries
-    are stale: no query reads them). Every count here (num_free, blocks_needed, num_blocks) is in pages. Prefix
-    caching keeps both: a hash maps to a full page (hash_to_block) and to a logical block's k window pages
-    (hash_to_window); a hit needs the full pages of every block and the window pages of the blocks the first
-    uncached query reads.
+    are stale: no query reads them). Every count here (num_free, blocks_needed, num_blocks) is in pages; growth is
+    counted net of the window pages the slide at the step's start gives back, and allocate slides before it takes,
+    so a count that fits is a growth that succeeds. Prefix caching keeps both: a hash maps to a full page
+    (hash_to_block) and to a logical block's k window pages (hash_to_window); a hit needs the full pages of every
+    block and the window pages of the blocks the first uncached query reads.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -212,8 +213,7 @@ class BlockManager:
         start = seq.num_computed if start is None else start
         if self.blocks_needed(seq, num_tokens, start) > self.num_free:
             return False
-        if self.window_groups:
-            self.slide(seq, start)
+        self.slide(seq, start)
         table, window = seq.block_table, seq.window_table
         for _ in range(max(0, -(-num_tokens // self.block_size) - len(table))):
             table.append(self._pop_free())
@@ -224,7 +224,10 @@ class BlockManager:
     def slide(self, seq: Sequence, start: int) -> None:
         """Give back the window pages of `seq`'s blocks that no query at `start` or later reads (they keep their
         hash: still a prefix-cache hit until handed out again). Steps already launched may still read them: a
-        page handed out again is written only by a later step (or a copy ordered before it), in stream order."""
+        page handed out again is written only by a later step (or a copy ordered before it), in stream order.
+        Nothing without window groups."""
+        if not self.window_groups:
+            return
         lo = min(self._first_window_block(start), len(seq.block_table))
         k, window, refs = self.window_groups, seq.window_table, self.ref_counts
         for i in range(seq.window_base * k, lo * k):

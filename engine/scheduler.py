@@ -625,8 +625,7 @@ class Scheduler:
         holds (a prefix shared with another offloaded sequence) is referenced there, not copied again."""
         if self.cpu_pool is None:
             return False
-        if self.bm.window_groups:  # what no query from here on reads is not copied (nothing of `seq` is in flight)
-            self.bm.slide(seq, seq.num_computed)
+        self.bm.slide(seq, seq.num_computed)  # what no query from here on reads is not copied (nothing is in flight)
         pool, table, hashes = self.cpu_pool, seq.block_table, seq.block_hashes
         cpu: list[int | None] = [pool.lookup(hashes[i] if i < len(hashes) else None) for i in range(len(table))]
         copy = [i for i, c in enumerate(cpu) if c is None]
