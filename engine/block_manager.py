@@ -47,10 +47,11 @@ class BlockManager:
     group. `Sequence.block_table` holds the full-attention group's pages, one per logical block, as without
     groups; `Sequence.window_table` holds k pages per logical block (block i's at [i * k, (i + 1) * k)) for the
     sliding groups, of which the blocks before `Sequence.window_base` have gone back to the pool (their entries
-    are stale: no query reads them). Every count here (num_free, blocks_needed, num_blocks) is in pages. Prefix
-    caching keeps both: a hash maps to a full page (hash_to_block) and to a logical block's k window pages
-    (hash_to_window); a hit needs the full pages of every block and the window pages of the blocks the first
-    uncached query reads.
+    are stale: no query reads them). Every count here (num_free, blocks_needed, num_blocks) is in pages; growth is
+    counted net of the window pages the slide at the step's start gives back, and allocate slides before it takes,
+    so a count that fits is a growth that succeeds. Prefix caching keeps both: a hash maps to a full page
+    (hash_to_block) and to a logical block's k window pages (hash_to_window); a hit needs the full pages of every
+    block and the window pages of the blocks the first uncached query reads.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -84,14 +85,27 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Pages to add so `seq` can hold `num_tokens` positions (a new logical block takes a page in every group;
-        what the window frees meanwhile is not counted: the need is an upper bound)."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) * self.pages_per_block
+    def blocks_needed(self, seq: Sequence, num_tokens: int, start: int | None = None) -> int:
+        """Pages `allocate(seq, num_tokens, start)` takes from the free pool, net: a new logical block takes a page
+        in every group, and with window groups the slide at `start` (default seq.num_computed) first gives back
+        the window pages no query from there on reads. Negative when the slide gives back more than is taken."""
+        new = max(0, -(-num_tokens // self.block_size) - len(seq.block_table)) * self.pages_per_block
+        return new - self.slide_frees(seq, seq.num_computed if start is None else start)
 
     def capacity(self, seq: Sequence, free_pages: int) -> int:
-        """Positions past `seq.num_computed` that its pages plus `free_pages` more hold."""
+        """Positions past `seq.num_computed` that its pages plus `free_pages` more hold, the pages the slide at
+        seq.num_computed gives back among them (every new logical block takes a page in every group)."""
+        free_pages += self.slide_frees(seq, seq.num_computed)
         return (len(seq.block_table) + free_pages // self.pages_per_block) * self.block_size - seq.num_computed
+
+    def slide_frees(self, seq: Sequence, start: int) -> int:
+        """Pages `slide(seq, start)` would put back in the free pool: the window pages behind the window that
+        only `seq` references (a page shared with a sibling or another request stays with them)."""
+        if not self.window_groups:
+            return 0
+        lo = min(self._first_window_block(start), len(seq.block_table))
+        k, refs = self.window_groups, self.ref_counts
+        return sum(1 for b in seq.window_table[seq.window_base * k:lo * k] if refs[b] == 1)
 
     def pages_held(self, seq: Sequence) -> int:
         """Pages that only `seq` references: what freeing it gives back."""
@@ -109,6 +123,12 @@ class BlockManager:
             lo = self._first_window_block(len(hits) * self.block_size)
             reused += sum(1 for h in hashes[lo:] for b in self.hash_to_window[h] if refs[b] == 0)
         return new + reused
+
+    def admission_capacity(self, hits: list[int], hashes: list[int], free_pages: int) -> int:
+        """Positions past the hits that admitting a sequence with these prefix hits holds with `free_pages` free
+        (what admission_pages counts, inverted)."""
+        reused = self.admission_pages(hits, hashes, len(hits) * self.block_size)
+        return (free_pages - reused) // self.pages_per_block * self.block_size
 
     def prompt_hashes(self, seq: Sequence) -> list[int] | None:
         """Chained hashes of the full blocks of `seq.token_ids` before its last token, computed once per
@@ -188,14 +208,14 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, start: int | None = None) -> bool:
         """Grow `seq`'s block table to hold `num_tokens` positions; False (and no change) if it can't. `start`:
         the first position the step being planned computes for it (default: seq.num_computed); with window
-        groups, the blocks no query from there on reads give their window pages back first."""
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > self.num_free:
+        groups, the blocks no query from there on reads give their window pages back first, so what the growth
+        takes is net of them (blocks_needed) and they may be among the pages it takes."""
+        start = seq.num_computed if start is None else start
+        if self.blocks_needed(seq, num_tokens, start) > self.num_free:
             return False
-        if self.window_groups:
-            self.slide(seq, seq.num_computed if start is None else start)
+        self.slide(seq, start)
         table, window = seq.block_table, seq.window_table
-        for _ in range(needed // self.pages_per_block):
+        for _ in range(max(0, -(-num_tokens // self.block_size) - len(table))):
             table.append(self._pop_free())
             for _ in range(self.window_groups):
                 window.append(self._pop_free())
@@ -204,7 +224,10 @@ class BlockManager:
     def slide(self, seq: Sequence, start: int) -> None:
         """Give back the window pages of `seq`'s blocks that no query at `start` or later reads (they keep their
         hash: still a prefix-cache hit until handed out again). Steps already launched may still read them: a
-        page handed out again is written only by a later step (or a copy ordered before it), in stream order."""
+        page handed out again is written only by a later step (or a copy ordered before it), in stream order.
+        Nothing without window groups."""
+        if not self.window_groups:
+            return
         lo = min(self._first_window_block(start), len(seq.block_table))
         k, window, refs = self.window_groups, seq.window_table, self.ref_counts
         for i in range(seq.window_base * k, lo * k):

@@ -71,8 +71,9 @@ class RequestLimits:
     runner_name: str
     supports_prompt_logprobs: bool
     supports_forks: bool
-    # Sliding-window KV groups (engine/kv_groups.py): num_kv_blocks counts pages; a prompt's blocks take a page in
-    # each of the window groups too, at least while the window's blocks are written.
+    # Sliding-window KV groups (engine/kv_groups.py): num_kv_blocks counts pages. A prompt runs in its full pages plus
+    # one query's window of pages in each window group: the scheduler counts growth net of the pages the window
+    # gives back and shrinks a chunk to what is free, down to one position (whose window is window_blocks).
     window_groups: int = 0
     window_blocks: int = 0
 

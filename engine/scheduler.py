@@ -385,7 +385,7 @@ class Scheduler:
                 # row), a sequence also in flight elsewhere, or one that cannot speculate.
                 continue
             room = min(room, seq.max_total_len - len(seq.token_ids) - 1)  # its last row's token ends it at most
-            if room < 1 or bm.blocks_needed(seq, seq.num_computed + room) > bm.num_free - self.margin_blocks:
+            if room < 1 or bm.blocks_needed(seq, seq.num_computed + room, c.start) > bm.num_free - self.margin_blocks:
                 continue
             ok = bm.allocate(seq, seq.num_computed + room, start=c.start)
             assert ok, "the free blocks were checked"
@@ -464,7 +464,14 @@ class Scheduler:
             needed = self.bm.admission_pages(hits, hashes, computed + n)
             margin = self.margin_blocks if self.running else 0
             if needed + margin > self.bm.num_free:
-                return
+                if self.running:
+                    return
+                # Alone, its first chunk shrinks to what the free pages hold, as a running prefill's does: with
+                # window groups a chunk wider than the window can need more pages than the prompt ever holds at
+                # once (RequestLimits.check admitted it on the latter), and nobody running will free any.
+                n = min(n, self.bm.admission_capacity(hits, hashes, self.bm.num_free))
+                if n <= 0:
+                    return
             if seq.lora is not None and not self.lora_slots.acquire(seq):
                 return  # every adapter slot is held by running sequences: wait in line for one
             self.waiting.popleft()
@@ -543,9 +550,10 @@ class Scheduler:
         cow = seq.cow and self.bm.shares_block(seq, seq.num_computed // bs)  # the block written is shared
         if not cow:
             seq.cow = False
-        needed = self.bm.blocks_needed(seq, seq.num_computed + n) + cow * per_block
+        # Net of the window pages the slide at seq.num_computed gives back (BlockManager.blocks_needed); counted
+        # again after each preemption, as a victim sharing those pages (a sibling) leaves them to `seq` alone.
         releasing = 0
-        while needed > self.bm.num_free:
+        while (needed := self.bm.blocks_needed(seq, seq.num_computed + n) + cow * per_block) > self.bm.num_free:
             if needed <= self.bm.num_free + releasing:
                 self._starved = True
                 return 0
@@ -564,6 +572,8 @@ class Scheduler:
             self._starved = True
             return 0
         if cow:
+            # The slide first: the count above is net of the pages it gives back, which the copy may need.
+            self.bm.slide(seq, seq.num_computed)
             self._copies += self.bm.copy_on_write(seq, seq.num_computed // bs)
             self.num_cow_copies += 1
             seq.cow = False
@@ -615,6 +625,7 @@ class Scheduler:
         holds (a prefix shared with another offloaded sequence) is referenced there, not copied again."""
         if self.cpu_pool is None:
             return False
+        self.bm.slide(seq, seq.num_computed)  # what no query from here on reads is not copied (nothing is in flight)
         pool, table, hashes = self.cpu_pool, seq.block_table, seq.block_hashes
         cpu: list[int | None] = [pool.lookup(hashes[i] if i < len(hashes) else None) for i in range(len(table))]
         copy = [i for i, c in enumerate(cpu) if c is None]

@@ -7,14 +7,19 @@ excepted as in test_correctness_hf), the same engine with every layer's KV kept 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
+from engine.core import RequestLimits
 from engine.kv_groups import KVLayout
 from engine.models.decoder import ModelSpec
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from test_correctness_hf import assert_matches_hf, make_prompts
+from test_scheduler import commit
 
 WINDOW = 12  # tiny_models' Gemma window
 # 4 sliding : 2 full layers, as Gemma 3's 5 : 1 pattern scaled down: two sliding groups of two layers each.
@@ -46,8 +51,8 @@ def test_layout_groups_layers_as_gemma_needs():
         assert layout.layer_group == (0,) * layout.num_layers and layout.layer_slot == tuple(range(layout.num_layers))
 
 
-def _seq(n: int, rid: str = "r") -> Sequence:
-    return Sequence(rid, None, list(range(3, 3 + n)), SamplingParams(max_tokens=1000), frozenset(), 10_000, 512)
+def _seq(n: int, rid: str = "r", max_tokens: int = 1000) -> Sequence:
+    return Sequence(rid, None, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens), frozenset(), 10_000, 512)
 
 
 def test_a_growing_sequence_keeps_exactly_its_windows_pages():
@@ -67,6 +72,52 @@ def test_a_growing_sequence_keeps_exactly_its_windows_pages():
     bm.free(seq)
     assert bm.num_free == 200
     bm.check_integrity()
+
+
+def test_past_the_window_a_new_block_needs_only_its_full_page():
+    """A decoding sequence grows (and slides) at block boundaries: the slide there gives back the window pages of
+    the blocks that left the window since the last boundary as the new block takes a page in every group. Past
+    the window one block leaves per boundary, so the growth takes one page net. With exactly that page free,
+    allocate takes it (counted a page in every group, it would need 1 + k)."""
+    bs, window, k = 4, 10, 2
+    boundary = 24  # past the window: one block leaves it at every boundary from window + bs - 1 on
+    # Held before it: blocks 0..5 in the full group, and in each sliding group the blocks from the first one the
+    # query at the previous boundary (20, where the last slide ran) reads, (20 - 9) // 4 = 2, to 5.
+    held = boundary // bs + k * (boundary // bs - (boundary - bs - window + 1) // bs)
+    bm = BlockManager(held + 1, bs, window_groups=k, window=window)
+    seq = _seq(1)
+    for pos in range(0, boundary + 1, bs):
+        left = max(0, pos - window + 1) // bs - max(0, pos - bs - window + 1) // bs  # blocks leaving the window
+        assert left == (1 if pos >= window + bs - 1 else 0)
+        assert bm.blocks_needed(seq, pos + 1, start=pos) == 1 + k - k * left
+        assert bm.allocate(seq, pos + 1, start=pos)
+        seq.num_computed = pos + bs  # the block's positions are decoded before the next boundary
+        bm.check_integrity([seq])
+    assert bm.num_free == 0 and seq.window_base == (boundary - window + 1) // bs
+
+
+def test_a_prompt_the_size_check_admits_runs_alone_in_exactly_that_many_pages():
+    """RequestLimits.check admits a prompt whose full pages plus one query's window pages fit the cache. In a cache
+    of exactly that many pages the prompt runs (its chunks shrink to fit as the window slides) and decodes a token:
+    the scheduler's counts are net of what the slide gives back, or it would stall with pages to spare."""
+    bs, window, k, length = 4, 10, 2, 40
+    blocks = -(-(length + 1) // bs)  # the prompt's positions and the first generated token's
+    window_blocks = -(-(window - 1) // bs) + 1  # keys > p - window, the block of p among them
+    pages = blocks + k * min(blocks, window_blocks)
+    limits = RequestLimits(512, 10_000, pages, bs, 1, "test", True, True, k, window_blocks)
+    seq = _seq(length, max_tokens=2)
+    limits.check(seq.token_ids, seq.params)
+    with pytest.raises(ValueError, match="more than the KV cache holds"):
+        dataclasses.replace(limits, num_kv_blocks=pages - 1).check(seq.token_ids, seq.params)
+    bm = BlockManager(pages, bs, window_groups=k, window=window)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64, admission_margin=0.0)
+    sched.add(seq)
+    while sched.has_work():
+        out = sched.schedule()
+        assert out, "stalled with nothing in flight"
+        commit(sched, out)
+        bm.check_integrity([seq] if seq.block_table else [])
+    assert len(seq.token_ids) == length + 2 and bm.num_free == pages
 
 
 def test_prefix_hit_needs_the_window_pages_of_the_first_uncached_query():
@@ -222,3 +273,25 @@ def test_capacity_for_long_requests_grows_as_the_window_allows(model):
         _engine(path, **whole).engine.core.runner.kv_cache.nbytes
     assert not _preempts(path, 2, prompts, params, **whole) and _preempts(path, 3, prompts, params, **whole)
     assert not _preempts(path, 4, prompts, params, **grouped)
+
+
+def test_sequences_that_fit_net_of_the_slide_run_without_preemption(model):
+    """Four 8-token prompts, prefilled in one step, decode 40 tokens each in step. Past the window a sequence at a
+    block boundary holds its full pages plus 4 window blocks (a 12-position window over blocks of 4: keys > p - 12,
+    from block (p - 11) // 4 to p // 4) in each of the 2 sliding groups. The last boundary is position 44 (the last
+    position computed is 46): 12 + 2 * 4 = 20 pages each, 80 for the four, and the pool holds exactly 80. The last
+    of the four to cross it finds 80 - 3 * 20 - (11 + 2 * 4) = 1 page free and needs 1, as the block leaving the
+    window gives its 2 window pages back (counted a page in every group, it would need 3 and preempt one). All four
+    run at once without preemption, with the whole-context engine's and HF's greedy tokens."""
+    path, hf = model
+    prompts = make_prompts(seed=11, lengths=(8,) * 4)
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=80,
+              admission_margin=0.0)
+    outs = llm.generate(prompts, _greedy(40))
+    assert llm.stats()["num_preemptions"] == 0
+    whole = _engine(path, disable_hybrid_kv_cache_manager=True)
+    for prompt, o, r in zip(prompts, outs, whole.generate(prompts, _greedy(40))):
+        assert o.token_ids == r.token_ids
+        assert_matches_hf(hf, prompt, o.token_ids[:16])
+    llm.check_integrity()
+    assert llm.stats()["kv_blocks_free"] == 80
