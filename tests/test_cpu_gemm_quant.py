@@ -1,13 +1,26 @@
 """Tandem's weight-only quantized linears (engine/cpu/gemm_quant.cpp, engine/cpu/quant.py) against the `gguf`
 package: weights quantized by gguf.quants.quantize (or raw blocks made up byte by byte), the oracle the same bytes
 dequantized by gguf.quants.dequantize through an fp64 matmul. Every check runs against each instruction-set
-level's build this CPU can run (as tests/test_cpu_gemm.py), and the torch fallback.
+level's build this CPU can run (as tests/test_cpu_gemm.py), and the torch fallback, with both activations
+(TANDEM_QUANT_ACTIVATIONS).
 
-The bound: the kernel's weights are gguf's dequantized fp32 weights exactly (d * q is exact in fp32, so d * q + m
-rounds once, as numpy's fp32 d * q + m does), so the result is an fp32 dot product of x with them in some order:
-within gamma_{K+1} = (K + 1) u / (1 - (K + 1) u) (u = 2^-24) of the exact sum, relative to sum |x| |w| (+ |bias|),
-+ 1 for the bias add. A wrong nibble, a swapped scale or a dropped block is far outside it; where every product
-and partial sum is exact in fp32 (power-of-two scales, small integers), the result is exact."""
+fp32 activations: the kernel's weights are gguf's dequantized fp32 weights exactly (d * q is exact in fp32, so
+d * q + m rounds once, as numpy's fp32 d * q + m does), so the result is an fp32 dot product of x with them in
+some order: within gamma_{K+1} = (K + 1) u / (1 - (K + 1) u) (u = 2^-24) of the exact sum, relative to
+sum |x| |w| (+ |bias|), + 1 for the bias add.
+
+int8 activations: x is quantized as gguf's own Q8_0 quantizer does it (checked byte for byte), so the oracle is
+gguf's round trip of x, x^ = d_x q_x, times gguf's dequantized weights in fp64. The kernel's integer dots are
+exact, and d_w d_x (and Q4_1's d_x sum(q_x)) are exact in fp32; per output it sums T = 8 B + B + 1 terms (B = K / 32
+blocks: 8 int32 lanes a block each scaled by d_w d_x, Q4_1's B min terms m_w d_x sum(q_x), the bias), each
+rounded once, in some order: within gamma_T of their exact sum relative to the sum of their magnitudes, which is
+at most sum |x^| (|d_w q| + |m_w|) (+ |bias|). That exact sum is sum x^ (d_w q + m_w), whereas gguf's weight is
+d_w q + m_w rounded to fp32 once, u relative: so within gamma_{9 B + 2} of the oracle. The torch fallback is
+F.linear of the same x^ and weights: the fp32 bound above with x^ for x.
+
+A wrong nibble, a swapped scale, a dropped block or a sign is far outside either bound; where every product and
+partial sum is exact in fp32 (power-of-two scales, small integers; for int8, x with a 127 in every block, so
+d_x = 1, and halves, which gguf rounds away from zero), the result is exact."""
 
 from __future__ import annotations
 
@@ -38,8 +51,15 @@ def level(request):
 @pytest.fixture(autouse=True)
 def linears_use_the_level(level, monkeypatch):
     monkeypatch.setattr(cpu_native, "load", lambda isa=None: level)
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "fp32")  # a test of int8 asks for `activations`
     if level is None:
         monkeypatch.setenv("TANDEM_CPU_GEMM", "0")
+
+
+@pytest.fixture(params=quant.ACTIVATIONS)
+def activations(request, monkeypatch):
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", request.param)
+    return request.param
 
 
 def quantized(qtype: str, n: int, k: int, seed: int) -> tuple[quant.QuantWeight, np.ndarray]:
@@ -63,6 +83,45 @@ def within_bound(y: torch.Tensor, x: torch.Tensor, w: np.ndarray, bias: torch.Te
     assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3g}"
 
 
+def gguf_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x as gguf quantizes it to Q8_0 and dequantizes it back (fp32)."""
+    T = gguf.GGMLQuantizationType.Q8_0
+    return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), T), T)).view(x.shape)
+
+
+def magnitudes(weight: quant.QuantWeight) -> np.ndarray:
+    """|d q| + |m| of every weight: gguf's dequantization of the blocks with d's (and m's) sign bit cleared."""
+    if weight.qtype == "Q8_0":
+        return np.abs(gguf.quants.dequantize(weight.data.numpy(), QT["Q8_0"]))
+    blocks = weight.data.numpy().reshape(weight.out_features, -1, 20).copy()
+    blocks[..., 1] &= 0x7F  # the fp16 values' high bytes
+    blocks[..., 3] &= 0x7F
+    return gguf.quants.dequantize(blocks.reshape(weight.out_features, -1), QT["Q4_1"])
+
+
+def within_int8_bound(y: torch.Tensor, x: torch.Tensor, weight: quant.QuantWeight, w: np.ndarray,
+                      bias: torch.Tensor | None, level) -> None:
+    xq = gguf_q8_0(x.contiguous())
+    if level is None:  # the fallback: F.linear of gguf's x^ and w
+        return within_bound(y, xq, w, bias)
+    x64, w64 = xq.double(), torch.from_numpy(w).double()
+    b64 = torch.zeros(w64.shape[0], dtype=torch.float64) if bias is None else bias.double()
+    exact = x64 @ w64.T + b64
+    scale = x64.abs() @ torch.from_numpy(magnitudes(weight)).double().T + b64.abs()
+    u, n = 2.0 ** -24, 9 * x.shape[-1] // 32 + 2
+    bound = n * u / (1 - n * u) * scale
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+def expect(y, x, weight, w, bias, activations, level) -> None:
+    if activations == "fp32":
+        within_bound(y, x, w, bias)
+    else:
+        within_int8_bound(y, x, weight, w, bias, level)
+
+
 def randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -74,11 +133,11 @@ def randn(*shape, seed):
 @pytest.mark.parametrize("with_bias", [False, True])
 @qtypes
 def test_linear_within_the_summation_bound_of_ggufs_dequantized_weights(rows, out_features, in_features,
-                                                                        with_bias, qtype):
+                                                                        with_bias, qtype, activations, level):
     weight, oracle = quantized(qtype, out_features, in_features, seed=rows)
-    x = randn(rows, in_features, seed=2)
+    x = randn(rows, in_features, seed=2) * torch.tensor([1e-3, 1.0, 40.0]).repeat(rows)[:rows, None]
     bias = randn(out_features, seed=3) if with_bias else None
-    within_bound(weight(x, bias), x, oracle, bias)
+    expect(weight(x, bias), x, weight, oracle, bias, activations, level)
 
 
 def raw_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -108,6 +167,51 @@ def test_linear_exact_where_the_sums_are(qtype):
 
 
 @qtypes
+def test_int8_exact_where_the_sums_are(qtype, monkeypatch):
+    """The int8 path where x quantizes exactly (a 127 in every block: d_x = 1) and every product and sum is an
+    exact fp32 value; x's halves are ties, which gguf's quantizer rounds away from zero, and so must the kernel."""
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "int8")
+    for rows, n, k in [(1, 9, 32), (5, 50, 96), (70, 13, 576)]:
+        data = raw_blocks(qtype, n, k, seed=n)
+        oracle = torch.from_numpy(gguf.quants.dequantize(data, QT[qtype]))
+        gen = torch.Generator().manual_seed(k)
+        x = torch.randint(-32, 33, (rows, k), generator=gen).float() / 2
+        x[:, ::32] = 127 * (torch.randint(0, 2, (rows, k // 32), generator=gen).float() * 2 - 1)
+        assert bool((x.frac() != 0).any())
+        xq = gguf_q8_0(x)
+        assert torch.equal(xq, x.round()) is False and torch.equal(xq, torch.sign(x) * (x.abs() + 0.5).floor())
+        bias = torch.arange(n, dtype=torch.float32) * 0.5
+        y = quant.QuantWeight(qtype, torch.from_numpy(data), k)(x, bias)
+        assert torch.equal(y, (xq.double() @ oracle.double().T + bias.double()).float())
+
+
+def q8_0_cases() -> np.ndarray:
+    """Rows of x to quantize: scales from fp16's subnormals to past its range's middle, a block of zeros, ties
+    (halves with d = 1), and values just either side of them."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 96)).astype(np.float32) * rng.choice([1e-7, 1e-4, 1.0, 50.0, 3e3], size=(40, 1))
+    x[0, :32] = 0
+    x[1] = np.tile(np.arange(-15.5, 16.5, 1.0), 3)
+    x[1, ::32] = 127
+    x[2] = np.nextafter(x[1], np.float32(np.inf))
+    x[3] = np.nextafter(x[1], np.float32(-np.inf))
+    x[4] = -x[1]
+    return x.astype(np.float32)
+
+
+def test_x_is_quantized_as_ggufs_q8_0(level):
+    """The int8 path's activations, byte for byte gguf.quants.quantize(x, Q8_0) (the kernel's own quantizer), or
+    value for value gguf's round trip (the fallback's torch ops)."""
+    x = q8_0_cases()
+    want = gguf.quants.quantize(x, QT["Q8_0"])
+    if level is None:
+        assert torch.equal(quant.q8_0_round_trip(torch.from_numpy(x)), gguf_q8_0(torch.from_numpy(x)))
+    else:
+        got = level.quantize_q8_0(torch.from_numpy(x))
+        assert got.dtype == torch.uint8 and np.array_equal(got.numpy(), want)
+
+
+@qtypes
 def test_dequantize_is_ggufs_bit_for_bit(qtype):
     """The torch fallback's (and the embedding's) dequantization, whole and by rows."""
     data = raw_blocks(qtype, 40, 96, seed=1)
@@ -121,7 +225,7 @@ def test_dequantize_is_ggufs_bit_for_bit(qtype):
 
 
 @qtypes
-def test_same_bits_whatever_the_batch_and_threads(level, qtype):
+def test_same_bits_whatever_the_batch_and_threads(level, qtype, activations):
     """A row's output does not depend on the rows beside it (decode's one row against a 70-row prefill chunk) or on
     how many threads split the work."""
     weight, oracle = quantized(qtype, 576, 576, seed=1)
@@ -134,20 +238,20 @@ def test_same_bits_whatever_the_batch_and_threads(level, qtype):
             outs.append(weight(x))
     finally:
         torch.set_num_threads(threads)
-    within_bound(outs[0], x, oracle, None)
+    expect(outs[0], x, weight, oracle, None, activations, level)
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
     if level is not None:  # the torch fallback goes through MKL, whose blocking may depend on the row count
         assert torch.equal(weight(x[37:38]), outs[0][37:38]) and torch.equal(weight(x[:5]), outs[0][:5])
 
 
-def test_leading_dims_strided_input_and_no_rows():
+def test_leading_dims_strided_input_and_no_rows(activations, level):
     weight, oracle = quantized("Q4_1", 30, 64, seed=1)
     x = randn(2, 5, 64, seed=2)
     y = weight(x)
     assert y.shape == (2, 5, 30)
-    within_bound(y.view(10, 30), x.view(10, 64), oracle, None)
+    expect(y.view(10, 30), x.view(10, 64), weight, oracle, None, activations, level)
     xt = randn(64, 7, seed=4).t()
-    within_bound(weight(xt), xt, oracle, None)
+    expect(weight(xt), xt, weight, oracle, None, activations, level)
     assert weight(torch.empty(0, 64)).shape == (0, 30)
 
 
@@ -164,7 +268,7 @@ def test_quant_linear_stacks_parts_of_different_types():
     within_bound(linear(x), x, np.concatenate((oa, ob, oc)), bias)
 
 
-def test_bad_inputs_are_refused_with_the_reason(level):
+def test_bad_inputs_are_refused_with_the_reason(level, monkeypatch):
     with pytest.raises(ValueError, match="'Q4_K' is not supported; valid: Q8_0, Q4_1"):
         quant.QuantWeight("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 256)
     with pytest.raises(ValueError, match="in_features divisible by 32"):
@@ -173,14 +277,17 @@ def test_bad_inputs_are_refused_with_the_reason(level):
         quant.QuantWeight("Q8_0", torch.zeros(2, 34, dtype=torch.uint8), 64)
     with pytest.raises(ValueError, match="bias of shape"):
         quant.QuantLinear([quantized("Q8_0", 4, 32, seed=1)[0]], torch.zeros(5))
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="TANDEM_QUANT_ACTIVATIONS='int4' is not valid; valid: int8, fp32"):
+        quant.QuantLinear([quantized("Q8_0", 4, 32, seed=1)[0]])
     if level is None:
         return
     weight = quantized("Q4_1", 4, 64, seed=1)[0]
     with pytest.raises(RuntimeError, match="x has 96 features; the weight's rows hold 40 bytes, 64 features"):
-        level.gemm_q_linear(randn(2, 96, seed=2), weight.data, 3, None)
+        level.gemm_q_linear(randn(2, 96, seed=2), weight.data, 3, None, True)
     with pytest.raises(RuntimeError, match="x must be float32, got BFloat16"):
-        level.gemm_q_linear(randn(2, 64, seed=2).bfloat16(), weight.data, 3, None)
+        level.gemm_q_linear(randn(2, 64, seed=2).bfloat16(), weight.data, 3, None, True)
     with pytest.raises(RuntimeError, match="ggml type 12 is not supported"):
-        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 12, None)
+        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 12, None, False)
     with pytest.raises(RuntimeError, match="float32 bias of 4 values, got Float of 3"):
-        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 3, randn(3, seed=3))
+        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 3, randn(3, seed=3), True)

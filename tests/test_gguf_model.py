@@ -3,10 +3,17 @@
 (engine.models.from_gguf.requantize_gguf). Oracles: transformers' own GGUF loader (its dequantized fp32 state
 dict, and Hugging Face greedy decoding on it), never Tandem's code.
 
-Greedy agreement: Tandem's quantized linears compute with exactly the weights transformers dequantizes, in
-another summation order, so logits differ by rounding (~1e-5) only; a prompt may still diverge where HF's two
-best logits are that close (a near-tie). The test asserts every prompt agrees token for token or first differs
-at a near-tie (HF's logit gap there under NEAR_TIE), and that near-ties are rare, and prints them."""
+Greedy agreement, exact path (TANDEM_QUANT_ACTIVATIONS=fp32): Tandem's quantized linears compute with exactly
+the weights transformers dequantizes, in another summation order, so logits differ by rounding only; a prompt
+may still diverge where HF's two best logits are that close (a near-tie). The test asserts every prompt agrees
+token for token or first differs at a near-tie (HF's logit gap there under NEAR_TIE), and that near-ties are
+rare, and prints them.
+
+Greedy agreement, int8 activations (the default): x is quantized to int8 blocks in every linear, which moves the
+logits about as much as running the model in bf16 does (docs/engine.md has the measured figures), so more
+prompts diverge; the test asserts each first differs where HF's two best logits are within NEAR_TIE_INT8 (above
+the largest shift int8 activations made to the logprob of HF's own tokens on these prompts), that most first
+tokens agree, and prints the divergences."""
 
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from engine.models.gguf_loader import GGUFTensors, weight_bytes
 
 TOKENS = 24
 NEAR_TIE = 0.05  # logit units: fp32 rounding moves SmolLM2's logits (|l| < ~40) by ~1e-4 at most
+NEAR_TIE_INT8 = 0.5  # logit units, for int8 activations (the docstring above says why)
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash map is.",
     "List three prime numbers.", "Who wrote Romeo and Juliet?", "What is 12 times 7?",
@@ -59,9 +67,20 @@ def hf_dir():
 
 @pytest.fixture(scope="module")
 def q4_llm(q4_file):
-    llm = LLM(str(q4_file), device="cpu", max_num_seqs=32, max_num_batched_tokens=512)
+    """Shared by tests of both activations: prefix caching off, so no test reuses KV another one's computed."""
+    llm = LLM(str(q4_file), device="cpu", max_num_seqs=32, max_num_batched_tokens=512, enable_prefix_caching=False)
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture
+def exact(monkeypatch):
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "fp32")
+
+
+@pytest.fixture
+def int8(monkeypatch):
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "int8")
 
 
 def model_of(llm):
@@ -87,7 +106,7 @@ def hf_greedy(hf, tok, texts: list[str]) -> list[tuple[list[int], list[torch.Ten
     return out
 
 
-def compare(outs, want) -> list[tuple[int, int, float]]:
+def compare(outs, want, near_tie: float = NEAR_TIE) -> list[tuple[int, int, float]]:
     """(prompt, position, HF's logit gap) where Tandem first differs; fails unless that is a near-tie."""
     ties = []
     for i, (out, (tokens, logits)) in enumerate(zip(outs, want)):
@@ -96,10 +115,40 @@ def compare(outs, want) -> list[tuple[int, int, float]]:
         pos = next((p for p, (a, b) in enumerate(zip(out.token_ids, tokens)) if a != b), None)
         assert pos is not None, f"prompt {i}: one stops early ({len(out.token_ids)} against HF's {len(tokens)})"
         gap = (logits[pos][tokens[pos]] - logits[pos][out.token_ids[pos]]).item()
-        assert gap < NEAR_TIE, f"prompt {i} differs at token {pos} where HF's logits differ by {gap:.3g}"
+        assert gap < near_tie, f"prompt {i} differs at token {pos} where HF's logits differ by {gap:.3g}"
         ties.append((i, pos, gap))
-    print(f"near-ties: {ties}")
+    print(f"{len(outs) - len(ties)} of {len(outs)} identical; first differences (prompt, position, HF's gap): "
+          f"{[(i, pos, round(gap, 4)) for i, pos, gap in ties]}")
     return ties
+
+
+@pytest.fixture(scope="module")
+def hf_q4(hf_dir, prompts):
+    """HF's greedy tokens and logits on transformers' fp32 dequantization of the Q4_1 file, all 32 prompts."""
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
+    return hf_greedy(hf, tok, prompts)
+
+
+@pytest.fixture(scope="module")
+def hf_q8(q8_file, prompts):
+    """The same on transformers loading the Q8_0 file (its own GGUF dequantization, converted once into the cache
+    beside the Q4_1 one), the first 8 prompts."""
+    hf_dir = q8_file.parent / "smollm2-135m-instruct-q8_0-f32"
+    if not (hf_dir / "model.safetensors").exists():
+        from_gguf.convert_gguf(q8_file, hf_dir)
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
+    return hf_greedy(hf, tok, prompts[:8])
+
+
+def q8_greedy(q8_file, texts: list[str]):
+    llm = LLM(str(q8_file), device="cpu", max_num_seqs=8)
+    try:
+        assert all(p.qtype == "Q8_0" for layer in model_of(llm).layers for p in layer.mlp.down_proj.parts)
+        return llm.generate(texts, SamplingParams(max_tokens=TOKENS, temperature=0))
+    finally:
+        llm.shutdown()
 
 
 def test_weights_are_transformers_dequantized_weights_in_their_blocks(q4_llm, q4_file, hf_dir):
@@ -140,33 +189,36 @@ def test_resident_weights_within_ten_percent_of_the_file(which, q4_llm, q4_file,
     assert 0.9 * size <= held <= 1.1 * size, (held, size)
 
 
-def test_q4_1_greedy_equals_hf_on_the_dequantized_weights(q4_llm, hf_dir, prompts):
-    """32 chat prompts, 24 tokens, batched on Tandem's side; HF one by one on transformers' fp32 weights."""
-    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
-    want = hf_greedy(hf, tok, prompts)
-    assert len({tuple(w[0]) for w in want}) > 24  # real answers to different questions
+def test_q4_1_greedy_equals_hf_on_the_dequantized_weights(q4_llm, hf_q4, prompts, exact):
+    """The exact path: 32 chat prompts, 24 tokens, batched on Tandem's side; HF one by one on transformers' fp32
+    weights."""
+    assert len({tuple(w[0]) for w in hf_q4}) > 24  # real answers to different questions
     outs = q4_llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0))
-    assert len(compare(outs, want)) <= 2
+    assert len(compare(outs, hf_q4)) <= 2
 
 
-def test_q8_0_greedy_equals_hf_on_its_dequantized_weights(q8_file, prompts):
-    """The Q8_0 file against transformers loading that same file (its own GGUF dequantization, converted once
-    into the cache beside the Q4_1 one)."""
-    hf_dir = q8_file.parent / "smollm2-135m-instruct-q8_0-f32"
-    if not (hf_dir / "model.safetensors").exists():
-        from_gguf.convert_gguf(q8_file, hf_dir)
-    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
-    texts = prompts[:8]
-    want = hf_greedy(hf, tok, texts)
-    llm = LLM(str(q8_file), device="cpu", max_num_seqs=8)
-    try:
-        assert all(p.qtype == "Q8_0" for layer in model_of(llm).layers for p in layer.mlp.down_proj.parts)
-        outs = llm.generate(texts, SamplingParams(max_tokens=TOKENS, temperature=0))
-    finally:
-        llm.shutdown()
-    assert len(compare(outs, want)) <= 1
+def test_q8_0_greedy_equals_hf_on_its_dequantized_weights(q8_file, hf_q8, prompts, exact):
+    """The exact path: the Q8_0 file against transformers loading that same file, 8 prompts."""
+    assert len(compare(q8_greedy(q8_file, prompts[:8]), hf_q8)) <= 1
+
+
+def first_tokens_agreeing(outs, want) -> int:
+    return sum(out.token_ids[:1] == tokens[:1] for out, (tokens, _) in zip(outs, want))
+
+
+def test_q4_1_int8_activations_differ_from_hf_only_at_near_ties(q4_llm, hf_q4, prompts, int8):
+    """The default arithmetic against the same HF greedy tokens: divergences only where HF's two best logits are
+    within NEAR_TIE_INT8, the first token the same for at least 3 prompts in 4, a third of the outputs whole."""
+    outs = q4_llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0))
+    ties = compare(outs, hf_q4, NEAR_TIE_INT8)
+    assert first_tokens_agreeing(outs, hf_q4) >= 24 and len(ties) <= 21
+
+
+def test_q8_0_int8_activations_differ_from_hf_only_at_near_ties(q8_file, hf_q8, prompts, int8):
+    """The same for the Q8_0 file, 8 prompts: divergences only at near-ties, most first tokens the same."""
+    outs = q8_greedy(q8_file, prompts[:8])
+    compare(outs, hf_q8, NEAR_TIE_INT8)
+    assert first_tokens_agreeing(outs, hf_q8) >= 5
 
 
 def test_tokenizer_dir_and_the_ggufs_own_tokenizer_agree(q4_file, hf_dir):

@@ -3,9 +3,15 @@
 A QuantWeight is a [N, K] weight as ggml's blocks of 32 weights along K, the bytes exactly as the file holds
 them ([N, K / 32 * block bytes] uint8): Q8_0 (34-byte blocks: fp16 scale, 32 int8) and Q4_1 (20-byte blocks:
 fp16 scale and min, 32 nibbles). Nothing is unpacked at load, so the model's resident weights are the file's
-size. engine/cpu/gemm_quant.cpp multiplies by it, dequantizing each block in registers at every instruction-set
-level; where the extension does not build (or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0) the fallback
-dequantizes the whole weight with torch ops on every call: correct, slow, and no more resident memory.
+size. engine/cpu/gemm_quant.cpp multiplies by it at every instruction-set level; where the extension does not
+build (or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0) the fallback dequantizes the whole weight with torch ops on
+every call: correct, slow, and no more resident memory.
+
+Activations (TANDEM_QUANT_ACTIVATIONS): "int8" (the default) is llama.cpp's arithmetic: x quantized per call to
+ggml's Q8_0 blocks (gguf.quants' quantizer bit for bit) and integer dot products with the weights' quants, a
+block's scales applied in fp32; "fp32" is the exact path: x as it is, times the dequantized weights. The fallback
+follows the same switch (it quantizes x with torch ops), so a model's outputs do not depend on whether the
+kernels built.
 
 Dequantization (here and in the kernel) is exactly the `gguf` package's: d * q (+ m) in fp32, where d * q is
 exact, so the weights are bit for bit the ones transformers' GGUF loader gives.
@@ -25,6 +31,7 @@ BLOCK = 32  # weights a block, along K
 BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
 GGML_TYPE_IDS = {"Q8_0": 8, "Q4_1": 3}  # gguf.GGMLQuantizationType's values, what gemm_q_linear takes
 QUANT_TYPES = tuple(BLOCK_BYTES)
+ACTIVATIONS = ("int8", "fp32")  # TANDEM_QUANT_ACTIVATIONS' values, the default first
 
 
 def quant_kernels():
@@ -33,6 +40,26 @@ def quant_kernels():
         return None
     kernels = cpu_native.load()
     return kernels if hasattr(kernels, "gemm_q_linear") else None
+
+
+def int8_activations() -> bool:
+    """Whether quantized linears quantize x to int8 blocks (TANDEM_QUANT_ACTIVATIONS, default "int8") or keep it
+    fp32 (the exact path)."""
+    value = os.environ.get("TANDEM_QUANT_ACTIVATIONS", ACTIVATIONS[0])
+    if value not in ACTIVATIONS:
+        raise ValueError(f"TANDEM_QUANT_ACTIVATIONS={value!r} is not valid; valid: {', '.join(ACTIVATIONS)}")
+    return value == "int8"
+
+
+def q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] float32 quantized to ggml's Q8_0 blocks and dequantized back, as gguf.quants does it (and the
+    kernel's int8 path): d = max |x| / 127 and q = x * (1 / d) rounded half away from zero, in fp32, d to fp16."""
+    blocks = x.reshape(-1, BLOCK)  # [blocks, 32]
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    v = blocks * torch.where(d == 0, 0.0, 1 / d)
+    a = v.abs()
+    q = torch.sign(v) * (a.floor() + (2 * (a - a.floor())).floor())  # gguf's np_roundf
+    return (q * d.half().float()).view(x.shape)
 
 
 class QuantWeight:
@@ -72,10 +99,10 @@ class QuantWeight:
         return w.reshape(data.shape[0], self.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        kernels = quant_kernels()
+        kernels, int8 = quant_kernels(), int8_activations()
         if kernels is None:
-            return F.linear(x, self.dequantize(), bias)
-        return kernels.gemm_q_linear(x, self.data, GGML_TYPE_IDS[self.qtype], bias)
+            return F.linear(q8_0_round_trip(x) if int8 else x, self.dequantize(), bias)
+        return kernels.gemm_q_linear(x, self.data, GGML_TYPE_IDS[self.qtype], bias, int8)
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.qtype}, [{self.out_features}, {self.in_features}])"
@@ -107,6 +134,7 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)} for {self.out_features} outputs")
+        int8_activations()  # a bad TANDEM_QUANT_ACTIVATIONS is refused at load, not at the first forward
         self.qbias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
