@@ -10,6 +10,9 @@ qweight / qzeros / scales. The oracle is the checkpoint's dequantization, scale 
   documented rounding (scale * q + fp16(-scale * z), computed here) and expects HF's greedy tokens.
 The real SmolLM2-135M is quantized here to a symmetric GPTQ checkpoint (round to nearest, group 128) and must
 give HF's greedy tokens on the same dequantized weights.
+
+Every test here runs the exact path (TANDEM_QUANT_ACTIVATIONS=fp32): the int8-activation arithmetic of the same
+Q4_1 kernel, and its agreement with HF, are tests/test_cpu_gemm_quant.py's and tests/test_gguf_model.py's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from test_correctness_hf import MAX_NEW, assert_matches_hf, make_prompts
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of word c holds output 8c + order[i]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(autouse=True)
+def exact_activations(monkeypatch):
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "fp32")
 
 
 # ---- the formats, from their definitions ------------------------------------------------------------------
