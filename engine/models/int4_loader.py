@@ -40,6 +40,7 @@ from engine.cpu.quant import BLOCK, QuantLinear, QuantWeight
 from engine.models.decoder import DecoderLM
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
+AWQ_NIBBLE_OF = [AWQ_ORDER.index(j) for j in range(8)]  # output 8c + j sits in nibble AWQ_NIBBLE_OF[j]
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,6 @@ class Int4Scheme:
     method: str  # "gptq" | "awq"
     group_size: int | None
     zero_offset: int  # 1 for GPTQ v1 (zero points stored minus one), else 0
-
-    def groups(self, in_features: int) -> int:
-        return 1 if self.group_size is None else in_features // self.group_size
 
 
 def quantization_config(model_dir: str | Path) -> dict | None:
@@ -120,40 +118,32 @@ def unpack(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         q = _nibbles(qweight, 0).t()  # [K, N] -> [N, K]
         z = _nibbles(qzeros, 1)
     else:
-        order = torch.tensor(AWQ_ORDER)
-        inverse = torch.argsort(order)  # natural output j sits at nibble inverse[j % 8]
-
-        def awq(packed: torch.Tensor) -> torch.Tensor:
-            vals = _nibbles(packed, 1).view(packed.shape[0], -1, 8)  # [R, C, 8] in nibble order
-            return vals[:, :, inverse].reshape(packed.shape[0], -1)
-
-        q = awq(qweight).t()
-        z = awq(qzeros)
+        q = _awq_nibbles(qweight).t()
+        z = _awq_nibbles(qzeros)
     return q.contiguous(), z.to(torch.int32) + scheme.zero_offset, scales.to(torch.float16)
+
+
+def _awq_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ words [R, C] -> their values [R, 8C] in output order (AWQ_ORDER undone)."""
+    vals = _nibbles(packed, 1).view(packed.shape[0], -1, 8)  # [R, C, 8] in nibble order
+    return vals[:, :, AWQ_NIBBLE_OF].reshape(packed.shape[0], -1)
 
 
 def to_q4_1(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
     """One linear's int4 groups as Q4_1 blocks (the module docstring: d = scale, m = -scale * z in fp16)."""
     q, z, s = unpack(scheme, qweight, qzeros, scales)
     n, k = q.shape
-    of_block = _group_of(scheme, k, s, z, n)[::BLOCK]  # each Q4_1 block's group (groups are whole blocks)
+    group = scheme.group_size or k  # the last group may be short, as GPTQ makes it when K is not a multiple
+    if k % BLOCK or s.shape != (-(-k // group), n) or z.shape != s.shape:
+        raise ValueError(f"int4 tensors do not agree: {n} x {k} weights in groups of {group} need scales and zeros "
+                         f"of {(-(-k // group), n)}; got {tuple(s.shape)} and {tuple(z.shape)}")
+    of_block = torch.arange(0, k, BLOCK) // group  # each Q4_1 block's group (groups are whole blocks)
     d = s.t()[:, of_block]  # [N, K / 32] fp16, the checkpoint's scale as it is
     m = (-(s.float() * z.float())).to(torch.float16).t()[:, of_block]
     qs = q.view(n, k // BLOCK, BLOCK)
     packed = qs[..., :16] | (qs[..., 16:] << 4)  # Q4_1: weights 0-15 in the low nibbles, 16-31 in the high
     blocks = torch.cat((d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), packed), dim=-1)
     return QuantWeight("Q4_1", blocks.reshape(n, -1), k)
-
-
-def _group_of(scheme: Int4Scheme, k: int, s: torch.Tensor, z: torch.Tensor, n: int) -> torch.Tensor:
-    """Each input feature's group (k // group_size; the last group may be short, as GPTQ makes it when K is not
-    a multiple of the group size), after checking that the tensors agree."""
-    group = scheme.group_size or k
-    groups = -(-k // group)
-    if k % BLOCK or s.shape != (groups, n) or z.shape != s.shape:
-        raise ValueError(f"int4 tensors do not agree: {n} x {k} weights in groups of {group} need scales and zeros "
-                         f"of {(groups, n)}; got {tuple(s.shape)} and {tuple(z.shape)}")
-    return torch.arange(k) // group
 
 
 class _Checkpoint:
