@@ -271,12 +271,13 @@ def test_unsupported_architecture_and_tensor_types_are_refused_by_name(tmp_path)
     path = write_gguf(tmp_path / "gpt2.gguf", "gpt2", {"x": (T.F32, np.zeros(4, np.float32))})
     with pytest.raises(ValueError, match="GGUF architecture 'gpt2' .* is not supported quantized; valid: llama"):
         EngineConfig(model=path)
-    path = write_gguf(tmp_path / "k.gguf", "llama", {"blk.0.attn_q.weight": (T.Q4_K, np.zeros((2, 144), np.uint8)),
+    path = write_gguf(tmp_path / "k.gguf", "llama", {"blk.0.attn_q.weight": (T.Q5_K, np.zeros((2, 176), np.uint8)),
                                                       "blk.0.attn_norm.weight": (T.F32, np.ones(256, np.float32))})
     tensors = GGUFTensors(path)
-    with pytest.raises(ValueError, match="'blk.0.attn_q.weight' is Q4_K; Tandem runs GGUF Q8_0, Q4_1 quantized"):
+    with pytest.raises(ValueError, match="'blk.0.attn_q.weight' is Q5_K; Tandem runs GGUF Q8_0, Q4_1, Q5_0, Q4_K, "
+                                         "Q6_K quantized"):
         tensors.quantized("blk.0.attn_q.weight")
-    with pytest.raises(ValueError, match="'blk.0.attn_q.weight' is Q4_K; Tandem reads it only as a float"):
+    with pytest.raises(ValueError, match="'blk.0.attn_q.weight' is Q5_K; Tandem reads it only as a float"):
         tensors.float("blk.0.attn_q.weight")
     assert torch.equal(tensors.float("blk.0.attn_norm.weight"), torch.ones(256))
     with pytest.raises(ValueError, match="lacks tensor 'output.weight'"):

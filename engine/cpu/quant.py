@@ -1,11 +1,19 @@
 """Weight-only quantized linears and embeddings for the CPU path, in a GGUF file's own block layout.
 
-A QuantWeight is a [N, K] weight as ggml's blocks of 32 weights along K, the bytes exactly as the file holds
-them ([N, K / 32 * block bytes] uint8): Q8_0 (34-byte blocks: fp16 scale, 32 int8) and Q4_1 (20-byte blocks:
-fp16 scale and min, 32 nibbles). Nothing is unpacked at load, so the model's resident weights are the file's
-size. engine/cpu/gemm_quant.cpp multiplies by it at every instruction-set level; where the extension does not
-build (or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0) the fallback dequantizes the whole weight with torch ops on
-every call: correct, slow, and no more resident memory.
+A QuantWeight is a [N, K] weight as ggml's blocks along K, the bytes exactly as the file holds them
+([N, K / QK * block bytes] uint8, QK the weights a block):
+  Q8_0  32 weights in 34 bytes: fp16 scale d, 32 int8 q;                              w = d * q
+  Q4_1  32 in 20: fp16 d and min m, 16 bytes of nibbles (weight j the low nibble of byte j, 16 + j its high one);
+        w = d * q + m
+  Q5_0  32 in 22: fp16 d, 32 high bits (uint32), 16 bytes of low nibbles as Q4_1's;  w = d * (q - 16)
+  Q4_K  256 in 144: fp16 d and dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles (sub-block
+        2c the low nibbles of bytes 32c..32c+31, 2c + 1 their high ones);              w = (d sc_j) q - dmin m_j
+  Q6_K  256 in 210: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), fp16 d;
+        w = (d sc_i) (q - 32)
+Nothing is unpacked at load, so the model's resident weights are the file's size. engine/cpu/gemm_quant.cpp
+multiplies by it at every instruction-set level, for the types its build lists (`gemm_q_types`); otherwise (a
+type that build lacks, or no extension: it does not build, or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0) the
+fallback dequantizes the whole weight with torch ops on every call: correct, slow, and no more resident memory.
 
 Activations (TANDEM_QUANT_ACTIVATIONS): "int8" (the default) is llama.cpp's arithmetic: x quantized per call to
 ggml's Q8_0 blocks (gguf.quants' quantizer bit for bit) and integer dot products with the weights' quants, a
@@ -13,8 +21,9 @@ block's scales applied in fp32; "fp32" is the exact path: x as it is, times the 
 follows the same switch (it quantizes x with torch ops), so a model's outputs do not depend on whether the
 kernels built.
 
-Dequantization (here and in the kernel) is exactly the `gguf` package's: d * q (+ m) in fp32, where d * q is
-exact, so the weights are bit for bit the ones transformers' GGUF loader gives.
+Dequantization (here and in the kernel) is exactly the `gguf` package's, in fp32: d * q, (d sc) and (d sc) q are
+exact (at most 11 + 6 + 6 significant bits), so each weight is rounded at most once (Q4_1's + m, Q4_K's - dmin m),
+as numpy rounds it: the weights are bit for bit the ones transformers' GGUF loader gives.
 """
 
 from __future__ import annotations
@@ -27,19 +36,20 @@ from torch import nn
 
 from engine.cpu import kernels as cpu_native
 
-BLOCK = 32  # weights a block, along K
-BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}
-GGML_TYPE_IDS = {"Q8_0": 8, "Q4_1": 3}  # gguf.GGMLQuantizationType's values, what gemm_q_linear takes
+BLOCK = 32  # weights a block along K (Q8_0, Q4_1, Q5_0, and x's blocks in the int8 path); a K-quant's sub-block
+BLOCK_WEIGHTS = {"Q8_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+GGML_TYPE_IDS = {"Q8_0": 8, "Q4_1": 3, "Q5_0": 6, "Q4_K": 12, "Q6_K": 14}  # gguf.GGMLQuantizationType's values
 QUANT_TYPES = tuple(BLOCK_BYTES)
 ACTIVATIONS = ("int8", "fp32")  # TANDEM_QUANT_ACTIVATIONS' values, the default first
 
 
-def quant_kernels():
-    """The kernel module when quantized linears go through gemm_quant.cpp here, else None (the torch fallback)."""
+def quant_kernels(qtype: str):
+    """The kernel module when `qtype`'s linears go through gemm_quant.cpp here, else None (the torch fallback)."""
     if os.environ.get("TANDEM_CPU_GEMM", "1") == "0":
         return None
     kernels = cpu_native.load()
-    return kernels if hasattr(kernels, "gemm_q_linear") else None
+    return kernels if qtype in getattr(kernels, "gemm_q_types", ()) else None
 
 
 def int8_activations() -> bool:
@@ -69,9 +79,10 @@ class QuantWeight:
     def __init__(self, qtype: str, data: torch.Tensor, in_features: int):
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"quantized type {qtype!r} is not supported; valid: {', '.join(QUANT_TYPES)}")
-        if in_features % BLOCK:
-            raise ValueError(f"a {qtype} weight needs in_features divisible by {BLOCK}, got {in_features}")
-        row = in_features // BLOCK * BLOCK_BYTES[qtype]
+        qk = BLOCK_WEIGHTS[qtype]
+        if in_features % qk:
+            raise ValueError(f"a {qtype} weight needs in_features divisible by {qk}, got {in_features}")
+        row = in_features // qk * BLOCK_BYTES[qtype]
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row:
             raise ValueError(f"a {qtype} weight of {in_features} features is uint8 [N, {row}]; got "
                              f"{data.dtype} {tuple(data.shape)}")
@@ -88,24 +99,65 @@ class QuantWeight:
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weight [N, K] (or only `rows`, for an embedding lookup), as gguf.quants.dequantize gives it."""
         data = self.data if rows is None else self.data.index_select(0, rows.reshape(-1))
-        blocks = data.view(data.shape[0], -1, BLOCK_BYTES[self.qtype])  # [n, K / 32, bytes]
-        d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, K / 32, 1]
-        if self.qtype == "Q8_0":
-            w = blocks[..., 2:].contiguous().view(torch.int8).float() * d
-        else:
-            m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-            qs = blocks[..., 4:]
-            w = torch.cat((qs & 0x0F, qs >> 4), dim=-1).float() * d + m  # low nibbles are weights 0-15
-        return w.reshape(data.shape[0], self.in_features)
+        blocks = data.view(data.shape[0], -1, BLOCK_BYTES[self.qtype])  # [n, K / QK, bytes]
+        return _DEQUANTIZE[self.qtype](blocks).reshape(data.shape[0], self.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        kernels, int8 = quant_kernels(), int8_activations()
+        kernels, int8 = quant_kernels(self.qtype), int8_activations()
         if kernels is None:
             return F.linear(q8_0_round_trip(x) if int8 else x, self.dequantize(), bias)
         return kernels.gemm_q_linear(x, self.data, GGML_TYPE_IDS[self.qtype], bias, int8)
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.qtype}, [{self.out_features}, {self.in_features}])"
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 2] as their fp16 value in fp32, [..., 1]."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes [..., 16] as 32 nibbles: the low ones first (weights 0-15), then the high ones."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[..., 2:].contiguous().view(torch.int8).float() * _half(b[..., 0:2])
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _nibbles(b[..., 4:]).float() * _half(b[..., 0:2]) + _half(b[..., 2:4])
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    high = b[..., 2:6].contiguous().view(torch.int32).to(torch.int64) >> torch.arange(32) & 1  # [..., 32]
+    q = (_nibbles(b[..., 6:]) | (high.to(torch.uint8) << 4)).to(torch.int8) - 16
+    return _half(b[..., 0:2]) * q.float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    s = b[..., 4:16].unflatten(-1, (3, 4))  # bytes 0-3: 6-bit scales 0-3, 4-7: mins 0-3, 8-11: the rest's low bits
+    sc = torch.cat((s[..., 0, :] & 0x3F, (s[..., 2, :] & 0x0F) | ((s[..., 0, :] >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((s[..., 1, :] & 0x3F, (s[..., 2, :] >> 4) | ((s[..., 1, :] >> 2) & 0x30)), dim=-1)
+    d = (_half(b[..., 0:2]) * sc.float()).unsqueeze(-1)  # [..., 8, 1]: exact
+    dm = (_half(b[..., 2:4]) * mn.float()).unsqueeze(-1)
+    qs = b[..., 16:].unflatten(-1, (4, 1, 32)) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    return (d * (qs & 0x0F).flatten(-3, -2).float() - dm).flatten(-2)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = b[..., :128].unflatten(-1, (2, 1, 64)) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    ql = (ql & 0x0F).flatten(-3).unflatten(-1, (8, 32))  # [..., 8, 32]: per half, low nibbles then high ones
+    qh = b[..., 128:192].unflatten(-1, (2, 1, 32)) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    qh = (qh & 0x03).flatten(-3, -2)  # [..., 8, 32]
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).unflatten(-1, (2, 16)).flatten(-3, -2)  # [..., 16, 16]
+    d = _half(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()  # [..., 16]: exact
+    return (d.unsqueeze(-1) * q.float()).flatten(-2)
+
+
+# Each type's blocks [..., bytes] as their weights [..., QK] in fp32, as gguf.quants.dequantize gives them.
+_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
 
 
 def concat_rows(weights: list[QuantWeight]) -> list[QuantWeight]:

@@ -1,9 +1,9 @@
 """Serve a GGUF file's weights as they are: `LLM(model="file.gguf", tokenizer=DIR)` (vLLM's spelling).
 
 The file is read with the `gguf` package (gguf.GGUFReader). Linears and the token embedding stay in their
-quantized blocks where Tandem's CPU kernels run the type (engine/cpu/quant.py, engine/cpu/gemm_quant.cpp: Q8_0
-and Q4_1); float tensors (F32, F16, BF16: norms, and any linear the file keeps in float) are converted to fp32,
-which is exact. Any other tensor type (Q4_K, Q6_K, Q5_0, IQ*, ...) is refused, naming the tensor and its type:
+quantized blocks (engine/cpu/quant.py, engine/cpu/gemm_quant.cpp: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K); float tensors
+(F32, F16, BF16: norms, and any linear the file keeps in float) are converted to fp32, which is exact. Any other
+tensor type (Q5_1, Q2_K, Q3_K, Q5_K, IQ*, ...) is refused, naming the tensor and its type:
 `python -m engine.models.from_gguf FILE OUT_DIR` still serves such a file dequantized to fp32.
 
 The engine also needs a checkpoint directory for everything that is not weights: `gguf_model_dir` writes one
@@ -11,10 +11,12 @@ The engine also needs a checkpoint directory for everything that is not weights:
 and the tokenizer of `tokenizer=DIR` (vLLM recommends the base model's; its generation_config.json is copied
 too), or, without one, the tokenizer transformers converts from the GGUF.
 
-Architectures: llama (Llama, SmolLM2, Mistral written as llama). llama.cpp's converter permutes the rows of
-attn_q / attn_k for its RoPE layout; they are put back here, on the quantized rows (a row permutation moves whole
-rows of blocks), as transformers does on the dequantized ones. Runs on CPU in fp32 activations only; tensor or
-pipeline parallelism and LoRA adapters with a GGUF model are refused by EngineConfig.
+Architectures: llama (Llama, SmolLM2, Mistral written as llama) and gemma3 (Gemma 3's text models). llama.cpp's
+converter permutes a llama's attn_q / attn_k rows for its RoPE layout; they are put back here, on the quantized
+rows (a row permutation moves whole rows of blocks), as transformers does on the dequantized ones. It writes a
+Gemma's RMSNorm weights as 1 + w (Gemma scales by 1 + w); here, as in transformers, w = that - 1 in fp32.
+Runs on CPU in fp32 activations only; tensor or pipeline parallelism and LoRA adapters with a GGUF model are
+refused by EngineConfig.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from engine.cpu.quant import QUANT_TYPES, QuantEmbedding, QuantLinear, QuantWeig
 from engine.models.decoder import DecoderLM, ModelSpec
 from engine.models.from_gguf import write_dir_atomically
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 IGNORED = ("rope_freqs.weight",)  # llama 3's RoPE factors: the config's rope scaling already carries them
 _FORMAT_VERSION = "1"  # bump when what gguf_model_dir writes changes
@@ -45,24 +47,26 @@ def is_gguf(model: str) -> bool:
     return str(model).lower().endswith(".gguf")
 
 
-def architecture(gguf_file: str | Path) -> str:
-    """general.architecture of the file; ValueError naming the file when it is not a GGUF file."""
+def reader(gguf_file: str | Path):
+    """The file's gguf.GGUFReader; ValueError naming the file when it is not a GGUF file. Reading one parses every
+    metadata field (Gemma 3's 262,144-token vocabulary: seconds), so a load reads the file once."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(gguf_file))
+        return gguf.GGUFReader(str(gguf_file))
     except Exception as exc:  # noqa: BLE001 - the gguf package raises ValueError, OSError, struct errors...
         raise ValueError(f"cannot read GGUF file {str(gguf_file)!r}: {type(exc).__name__}: {exc}") from exc
-    field = reader.get_field("general.architecture")
-    return field.contents() if field is not None else "unknown"
 
 
-def check_architecture(gguf_file: str | Path) -> None:
-    arch = architecture(gguf_file)
+def check_architecture(gguf_file: str | Path, file_reader=None) -> str:
+    """general.architecture of the file, ValueError unless Tandem runs it quantized."""
+    field = (file_reader or reader(gguf_file)).get_field("general.architecture")
+    arch = field.contents() if field is not None else "unknown"
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} ({gguf_file}) is not supported quantized; valid: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)} (python -m engine.models.from_gguf FILE OUT_DIR "
                          "serves others dequantized)")
+    return arch
 
 
 @functools.cache
@@ -107,7 +111,9 @@ class GGUFTensors:
 
         self.path = str(gguf_file)
         self._gguf = gguf
-        self.tensors = {t.name: t for t in gguf.GGUFReader(self.path).tensors}
+        file_reader = reader(self.path)
+        self.arch = check_architecture(self.path, file_reader)
+        self.tensors = {t.name: t for t in file_reader.tensors}
         self.used: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
@@ -158,8 +164,8 @@ class _Placer:
     """Puts the file's tensors into a DecoderLM built on the meta device: quantized linears and embedding as
     modules holding their bytes (before to_empty, which leaves them alone), float ones recorded for after it."""
 
-    def __init__(self, tensors: GGUFTensors, spec: ModelSpec):
-        self.t, self.spec = tensors, spec
+    def __init__(self, tensors: GGUFTensors, spec: ModelSpec, norm_shift: float):
+        self.t, self.spec, self.norm_shift = tensors, spec, norm_shift
         self.after: list[tuple[torch.Tensor | str, torch.Tensor]] = []  # (parameter name, value) once allocated
 
     def linear(self, owner: nn.Module, attr: str, pname: str, names: list[str], heads: list[int | None]) -> None:
@@ -188,22 +194,22 @@ class _Placer:
             model.embed_tokens = QuantEmbedding(self.t.quantized(name))
 
     def norm(self, pname: str, name: str) -> None:
-        self.after.append((pname, self.t.float(name)))
+        self.after.append((pname, self.t.float(name) - self.norm_shift))
 
 
-def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, backend, dtype: torch.dtype,
+def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dtype: torch.dtype,
                      device: torch.device) -> DecoderLM:
     """The whole model with the file's weights (engine/models/loader.py's build_model calls it for a GGUF);
-    `rotary` the RoPE tables for `spec`."""
+    `rotary` the RoPE tables for `spec`, `local` those of Gemma 3's sliding layers (None for one table)."""
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"a GGUF model runs quantized on CPU in float32 only, not {device.type} {dtype} "
                          "(CUDA quantized kernels are not built)")
-    check_architecture(gguf_file)
     tensors = GGUFTensors(gguf_file)
+    gemma = tensors.arch == "gemma3"
     with torch.device("meta"):
         model = DecoderLM(spec, None, backend)
-    place = _Placer(tensors, spec)
-    _place_layers(model, place, spec)
+    place = _Placer(tensors, spec, norm_shift=1.0 if gemma else 0.0)
+    _place_layers(model, place, spec, permuted=not gemma)
     place.embedding(model)
     place.norm("norm.weight", "output_norm.weight")
     head = None
@@ -220,6 +226,7 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, backend, dtype: to
     model.lm_head = None
     model = model.to_empty(device=device)
     model.rotary = rotary.to(device)
+    model.rotary_local = local.to(device) if local is not None else None
     model.reset_kv_scales(device)
     params = dict(model.named_parameters())
     for pname, value in place.after:
@@ -235,17 +242,27 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, backend, dtype: to
     return model
 
 
-def _place_layers(model: DecoderLM, place: _Placer, spec: ModelSpec) -> None:
+def _place_layers(model: DecoderLM, place: _Placer, spec: ModelSpec, permuted: bool) -> None:
+    """Every layer's tensors; `permuted`: the file's attn_q / attn_k rows are in llama.cpp's RoPE order."""
+    heads = [spec.num_heads, spec.num_kv_heads, None] if permuted else [None, None, None]
     for i, layer in enumerate(model.layers):
         blk, attn, mlp = f"blk.{i}", layer.self_attn, layer.mlp
         place.linear(attn, "qkv_proj", f"layers.{i}.self_attn.qkv_proj",
-                     [f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"], [spec.num_heads, spec.num_kv_heads, None])
+                     [f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"], heads)
         place.linear(attn, "o_proj", f"layers.{i}.self_attn.o_proj", [f"{blk}.attn_output"], [None])
         place.linear(mlp, "gate_up_proj", f"layers.{i}.mlp.gate_up_proj", [f"{blk}.ffn_gate", f"{blk}.ffn_up"],
                      [None, None])
         place.linear(mlp, "down_proj", f"layers.{i}.mlp.down_proj", [f"{blk}.ffn_down"], [None])
         place.norm(f"layers.{i}.input_layernorm.weight", f"{blk}.attn_norm.weight")
-        place.norm(f"layers.{i}.post_attention_layernorm.weight", f"{blk}.ffn_norm.weight")
+        if layer.sandwich:  # Gemma: the attention output normed, the MLP between two norms
+            place.norm(f"layers.{i}.post_attention_layernorm.weight", f"{blk}.post_attention_norm.weight")
+            place.norm(f"layers.{i}.pre_feedforward_layernorm.weight", f"{blk}.ffn_norm.weight")
+            place.norm(f"layers.{i}.post_feedforward_layernorm.weight", f"{blk}.post_ffw_norm.weight")
+        else:
+            place.norm(f"layers.{i}.post_attention_layernorm.weight", f"{blk}.ffn_norm.weight")
+        if attn.q_norm is not None:
+            place.norm(f"layers.{i}.self_attn.q_norm.weight", f"{blk}.attn_q_norm.weight")
+            place.norm(f"layers.{i}.self_attn.k_norm.weight", f"{blk}.attn_k_norm.weight")
 
 
 def _pack_head(model: DecoderLM, head: QuantWeight | torch.Tensor | None) -> None:

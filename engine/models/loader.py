@@ -146,11 +146,11 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     (engine/models/gguf_loader.py; `model_dir` then holds only config and tokenizer)."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
-    if gguf_file is not None:
-        if layers is not None or tp is not None or spec.local_rope:
-            raise ValueError("a GGUF model is built whole, on one device, without Gemma 3's local RoPE")
-        return build_gguf_model(gguf_file, spec, rotary, backend, dtype, device)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
+    if gguf_file is not None:
+        if layers is not None or tp is not None:
+            raise ValueError("a GGUF model is built whole, on one device")
+        return build_gguf_model(gguf_file, spec, rotary, local, backend, dtype, device)
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
     scheme = int4_loader.checkpoint_scheme(model_dir)
