@@ -224,7 +224,7 @@ class EngineConfig:
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
                              f"tokenizer files) or a .gguf file; {model!r} is not a directory")
         elif (scheme := self._int4_scheme()) is not None:
-            self._check_quantized(f"a {scheme.method} int4 checkpoint (model={self.model!r})")
+            self._check_quantized(f"a {scheme.method} int4 checkpoint (model={self.model!r})", cuda=True)
 
     @property
     def gguf_file(self) -> str | None:
@@ -257,19 +257,22 @@ class EngineConfig:
 
         return checkpoint_scheme(self.model)
 
-    def _check_quantized(self, what: str) -> None:
-        """Quantized weights (GGUF, GPTQ/AWQ int4): CPU, fp32 activations, one device, no adapters (what the
-        quantized kernels cover)."""
+    def _check_quantized(self, what: str, cuda: bool = False) -> None:
+        """Quantized weights: GGUF on CPU; GPTQ/AWQ int4 (`cuda`) on CPU or on CUDA (the Triton int4 GEMM,
+        engine/models/int4_triton.py). On CPU fp32 activations; one device, no adapters (what the quantized
+        kernels cover)."""
+        on_cuda = cuda and (self.device == "cuda" or (self.device == "auto" and _cuda_available()))
+        devices, where = (("auto", "cpu", "cuda"), "int4 weights run on cpu or cuda") if cuda else \
+            (("auto", "cpu"), "quantized weights run on CPU; device='cpu' or 'auto' without CUDA")
         unsupported = [why for why, used in (
-            (f"device={self.device!r} (quantized weights run on CPU; device='cpu' or 'auto' without CUDA)",
-             self.device not in ("auto", "cpu")),
-            (f"dtype={self.dtype!r} (its quantized linears take float32 activations: 'auto' or 'float32')",
-             self.dtype not in ("auto", "float32")),
+            (f"device={self.device!r} ({where})", self.device not in devices),
+            (f"dtype={self.dtype!r} (on CPU its quantized linears take float32 activations: 'auto' or 'float32')",
+             not on_cuda and self.dtype not in ("auto", "float32")),
             ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
             ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
             ("LoRA adapters (enable_lora, lora_modules, lora_dir)", self.enable_lora),
             (f"kv_cache_dtype={self.kv_cache_dtype!r} (an fp8 KV cache runs on cuda)",
-             self.kv_cache_dtype.startswith("fp8")),
+             not on_cuda and self.kv_cache_dtype.startswith("fp8")),
         ) if used]
         if unsupported:
             raise ValueError(f"{what} is not supported with {'; '.join(unsupported)}")
@@ -366,3 +369,10 @@ def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _cuda_available() -> bool:
+    """Whether device 'auto' resolves to cuda (engine/core.py's rule), for checks that differ by device."""
+    import torch
+
+    return torch.cuda.is_available()

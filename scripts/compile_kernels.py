@@ -1,7 +1,7 @@
-"""Compile the Triton attention, fused-MoE and fused-forward kernels for a GPU target without a GPU (Triton
-ships its own ptxas).
+"""Compile the Triton attention, fused-MoE, fused-forward and int4 GEMM kernels for a GPU target without a GPU
+(Triton ships its own ptxas).
 
-    python scripts/compile_kernels.py [--arch 90] [--only attention|moe|fused]
+    python scripts/compile_kernels.py [--arch 90] [--only attention|moe|fused|int4]
 
 Catches what the Triton interpreter cannot (type errors in the generated IR, unsupported ops, tl.dot shape
 rules) and prints each variant's registers, spills and shared memory. The CPU test suite runs it; on the GPU
@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from engine import kv_dtype  # noqa: E402
 from engine.attention import triton_paged as tp  # noqa: E402
 from engine.models import fused_kernels as fk  # noqa: E402
+from engine.models import int4_triton as i4  # noqa: E402
 from engine.models import moe_triton as mt  # noqa: E402
 
 # (label, dtype, head_dim, group, block_size, decode, splits, sliding[, softcap[, merge_here[, KV cache dtype]]])
@@ -187,6 +188,44 @@ def fused_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
             ("act_mul bf16", act_mul)]
 
 
+# (label, dtype, M, N, K, group, bias): Llama-3.2-1B's linears (q/k/v fused to 3072 outputs, gate/up to 16384)
+# at decode (M 1), a decode batch (M 32) and prefill (M 512), GPTQ's usual group 128; groups of 32 take the
+# per-plane scales; Qwen2's q/k/v bias; fp16 and the tests' fp32.
+INT4_VARIANTS = [
+    ("int4 o_proj M1", "bf16", 1, 2048, 2048, 128, False),
+    ("int4 qkv+bias M1", "bf16", 1, 3072, 2048, 128, True),
+    ("int4 gate_up M1", "bf16", 1, 16384, 2048, 128, False),
+    ("int4 down M1", "bf16", 1, 2048, 8192, 128, False),
+    ("int4 k_proj 512 M1", "bf16", 1, 512, 2048, 128, False),
+    ("int4 o_proj M32", "bf16", 32, 2048, 2048, 128, False),
+    ("int4 gate_up M32", "bf16", 32, 16384, 2048, 128, False),
+    ("int4 gate_up M512", "bf16", 512, 16384, 2048, 128, False),
+    ("int4 o_proj g32 M1", "bf16", 1, 2048, 2048, 32, False),
+    ("int4 down fp16 M32", "fp16", 32, 2048, 8192, 128, False),
+    ("int4 fp32 g32 M3 (tests)", "fp32", 3, 96, 256, 32, True),
+]
+
+
+def int4_variant(dtype: str, m: int, n: int, k: int, group: int, bias: bool) -> tuple[ASTSource, int]:
+    block_m, block_n, splits, warps = i4.tiles(m, n, -(-k // i4.CHUNK))
+    ptrs = {"x_ptr": f"*{dtype}", "qw_ptr": "*i32", "z_ptr": "*u8", "s_ptr": "*fp16", "b_ptr": "*fp32",
+            "out_ptr": "*fp32" if splits > 1 else f"*{dtype}"}
+    cx = dict(ALIGNED=group % i4.CHUNK == 0, SPLIT=splits > 1, HAS_BIAS=bias, BLOCK_M=block_m, BLOCK_N=block_n,
+              PRECISION="ieee" if dtype == "fp32" else None, UPCAST=False)
+    return _signature(i4._int4_gemm_kernel, ptrs, cx), warps
+
+
+def int4_kernels() -> list[tuple[str, tuple[ASTSource, int]]]:
+    """The int4 GEMM (engine/models/int4_triton.py) at real shapes, and its split-K sum."""
+    work = []
+    for label, *v in INT4_VARIANTS:
+        splits = i4.tiles(v[1], v[2], -(-v[3] // i4.CHUNK))[2]
+        work.append((f"{label}, split {splits}", int4_variant(*v)))
+    sums = _signature(i4._sum_splits_kernel, {"part_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": "*bf16"},
+                      dict(SPLITS=8, HAS_BIAS=True, BLOCK_N=1024))
+    return work + [("int4 sum of 8 splits + bias", (sums, 4))]
+
+
 def resource_usage(cubin: bytes) -> str:
     """REG / STACK / LOCAL (spills) of the kernel, read by the cuobjdump Triton bundles (if present)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -203,7 +242,7 @@ def resource_usage(cubin: bytes) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
-    ap.add_argument("--only", choices=("attention", "moe", "fused"),
+    ap.add_argument("--only", choices=("attention", "moe", "fused", "int4"),
                     help="compile one group of kernels (default: all)")
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
@@ -214,6 +253,8 @@ def main() -> int:
         work += [(label, moe_variant(*v)) for label, *v in MOE_VARIANTS]
     if args.only in (None, "fused"):
         work += fused_kernels()
+    if args.only in (None, "int4"):
+        work += int4_kernels()
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     print(f"{'kernel variant':38} {'shared B':>8} {'REG':>4} {'STACK':>5} {'LOCAL':>5}")
     for label, (src, num_warps) in work:

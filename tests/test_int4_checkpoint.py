@@ -1,4 +1,5 @@
-"""GPTQ and AWQ int4 checkpoints served quantized on CPU (engine/models/int4_loader.py).
+"""GPTQ and AWQ int4 checkpoints served quantized on CPU (engine/models/int4_loader.py); their CUDA path, the
+Triton int4 GEMM, is tests/test_int4_triton.py's.
 
 The checkpoints are written here, from the formats' own definitions (AutoGPTQ's and AutoAWQ's packing, written
 out in this file, not taken from the loader): random int4 codes, scales and zero points per group, packed into
@@ -161,9 +162,12 @@ def test_quantized_linear_matches_fp64_on_the_checkpoint_weights():
 
 # ---- whole models --------------------------------------------------------------------------------------------
 
-def quantize_checkpoint(src, dst, method: str, group: int, sym: bool, fmt: str = "gptq", seed: int = 0):
+def quantize_checkpoint(src, dst, method: str, group: int, sym: bool, fmt: str = "gptq", seed: int = 0,
+                        exact: bool = False):
     """dst := src's checkpoint with every decoder linear replaced by random-looking int4 groups fitted to its
-    weights (round to nearest), in `method`'s layout; returns {linear name: its fp32 reference weight}."""
+    weights (round to nearest), in `method`'s layout; returns {linear name: its fp32 reference weight}: the
+    weights the CPU's Q4_1 blocks hold (asymmetric: with the rounded min), or with `exact` the checkpoint's
+    own scale * (q - z) (what the Triton int4 GEMM computes)."""
     shutil.copytree(src, dst)
     tensors = load_file(str(src / "model.safetensors"))
     out, refs = {}, {}
@@ -187,7 +191,7 @@ def quantize_checkpoint(src, dst, method: str, group: int, sym: bool, fmt: str =
         z, s = z.t().contiguous(), s.t().contiguous()  # [G, n]
         base = name[: -len(".weight")]
         out.update({f"{base}.{key}": val for key, val in checkpoint_tensors(method, q, z, s, g, fmt).items()})
-        refs[name] = reference(q, z, s, rounded_min=not sym, group=g)
+        refs[name] = reference(q, z, s, rounded_min=not (sym or exact), group=g)
     save_file(out, str(dst / "model.safetensors"))
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = qconfig(method, group, sym, fmt)
@@ -226,12 +230,15 @@ def test_greedy_matches_hf_on_the_checkpoints_weights(tiny_model_factory, tmp_pa
     llm.shutdown()
 
 
-def test_a_quantized_lm_head_and_gpu_use_are_refused(tiny_model_factory, tmp_path):
+def test_a_quantized_lm_head_and_unsupported_settings_are_refused(tiny_model_factory, tmp_path):
     path, _ = tiny_model_factory("llama")
     qdir = tmp_path / "q"
     quantize_checkpoint(path, qdir, "gptq", 32, True)
-    with pytest.raises(ValueError, match="device='cuda'"):
-        EngineConfig(model=str(qdir), device="cuda")
+    with pytest.raises(ValueError, match="dtype='bfloat16' \\(on CPU"):
+        EngineConfig(model=str(qdir), device="cpu", dtype="bfloat16")
+    with pytest.raises(ValueError, match="device='sim' \\(int4 weights run on cpu or cuda\\)"):
+        EngineConfig(model=str(qdir), device="sim")
+    EngineConfig(model=str(qdir), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8")  # the Triton int4 GEMM
     with pytest.raises(ValueError, match="LoRA"):
         EngineConfig(model=str(qdir), enable_lora=True)
     tensors = load_file(str(qdir / "model.safetensors"))

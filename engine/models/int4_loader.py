@@ -1,4 +1,6 @@
-"""GPTQ and AWQ int4 checkpoints served quantized on CPU: their groups become the Q4_1 blocks of engine/cpu/quant.py.
+"""GPTQ and AWQ int4 checkpoints, served quantized: on CPU their groups become the Q4_1 blocks of
+engine/cpu/quant.py; on CUDA the Triton int4 GEMM (engine/models/int4_triton.py) runs their codes, zero points
+and scales, repacked.
 
 A checkpoint directory whose config.json carries a `quantization_config` (as transformers reads it) with
 quant_method "gptq" or "awq" and 4 bits keeps, per quantized linear, `qweight` (int32, eight 4-bit weights
@@ -14,16 +16,17 @@ each), `qzeros` (int32, eight 4-bit zero points each) and `scales` (fp16), one s
 - AWQ (AutoAWQ's GEMM layout): qweight [K, N / 8] and qzeros [K / g, N / 8], packed along N in the order
   0, 2, 4, 6, 1, 3, 5, 7 (nibble i of word c holds output 8c + ORDER[i]); z as stored.
 
-Why Q4_1: a Q4_1 block is 32 weights along K with one fp16 scale d and one fp16 min m, w = d * q + m, and a
-group of g (a multiple of 32) is g / 32 such blocks with d = scale and m = -scale * z. So the CPU's quantized
+Why Q4_1 on CPU: a Q4_1 block is 32 weights along K with one fp16 scale d and one fp16 min m, w = d * q + m, and
+a group of g (a multiple of 32) is g / 32 such blocks with d = scale and m = -scale * z. So the CPU's quantized
 GEMM (gemm_quant.cpp, every ISA level) runs these checkpoints with no kernel of their own, at 20 bytes per 32
 weights (the checkpoint's 16 + 2 scale bytes per 128, plus the mins). d is the checkpoint's scale exactly; m is
 -scale * z rounded to fp16, which is exact where z is a power of two (symmetric GPTQ: z = 8) and otherwise off
 by at most half an fp16 ulp of m (AWQ, asymmetric GPTQ): the weights then differ from the checkpoint's own
-dequantization by that much (docs/features.md says so; tests/test_int4_checkpoint.py bounds it).
+dequantization by that much (docs/features.md says so; tests/test_int4_checkpoint.py bounds it). The CUDA
+kernel computes scale * (q - z) exactly, for both formats.
 
-Runs on CPU with float32 activations, one device, no LoRA, like a GGUF file (EngineConfig refuses the rest by
-name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
+On CPU it runs with float32 activations, on CUDA in the model's dtype; one device, no LoRA (EngineConfig refuses
+the rest by name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import nn
 
 from engine.cpu.quant import BLOCK, QuantLinear, QuantWeight
 from engine.models.decoder import DecoderLM
+from engine.models.int4_triton import Int4Linear, Int4Weight, pack
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
 AWQ_NIBBLE_OF = [AWQ_ORDER.index(j) for j in range(8)]  # output 8c + j sits in nibble AWQ_NIBBLE_OF[j]
@@ -169,14 +173,16 @@ class _Checkpoint:
 
 
 def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dtype: torch.dtype,
-                       device: torch.device) -> None:
-    """Replace the quantized linears of `model` (a DecoderLM on the meta device, before to_empty) by Q4_1
-    QuantLinears holding their bytes (engine/models/loader.py's build_model calls it; its load_weights then fills
-    every float parameter left: embeddings, norms, the LM head, linears the checkpoint kept in float). Refuses
-    what it does not run, and a quantized tensor it did not place (a quantized LM head, an unknown module)."""
-    if device.type != "cpu" or dtype != torch.float32:
+                       device: torch.device, gpu: bool) -> None:
+    """Replace the quantized linears of `model` (a DecoderLM on the meta device, before to_empty) by modules
+    holding their bytes: with `gpu`, Int4Linears on `device` running the Triton int4 GEMM (CUDA, or CPU tensors
+    under the interpreter); else Q4_1 QuantLinears (CPU, float32). engine/models/loader.py's build_model calls it;
+    its load_weights then fills every float parameter left: embeddings, norms, the LM head, linears the
+    checkpoint kept in float. Refuses what it does not run, and a quantized tensor it did not place (a quantized
+    LM head, an unknown module)."""
+    if not gpu and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"a {scheme.method} int4 model runs quantized on CPU in float32 only, not {device.type} "
-                         f"{dtype} (CUDA int4 kernels are not built)")
+                         f"{dtype} (on CUDA the Triton int4 GEMM runs it in the model's dtype)")
     spec = model.spec
     if spec.moe is not None:
         raise ValueError(f"a {scheme.method} int4 mixture-of-experts model is not supported")
@@ -189,29 +195,42 @@ def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dty
                                    (layer.self_attn, "o_proj", [f"{pre}.self_attn.o_proj"]),
                                    (layer.mlp, "gate_up_proj", [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"]),
                                    (layer.mlp, "down_proj", [f"{pre}.mlp.down_proj"])):
-            placed.update(_place_linear(ckpt, scheme, owner, attr, names))
+            placed.update(_place_linear(ckpt, scheme, owner, attr, names, device if gpu else None))
     unplaced = sorted(n for n in ckpt.where if n.endswith(".qweight") and n not in placed)
     if unplaced:
         raise ValueError(f"checkpoint {model_dir!r} quantizes tensors Tandem runs only in float: {unplaced[:8]}")
 
 
-def _place_linear(ckpt: _Checkpoint, scheme: Int4Scheme, owner: nn.Module, attr: str, names: list[str]
-                  ) -> list[str]:
-    """owner.attr := a QuantLinear of the rows of `names` stacked, when the checkpoint quantized them (a float
-    linear is left for load_weights). Biases (Qwen2's q/k/v) stay fp32. Returns the qweight names placed."""
+def _place_linear(ckpt: _Checkpoint, scheme: Int4Scheme, owner: nn.Module, attr: str, names: list[str],
+                  device: torch.device | None) -> list[str]:
+    """owner.attr := the quantized linear of the rows of `names` stacked, when the checkpoint quantized them (a
+    float linear is left for load_weights): an Int4Linear on `device`, or with None a Q4_1 QuantLinear. Biases
+    (Qwen2's q/k/v) stay fp32. Returns the qweight names placed."""
     quantized = [f"{n}.qweight" in ckpt for n in names]
     if not any(quantized):
         return []
     if not all(quantized):
         raise ValueError(f"the checkpoint quantizes some of {names} and not the others")
-    parts = [to_q4_1(scheme, ckpt.get(f"{n}.qweight"), ckpt.get(f"{n}.qzeros"), ckpt.get(f"{n}.scales"))
-             for n in names]
-    for n, part in zip(names, parts):
-        if f"{n}.g_idx" in ckpt:
-            _check_g_idx(ckpt.get(f"{n}.g_idx"), scheme, part.in_features, n)
+    tensors = [(ckpt.get(f"{n}.qweight"), ckpt.get(f"{n}.qzeros"), ckpt.get(f"{n}.scales")) for n in names]
     biases = [ckpt.get(f"{n}.bias") for n in names if f"{n}.bias" in ckpt]
-    setattr(owner, attr, QuantLinear(parts, torch.cat(biases).float() if biases else None))
+    bias = torch.cat(biases).float() if biases else None
+    if device is None:
+        linear = QuantLinear([to_q4_1(scheme, *t) for t in tensors], bias)
+    else:
+        linear = Int4Linear(_stacked_int4(scheme, tensors, device), bias)
+    for n in names:
+        if f"{n}.g_idx" in ckpt:
+            _check_g_idx(ckpt.get(f"{n}.g_idx"), scheme, linear.in_features, n)
+    setattr(owner, attr, linear)
     return [f"{n}.qweight" for n in names]
+
+
+def _stacked_int4(scheme: Int4Scheme, tensors: list[tuple[torch.Tensor, ...]], device: torch.device) -> Int4Weight:
+    """The linears' (qweight, qzeros, scales) unpacked and stacked along N (q/k/v, gate/up): exact, as they
+    share K and the group size, so each group spans the same inputs in every part; packed for the Triton GEMM."""
+    parts = [unpack(scheme, *t) for t in tensors]  # (q [N, K], z [G, N], scales [G, N]) each
+    q, z, s = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], 1), torch.cat([p[2] for p in parts], 1)
+    return pack(q, z, s, scheme.group_size, device)
 
 
 def _check_g_idx(g_idx: torch.Tensor, scheme: Int4Scheme, in_features: int, name: str) -> None:

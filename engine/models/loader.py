@@ -143,7 +143,9 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     with the Triton attention backend for the families it runs; True on CPU only under Triton's interpreter
     (tests), and then the linears stay unpacked and the CPU's own kernels off.
     With `gguf_file`, the weights come from it, quantized where the CPU kernels run the type
-    (engine/models/gguf_loader.py; `model_dir` then holds only config and tokenizer)."""
+    (engine/models/gguf_loader.py; `model_dir` then holds only config and tokenizer). A GPTQ / AWQ int4
+    checkpoint's linears run the Triton int4 GEMM on CUDA (and with `fused` True, under the interpreter), else
+    the CPU's Q4_1 GEMM (engine/models/int4_loader.py)."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
@@ -154,11 +156,12 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
     scheme = int4_loader.checkpoint_scheme(model_dir)
-    if scheme is not None:  # GPTQ / AWQ int4: its linears as Q4_1 QuantLinears, before the float ones are loaded
+    if scheme is not None:  # GPTQ / AWQ int4: its linears placed quantized, before the float ones are loaded
         if tp is not None:
             raise ValueError(f"a {scheme.method} int4 model runs on one device, without tensor parallelism")
-        int4_loader.place_int4_linears(model, model_dir, scheme, dtype, device)
-        fused = False
+        gpu = device.type == "cuda" or fused is True  # the Triton int4 GEMM wherever the GPU kernels run
+        int4_loader.place_int4_linears(model, model_dir, scheme, dtype, device, gpu)
+        fused = fused if gpu else False  # Q4_1 QuantLinears: the CPU's path
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above
     model.reset_kv_scales(device)  # fp32 too
