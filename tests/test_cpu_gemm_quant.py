@@ -269,8 +269,8 @@ def test_quant_linear_stacks_parts_of_different_types():
 
 
 def test_bad_inputs_are_refused_with_the_reason(level, monkeypatch):
-    with pytest.raises(ValueError, match="'Q4_K' is not supported; valid: Q8_0, Q4_1"):
-        quant.QuantWeight("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="'Q5_K' is not supported; valid: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K"):
+        quant.QuantWeight("Q5_K", torch.zeros(2, 176, dtype=torch.uint8), 256)
     with pytest.raises(ValueError, match="in_features divisible by 32"):
         quant.QuantWeight("Q8_0", torch.zeros(2, 34, dtype=torch.uint8), 48)
     with pytest.raises(ValueError, match=r"uint8 \[N, 68\]; got torch.uint8 \(2, 34\)"):

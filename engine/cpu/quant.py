@@ -12,8 +12,8 @@ A QuantWeight is a [N, K] weight as ggml's blocks along K, the bytes exactly as 
         w = (d sc_i) (q - 32)
 Nothing is unpacked at load, so the model's resident weights are the file's size. engine/cpu/gemm_quant.cpp
 multiplies by it at every instruction-set level, for the types its build lists (`gemm_q_types`); otherwise (a
-type that build lacks, or no extension: it does not build, or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0) the
-fallback dequantizes the whole weight with torch ops on every call: correct, slow, and no more resident memory.
+type that build lacks, or no extension: it does not build, or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0 when the
+weight is made, at load) the fallback dequantizes the whole weight with torch ops on every call: correct, slow, and no more resident memory.
 
 Activations (TANDEM_QUANT_ACTIVATIONS): "int8" (the default) is llama.cpp's arithmetic: x quantized per call to
 ggml's Q8_0 blocks (gguf.quants' quantizer bit for bit) and integer dot products with the weights' quants, a
@@ -87,6 +87,9 @@ class QuantWeight:
             raise ValueError(f"a {qtype} weight of {in_features} features is uint8 [N, {row}]; got "
                              f"{data.dtype} {tuple(data.shape)}")
         self.qtype, self.data, self.in_features = qtype, data.contiguous(), in_features
+        # the kernels are chosen once, at load (as the float linears' CPU GEMM is): looking them up took ~3 us a
+        # call, ~5% of a SmolLM2 decode step; the activation switch is still read at every call
+        self.kernels = quant_kernels(qtype)
 
     @property
     def out_features(self) -> int:
@@ -103,10 +106,10 @@ class QuantWeight:
         return _DEQUANTIZE[self.qtype](blocks).reshape(data.shape[0], self.in_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        kernels, int8 = quant_kernels(self.qtype), int8_activations()
-        if kernels is None:
+        int8 = int8_activations()
+        if self.kernels is None:
             return F.linear(q8_0_round_trip(x) if int8 else x, self.dequantize(), bias)
-        return kernels.gemm_q_linear(x, self.data, GGML_TYPE_IDS[self.qtype], bias, int8)
+        return self.kernels.gemm_q_linear(x, self.data, GGML_TYPE_IDS[self.qtype], bias, int8)
 
     def __repr__(self) -> str:
         return f"QuantWeight({self.qtype}, [{self.out_features}, {self.in_features}])"
