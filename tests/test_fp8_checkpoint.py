@@ -17,7 +17,8 @@ compressed-tensors (llm-compressor's FP8 / FP8_DYNAMIC) or transformers' fbgemm_
   the next linear's grid, and such ties do flip (seen: 10.49993 vs 10.5 times the scale), so there the
   greedy tokens are compared (near-ties aside) and the arithmetic is the one-linear test's.
 Also: the real SmolLM2-135M rounded to FP8 (weight-only) against transformers + compressed-tensors, the bytes
-held against the file's, refusals by name, LoRA over FP8 linears against PEFT and a pipeline stage's placement.
+held against the file's, refusals by name, LoRA over FP8 linears against PEFT, a pipeline stage's placement, and
+the simulated device's weight bytes.
 """
 
 from __future__ import annotations
@@ -402,6 +403,34 @@ def test_lora_over_fp8_linears_matches_peft(tiny_model_factory, tmp_path):
         assert_matches_hf(peft, prompt, ours)
     assert hf_greedy(peft, prompts[0])[0] != hf_greedy(hf_on(hf, refs), prompts[0])[0], "the adapter changes nothing"
     llm.shutdown()
+
+
+def test_the_simulated_device_holds_a_byte_a_weight(tmp_path):
+    """Llama-3.1-8B's config with an FP8 quantization_config on the simulated H100: its decoder linears are
+    priced at 1 byte a weight plus fp32 row scales (the head and embedding stay bf16), and the KV cache gets
+    the memory freed."""
+    from engine.sim import SIM_MODELS
+
+    def runner(model: str):
+        llm = LLM(model, device="sim", sim_gpu="h100", max_num_seqs=256, max_model_len=131072)
+        try:
+            r = llm.engine.core.runner
+            return r.cost.model, r.num_kv_blocks
+        finally:
+            llm.shutdown()
+
+    fp8 = tmp_path / "llama-fp8"
+    shutil.copytree(SIM_MODELS / "llama-3.1-8b", fp8)
+    config = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": ct_qconfig("channel", "token")}))
+    (bf16, bf16_blocks), (ours, fp8_blocks) = runner(str(SIM_MODELS / "llama-3.1-8b")), runner(str(fp8))
+    h, i, q, kv = 4096, 14336, 4096, 1024
+    linears = ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))
+    assert ours.layer_weight_bytes == sum(n * k + 4 * n for n, k in linears)
+    assert bf16.layer_weight_bytes == 2 * sum(n * k for n, k in linears)
+    assert ours.head_weight_bytes == bf16.head_weight_bytes == 128256 * h * 2
+    freed, per_block = 32 * (bf16.layer_weight_bytes - ours.layer_weight_bytes), 16 * ours.kv_bytes_per_token
+    assert abs((fp8_blocks - bf16_blocks) * per_block - freed) <= per_block  # every freed byte to the KV cache
 
 
 def test_real_smollm2_fp8_greedy_equals_transformers(tmp_path):
