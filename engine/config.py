@@ -223,8 +223,8 @@ class EngineConfig:
         elif not os.path.isdir(model):
             raise ValueError(f"model must be a local checkpoint directory (config.json, *.safetensors, "
                              f"tokenizer files) or a .gguf file; {model!r} is not a directory")
-        elif (scheme := self._int4_scheme()) is not None:
-            self._check_quantized(f"a {scheme.method} int4 checkpoint (model={self.model!r})", cuda=True)
+        elif (scheme := self._quant_scheme()) is not None:
+            self._check_quantized_checkpoint(scheme)
 
     @property
     def gguf_file(self) -> str | None:
@@ -250,12 +250,24 @@ class EngineConfig:
         self._check_quantized(f"a GGUF model (model={self.model!r})")
         self.model_dir  # noqa: B018 - written now (or found): a bad file fails here, naming itself
 
-    def _int4_scheme(self):
-        """The GPTQ / AWQ int4 scheme of the checkpoint directory (engine/models/int4_loader.py), None when it is
-        not quantized; ValueError naming a quantization_config Tandem does not run."""
-        from engine.models.int4_loader import checkpoint_scheme
+    def _quant_scheme(self):
+        """The quantization scheme of the checkpoint directory (engine/models/quantized_checkpoint.py: GPTQ / AWQ
+        int4, FP8), None when it is not quantized; ValueError naming a quantization_config Tandem does not run."""
+        from engine.models.quantized_checkpoint import checkpoint_scheme
 
         return checkpoint_scheme(self.model)
+
+    def _check_quantized_checkpoint(self, scheme) -> None:
+        """int4 runs on CPU as GGUF does, or on CUDA (_check_quantized); FP8 runs on cpu, cuda and sim in any
+        dtype, with LoRA and pipeline stages, but its linears are not sharded for tensor parallelism."""
+        from engine.models.int4_loader import Int4Scheme
+
+        what = f"a {scheme.method} {'int4' if isinstance(scheme, Int4Scheme) else 'FP8'} checkpoint " \
+               f"(model={self.model!r})"
+        if isinstance(scheme, Int4Scheme):
+            self._check_quantized(what, cuda=True)
+        elif self.tensor_parallel_size > 1:
+            raise ValueError(f"{what} is not supported with tensor_parallel_size > 1 (FP8 linears are not sharded)")
 
     def _check_quantized(self, what: str, cuda: bool = False) -> None:
         """Quantized weights: GGUF on CPU; GPTQ/AWQ int4 (`cuda`) on CPU or on CUDA (the Triton int4 GEMM,

@@ -223,10 +223,13 @@ class QuantEmbedding(nn.Module):
 
 
 def quantized_bytes(module: nn.Module) -> int:
-    """Bytes of the quantized tensors under `module` (which parameters and buffers do not count)."""
+    """Bytes of the quantized tensors under `module` (which parameters and buffers do not count): these blocks
+    and FP8 linears (engine/models/fp8_linear.py)."""
+    from engine.models.fp8_linear import Fp8Linear
+
     total = 0
     for m in module.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, (QuantLinear, Fp8Linear)):
             total += m.nbytes
         elif isinstance(m, QuantEmbedding):
             total += m.qweight.nbytes

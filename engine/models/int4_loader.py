@@ -31,18 +31,17 @@ the rest by name). Linears a checkpoint keeps in float (the LM head, `modules_to
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from engine.cpu.quant import BLOCK, QuantLinear, QuantWeight
 from engine.models.decoder import DecoderLM
 from engine.models.int4_triton import Int4Linear, Int4Weight, pack
+from engine.models.quantized_checkpoint import Checkpoint
 
+INT4_METHODS = ("gptq", "awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
 AWQ_NIBBLE_OF = [AWQ_ORDER.index(j) for j in range(8)]  # output 8c + j sits in nibble AWQ_NIBBLE_OF[j]
 
@@ -57,21 +56,10 @@ class Int4Scheme:
     zero_offset: int  # 1 for GPTQ v1 (zero points stored minus one), else 0
 
 
-def quantization_config(model_dir: str | Path) -> dict | None:
-    """config.json's quantization_config, or None (read as JSON: cheap enough for EngineConfig's checks)."""
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # no readable config: the checkpoint's own load reports it
-    qc = config.get("quantization_config")
-    return qc if isinstance(qc, dict) else None
-
-
 def int4_scheme(qc: dict) -> Int4Scheme:
     """The scheme of a quantization_config; ValueError naming what Tandem does not run."""
     method = str(qc.get("quant_method", "")).lower()
-    if method not in ("gptq", "awq"):
+    if method not in INT4_METHODS:
         raise ValueError(f"quantization_config quant_method={qc.get('quant_method')!r} is not supported; Tandem "
                          "serves 'gptq' and 'awq' int4 checkpoints (and GGUF files) quantized on CPU")
     bits = qc.get("bits", qc.get("w_bit"))
@@ -96,13 +84,6 @@ def int4_scheme(qc: dict) -> Int4Scheme:
             raise ValueError("awq with zero_point=false is not supported")
         offset = 0
     return Int4Scheme(method, None if group == -1 else group, offset)
-
-
-def checkpoint_scheme(model_dir: str | Path) -> Int4Scheme | None:
-    """The int4 scheme of a checkpoint directory, None when it is not quantized; ValueError for a quantization
-    Tandem does not run."""
-    qc = quantization_config(model_dir)
-    return None if qc is None else int4_scheme(qc)
 
 
 def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:
@@ -150,28 +131,6 @@ def to_q4_1(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     return QuantWeight("Q4_1", blocks.reshape(n, -1), k)
 
 
-class _Checkpoint:
-    """The directory's tensors by name across its safetensors files, read on demand."""
-
-    def __init__(self, model_dir: str):
-        from engine.models.loader import _safetensors_files
-
-        self.where: dict[str, Path] = {}
-        for path in _safetensors_files(model_dir):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                self.where.update((name, path) for name in f.keys())
-        self.model_dir = model_dir
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise ValueError(f"checkpoint {self.model_dir!r} lacks tensor {name!r}")
-        with safe_open(str(self.where[name]), framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
-
-
 def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dtype: torch.dtype,
                        device: torch.device, gpu: bool) -> None:
     """Replace the quantized linears of `model` (a DecoderLM on the meta device, before to_empty) by modules
@@ -186,7 +145,7 @@ def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dty
     spec = model.spec
     if spec.moe is not None:
         raise ValueError(f"a {scheme.method} int4 mixture-of-experts model is not supported")
-    ckpt = _Checkpoint(model_dir)
+    ckpt = Checkpoint(model_dir)
     placed: set[str] = set()
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i + model.layer_range[0]}"
@@ -201,7 +160,7 @@ def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dty
         raise ValueError(f"checkpoint {model_dir!r} quantizes tensors Tandem runs only in float: {unplaced[:8]}")
 
 
-def _place_linear(ckpt: _Checkpoint, scheme: Int4Scheme, owner: nn.Module, attr: str, names: list[str],
+def _place_linear(ckpt: Checkpoint, scheme: Int4Scheme, owner: nn.Module, attr: str, names: list[str],
                   device: torch.device | None) -> list[str]:
     """owner.attr := the quantized linear of the rows of `names` stacked, when the checkpoint quantized them (a
     float linear is left for load_weights): an Int4Linear on `device`, or with None a Q4_1 QuantLinear. Biases

@@ -18,9 +18,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.cpu import kernels as cpu_native
 from engine.cpu import linear as cpu_linear
-from engine.models import fused_forward, int4_loader, moe, tp as tensor_parallel
+from engine.models import fp8_loader, fused_forward, int4_loader, moe, tp as tensor_parallel
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 from engine.models.gguf_loader import build_gguf_model
+from engine.models.quantized_checkpoint import checkpoint_scheme
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3") + moe.MOE_FAMILIES
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding_window only counts with use_sliding_window
@@ -155,13 +156,17 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
         return build_gguf_model(gguf_file, spec, rotary, local, backend, dtype, device)
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
-    scheme = int4_loader.checkpoint_scheme(model_dir)
-    if scheme is not None:  # GPTQ / AWQ int4: its linears placed quantized, before the float ones are loaded
+    scheme = checkpoint_scheme(model_dir)
+    if scheme is not None:  # quantized linears placed before the float parameters are loaded
         if tp is not None:
-            raise ValueError(f"a {scheme.method} int4 model runs on one device, without tensor parallelism")
-        gpu = device.type == "cuda" or fused is True  # the Triton int4 GEMM wherever the GPU kernels run
-        int4_loader.place_int4_linears(model, model_dir, scheme, dtype, device, gpu)
-        fused = fused if gpu else False  # Q4_1 QuantLinears: the CPU's path
+            raise ValueError(f"a {scheme.method} quantized model runs without tensor parallelism")
+        if isinstance(scheme, int4_loader.Int4Scheme):  # GPTQ / AWQ int4
+            gpu = device.type == "cuda" or fused is True  # the Triton int4 GEMM wherever the GPU kernels run
+            int4_loader.place_int4_linears(model, model_dir, scheme, dtype, device, gpu)
+            fused = fused if gpu else False  # Q4_1 QuantLinears: the CPU's path
+        else:  # FP8: Fp8Linears
+            fp8_loader.place_fp8_linears(model, model_dir, scheme, dtype, device)
+            fused = False  # the fused forward reads plain float weights
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above
     model.reset_kv_scales(device)  # fp32 too

@@ -47,7 +47,7 @@ tests/test_sim_device.py checks the stored profiles against the published number
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,11 +182,14 @@ class ModelCost:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, dtype_bytes: int, kernels_per_layer: int | None = None,
-                  tp: int = 1, kv_dtype_bytes: int | None = None) -> "ModelCost":
+                  tp: int = 1, kv_dtype_bytes: int | None = None,
+                  linear_bytes: Callable[[int, int], int] | None = None) -> "ModelCost":
         """`tp` > 1: one rank's share under Megatron sharding (engine/models/tp.py): heads, KV heads (one each
         when there are fewer than ranks: replicated), MLP width and vocabulary split, and the two kernels a
         layer adds for its all-reduces (whose time CostModel.tp_comm_s prices). `kv_dtype_bytes`: the KV
-        cache's bytes per value (None: the model's)."""
+        cache's bytes per value (None: the model's). `linear_bytes(n, k)`: what an [n, k]
+        decoder linear holds when the checkpoint is quantized (an FP8 one: Fp8Scheme.linear_bytes); None: dtype
+        bytes per weight."""
         if spec.moe is not None:
             raise ValueError(f"device='sim' models dense decoders only: {spec.family} is a mixture-of-experts "
                              "model (per-token expert routing is not in the cost model); run it on cpu or cuda")
@@ -194,8 +197,12 @@ class ModelCost:
             from engine.models.tp import local_spec
             spec = local_spec(spec, tp)  # ValueError naming what does not divide
         h, i = spec.hidden_size, spec.intermediate_size
-        qkv = h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-        layer_params = qkv + spec.num_heads * spec.head_dim * h + 3 * h * i
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        linears = ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))  # [n, k]: qkv, o, gate/up, down
+        qkv = h * (q + 2 * kv)
+        layer_params = sum(n * k for n, k in linears)
+        layer_bytes = layer_params * dtype_bytes if linear_bytes is None else \
+            sum(linear_bytes(n, k) for n, k in linears)
         if kernels_per_layer is None and fused_forward.refusal(spec) is None:  # the fused layer's plan
             plan = fused_forward.layer_launches(spec)
             kernels, triton, views = plan.aten, plan.triton, plan.views
@@ -205,7 +212,7 @@ class ModelCost:
         else:  # a fused forward: attention still one Triton launch of them
             kernels, triton, views = kernels_per_layer - 1, 1, 0
         return cls(layers=spec.num_layers, hidden=h, vocab=spec.vocab_size, heads=spec.num_heads,
-                   head_dim=spec.head_dim, layer_weight_bytes=layer_params * dtype_bytes,
+                   head_dim=spec.head_dim, layer_weight_bytes=layer_bytes,
                    head_weight_bytes=spec.vocab_size * h * dtype_bytes, layer_params=layer_params, qkv_params=qkv,
                    kv_bytes_per_token=2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
                    * (kv_dtype_bytes or dtype_bytes),
@@ -242,12 +249,14 @@ class CostModel:
     """Device times for one model on one profile (seconds)."""
 
     def __init__(self, spec: ModelSpec, dtype_bytes: int, profile: GpuProfile,
-                 kernels_per_layer: int | None = None, tp: int = 1, kv_dtype_bytes: int | None = None):
+                 kernels_per_layer: int | None = None, tp: int = 1, kv_dtype_bytes: int | None = None,
+                 linear_bytes: Callable[[int, int], int] | None = None):
         """tp > 1: one rank of a tensor-parallel group on `profile` GPUs linked as the profile says; every rank
         runs the same step, so a step takes one rank's share plus the collectives. kv_dtype_bytes: the KV
-        cache's bytes per value (None: the model dtype's; 1 for fp8), what attention reads and writes."""
+        cache's bytes per value (None: the model dtype's; 1 for fp8), what attention reads and writes.
+        linear_bytes: what each decoder linear holds, for a quantized checkpoint (ModelCost.from_spec)."""
         self.profile = profile
-        self.model = ModelCost.from_spec(spec, dtype_bytes, kernels_per_layer, tp, kv_dtype_bytes)
+        self.model = ModelCost.from_spec(spec, dtype_bytes, kernels_per_layer, tp, kv_dtype_bytes, linear_bytes)
         self.vocab = spec.vocab_size  # rank 0 samples over the whole vocabulary
         p = profile
         self._bw = p.hbm_bytes_per_s * p.bw_fraction

@@ -30,6 +30,7 @@ from engine.kv_groups import kv_layout
 from engine.memory import MemoryPlan, kv_blocks, modelled_plan
 from engine.model_runner import MAX_GRAPH_BATCH_SIZE
 from engine.models.decoder import ModelSpec
+from engine.models.quantized_checkpoint import checkpoint_scheme
 from engine.sampler import SamplingBatch
 from engine.scheduler import SchedulerOutput, SwapOp
 from engine.sim.cost_model import CostModel, StepShape, profile
@@ -105,8 +106,10 @@ class SimRunner(StepRunner):
         if is_fp8(kv_dtype) and not gpu.fp8:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs fp8 conversions (compute capability "
                              f"8.9+), which sim_gpu={config.sim_gpu!r} lacks; use h100, h200 or b200")
+        scheme = checkpoint_scheme(config.model_dir)  # FP8 linears hold a byte a weight (int4 never reaches sim)
         self.cost = CostModel(spec, torch.tensor([], dtype=dtype).element_size(), gpu, config.sim_kernels_per_layer,
-                              config.tensor_parallel_size, torch.tensor([], dtype=kv_dtype).element_size())
+                              config.tensor_parallel_size, torch.tensor([], dtype=kv_dtype).element_size(),
+                              None if scheme is None else scheme.linear_bytes)
         self.kv_layout = kv_layout(config, spec)  # sliding-window KV groups: a block is a page of g layers
         super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len, self.kv_layout),
                          SimExecutor(self.sim, 2), slot_logits=False, transfer=self._upload)
