@@ -141,6 +141,7 @@ inline void tile8(const Q8Rows& x, int64_t m0, const uint8_t* w, int64_t row_byt
   // group g of every row (src[r]) by x's blocks
   const auto group = [&](const uint8_t* const* src, int64_t g) __attribute__((always_inline)) {
     Pair<QT> wp[NR];
+    for (int r = 0; r < NR; ++r) prefetch_ahead<bytes>(src[r]);
     for (int r = 0; r < NR; ++r) wp[r].head(src[r]);
     for (int c = 0; c < P; ++c) {
       for (int r = 0; r < NR; ++r) wp[r].load(c);
@@ -215,6 +216,7 @@ inline void tile8(const Q8Rows& x, int64_t m0, const uint8_t* w, int64_t row_byt
   float mins[R][NR] = {};
   for (int64_t g = 0; g < x.blocks / kSubs<QT>; ++g) {
     Ints<QT> wq[NR];
+    for (int r = 0; r < NR; ++r) prefetch_ahead<kBlockBytes<QT>>(rows[r] + g * kBlockBytes<QT>);
     for (int r = 0; r < NR; ++r) wq[r].head(rows[r] + g * kBlockBytes<QT>);
     for (int j = 0; j < kSubs<QT>; ++j) {
       for (int r = 0; r < NR; ++r) wq[r].load(j);

@@ -52,6 +52,15 @@ constexpr int64_t kBlockBytes = QT == kGgmlQ8_0   ? 34
                                                   : 210;  // bytes of a stored block
 constexpr int64_t kChunk = 64;  // rows of x a pass of the tiles
 
+// A decode step streams a model's weights from DRAM, each once: the int8 tiles ask for the lines kPrefetch bytes
+// ahead of each group of blocks they read, one every 64 bytes of it (a row's later blocks, or the next tiles'
+// rows). Measured on Zen 4 at one row of x: up to 2x faster (Q6_K) where the hardware prefetchers fall behind.
+constexpr int64_t kPrefetch = 4096;
+template <int64_t Bytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (int64_t o = 0; o < Bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + o, _MM_HINT_T0);
+}
+
 inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 
 inline float half_value(uint16_t h) {
