@@ -1,24 +1,28 @@
 """Tandem's weight-only quantized linears (engine/cpu/gemm_quant.cpp, engine/cpu/quant.py) against the `gguf`
-package: weights quantized by gguf.quants.quantize (or raw blocks made up byte by byte), the oracle the same bytes
-dequantized by gguf.quants.dequantize through an fp64 matmul. Every check runs against each instruction-set
-level's build this CPU can run (as tests/test_cpu_gemm.py), and the torch fallback, with both activations
-(TANDEM_QUANT_ACTIVATIONS).
+package: weights quantized by gguf.quants.quantize (or raw blocks made up byte by byte: Q4_K and Q6_K have no
+quantizer in gguf-py), the oracle the same bytes dequantized by gguf.quants.dequantize through an fp64 matmul. Every
+check runs against each instruction-set level's build this CPU can run (as tests/test_cpu_gemm.py), with both
+activations (TANDEM_QUANT_ACTIVATIONS); Q8_0 and Q4_1 through quant.QuantWeight and its torch fallback too, Q5_0,
+Q4_K and Q6_K through the kernel's gemm_q_linear alone (their fallback is quant.py's).
 
-fp32 activations: the kernel's weights are gguf's dequantized fp32 weights exactly (d * q is exact in fp32, so
-d * q + m rounds once, as numpy's fp32 d * q + m does), so the result is an fp32 dot product of x with them in
-some order: within gamma_{K+1} = (K + 1) u / (1 - (K + 1) u) (u = 2^-24) of the exact sum, relative to
-sum |x| |w| (+ |bias|), + 1 for the bias add.
+fp32 activations: the kernel's weights are gguf's dequantized fp32 weights exactly (every product in them is exact
+in fp32, so d * q + m or (d * sc) * q - dmin * m rounds once, as numpy's fp32 arithmetic does, and the others not
+at all), so the result is an fp32 dot product of x with them in some order: within gamma_{K+1} = (K + 1) u /
+(1 - (K + 1) u) (u = 2^-24) of the exact sum, relative to sum |x| |w| (+ |bias|), + 1 for the bias add.
 
 int8 activations: x is quantized as gguf's own Q8_0 quantizer does it (checked byte for byte), so the oracle is
 gguf's round trip of x, x^ = d_x q_x, times gguf's dequantized weights in fp64. The kernel's integer dots are
-exact, and d_w d_x (and Q4_1's d_x sum(q_x)) are exact in fp32; per output it sums T = 8 B + B + 1 terms (B = K / 32
-blocks: 8 int32 lanes a block each scaled by d_w d_x, Q4_1's B min terms m_w d_x sum(q_x), the bias), each
-rounded once, in some order: within gamma_T of their exact sum relative to the sum of their magnitudes, which is
-at most sum |x^| (|d_w q| + |m_w|) (+ |bias|). That exact sum is sum x^ (d_w q + m_w), whereas gguf's weight is
-d_w q + m_w rounded to fp32 once, u relative: so within gamma_{9 B + 2} of the oracle. The torch fallback is
-F.linear of the same x^ and weights: the fp32 bound above with x^ for x.
+exact (the K-quants' integer sub-block scales multiply them, exact too), and d_w d_x (d_w: a K-quant's fp16
+super-block d, so no rounding more than for the other types), Q4_1's d_x sum(q_x) and Q4_K's dmin m_j are exact in
+fp32; per output it sums at most T = 8 B + B + 1 terms (B = K / 32 blocks: 8 int32 lanes a block each scaled by
+d_w d_x, Q4_1's and Q4_K's B min terms, the bias), each rounded once, in some order: within gamma_T of their exact
+sum relative to the sum of their magnitudes, which is at most sum |x^| mag(w) (+ |bias|): mag = |w| for Q8_0 and
+Q6_K (signed quants), |d q| + |m| for Q4_1, |d sc q| + |dmin m| for Q4_K, and |d| (q + 16) for Q5_0 (AVX-512 starts
+a block's first lanes from -16 sum(q_x)). That exact sum is sum x^ (d q + m) (and so on), whereas gguf's weight
+is that rounded to fp32 once (Q4_1, Q4_K; exact for the others), u relative: so within gamma_{9 B + 2} of the
+oracle. The torch fallback is F.linear of the same x^ and weights: the fp32 bound above with x^ for x.
 
-A wrong nibble, a swapped scale, a dropped block or a sign is far outside either bound; where every product and
+A wrong nibble, bit, swapped scale, dropped block or sign is far outside either bound; where every product and
 partial sum is exact in fp32 (power-of-two scales, small integers; for int8, x with a 127 in every block, so
 d_x = 1, and halves, which gguf rounds away from zero), the result is exact."""
 
@@ -33,8 +37,11 @@ from engine.attention import cpu_native
 from engine.cpu import quant
 
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="the CPU extension does not build here")
-QT = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
-qtypes = pytest.mark.parametrize("qtype", list(QT))
+QT = {name: gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")}
+QK = {"Q8_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}  # weights a block (super-block)
+qtypes = pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])  # the types quant.QuantWeight takes here
+new_qtypes = pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])  # the kernel's alone
+kernel_levels = pytest.mark.parametrize("level", cpu_native.isas(), indirect=True)  # no torch fallback
 
 
 @pytest.fixture(scope="module", params=[*cpu_native.isas(), "torch"])
@@ -44,7 +51,7 @@ def level(request):
     if request.param == "torch":
         return None
     module = cpu_native.load(request.param)
-    assert module is not None and module.isa == request.param and module.gemm_q_types == ("Q8_0", "Q4_1")
+    assert module is not None and module.isa == request.param and module.gemm_q_types == tuple(QT)
     return module
 
 
@@ -89,17 +96,26 @@ def gguf_q8_0(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), T), T)).view(x.shape)
 
 
-def magnitudes(weight: quant.QuantWeight) -> np.ndarray:
-    """|d q| + |m| of every weight: gguf's dequantization of the blocks with d's (and m's) sign bit cleared."""
-    if weight.qtype == "Q8_0":
-        return np.abs(gguf.quants.dequantize(weight.data.numpy(), QT["Q8_0"]))
-    blocks = weight.data.numpy().reshape(weight.out_features, -1, 20).copy()
-    blocks[..., 1] &= 0x7F  # the fp16 values' high bytes
-    blocks[..., 3] &= 0x7F
-    return gguf.quants.dequantize(blocks.reshape(weight.out_features, -1), QT["Q4_1"])
+def magnitudes(qtype: str, data: np.ndarray) -> np.ndarray:
+    """mag(w) of every weight (the module's docstring): gguf's dequantization of the blocks with d's sign bit
+    cleared (and Q4_1's m's, and Q4_K's dmin's set: -dmin m is then |dmin| m), plus 32 |d| for Q5_0."""
+    if qtype in ("Q8_0", "Q6_K"):
+        return np.abs(gguf.quants.dequantize(data, QT[qtype]))
+    bytes_ = {"Q4_1": 20, "Q5_0": 22, "Q4_K": 144}[qtype]
+    blocks = data.reshape(data.shape[0], -1, bytes_).copy()
+    blocks[..., 1] &= 0x7F  # fp16 d's high byte
+    if qtype == "Q4_1":
+        blocks[..., 3] &= 0x7F
+    if qtype == "Q4_K":
+        blocks[..., 3] |= 0x80
+    mag = gguf.quants.dequantize(blocks.reshape(data.shape[0], -1), QT[qtype])  # Q5_0: |d| (q - 16)
+    if qtype == "Q5_0":
+        d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [n, K / 32, 1]
+        mag = mag + np.repeat(32 * d[..., 0], 32, axis=1)
+    return mag
 
 
-def within_int8_bound(y: torch.Tensor, x: torch.Tensor, weight: quant.QuantWeight, w: np.ndarray,
+def within_int8_bound(y: torch.Tensor, x: torch.Tensor, qtype: str, data: np.ndarray, w: np.ndarray,
                       bias: torch.Tensor | None, level) -> None:
     xq = gguf_q8_0(x.contiguous())
     if level is None:  # the fallback: F.linear of gguf's x^ and w
@@ -107,7 +123,7 @@ def within_int8_bound(y: torch.Tensor, x: torch.Tensor, weight: quant.QuantWeigh
     x64, w64 = xq.double(), torch.from_numpy(w).double()
     b64 = torch.zeros(w64.shape[0], dtype=torch.float64) if bias is None else bias.double()
     exact = x64 @ w64.T + b64
-    scale = x64.abs() @ torch.from_numpy(magnitudes(weight)).double().T + b64.abs()
+    scale = x64.abs() @ torch.from_numpy(magnitudes(qtype, data)).double().T + b64.abs()
     u, n = 2.0 ** -24, 9 * x.shape[-1] // 32 + 2
     bound = n * u / (1 - n * u) * scale
     err = (y.double() - exact).abs()
@@ -119,7 +135,7 @@ def expect(y, x, weight, w, bias, activations, level) -> None:
     if activations == "fp32":
         within_bound(y, x, w, bias)
     else:
-        within_int8_bound(y, x, weight, w, bias, level)
+        within_int8_bound(y, x, weight.qtype, weight.data.numpy(), w, bias, level)
 
 
 def randn(*shape, seed):
@@ -287,7 +303,124 @@ def test_bad_inputs_are_refused_with_the_reason(level, monkeypatch):
         level.gemm_q_linear(randn(2, 96, seed=2), weight.data, 3, None, True)
     with pytest.raises(RuntimeError, match="x must be float32, got BFloat16"):
         level.gemm_q_linear(randn(2, 64, seed=2).bfloat16(), weight.data, 3, None, True)
-    with pytest.raises(RuntimeError, match="ggml type 12 is not supported"):
-        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 12, None, False)
+    with pytest.raises(RuntimeError, match=r"ggml type 2 is not supported; valid: 8 \(Q8_0\), 3 \(Q4_1\), 6 \(Q5_0\), "
+                                           r"12 \(Q4_K\), 14 \(Q6_K\)"):
+        level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 2, None, False)
     with pytest.raises(RuntimeError, match="float32 bias of 4 values, got Float of 3"):
         level.gemm_q_linear(randn(2, 64, seed=2), weight.data, 3, randn(3, seed=3), True)
+
+
+# Q5_0, Q4_K and Q6_K: the kernel's gemm_q_linear at each level (quant.QuantWeight's torch fallback is quant.py's).
+
+def new_blocks(qtype: str, n: int, k: int, seed: int, exact: bool = False) -> np.ndarray:
+    """uint8 [n, k / QK * block bytes]. Q5_0 quantized by gguf (rows of very different scales), unless `exact`;
+    otherwise made up byte by byte: random quants, bits, scales and mins (every value possible), fp16 scales near
+    2^-8 times a row's factor (some subnormal), either sign, or with `exact` +-2^-4 (Q4_K's dmin 2^-4 or 2^-5)."""
+    rng = np.random.default_rng(seed)
+    if qtype == "Q5_0" and not exact:
+        w = rng.standard_normal((n, k)).astype(np.float32) * rng.choice([1e-3, 0.05, 1.0, 30.0], size=(n, 1))
+        return gguf.quants.quantize(w, QT[qtype])
+    blocks = n * k // QK[qtype]
+    row = np.repeat(rng.choice([1e-2, 1.0, 64.0], size=n), blocks // n)[:, None]
+
+    def scale(powers=(2.0 ** -4,)) -> np.ndarray:  # [blocks, 2] uint8: an fp16 a block
+        d = rng.choice(powers, size=(blocks, 1)) if exact else rng.uniform(0.5, 2.0, (blocks, 1)) * 2.0 ** -8 * row
+        return (d * rng.choice([-1.0, 1.0], size=(blocks, 1))).astype(np.float16).view(np.uint8)
+
+    def rand(count: int) -> np.ndarray:
+        return rng.integers(0, 256, size=(blocks, count), dtype=np.uint8)
+
+    parts = {"Q5_0": lambda: (scale(), rand(20)),  # d, qh, qs
+             "Q4_K": lambda: (scale(), scale((2.0 ** -4, 2.0 ** -5)), rand(140)),  # d, dmin, scales, qs
+             "Q6_K": lambda: (rand(208), scale())}[qtype]()  # ql, qh, scales, d
+    return np.concatenate(parts, axis=1).reshape(n, -1)
+
+
+def gemm(level, qtype: str, data: np.ndarray, x: torch.Tensor, bias=None, int8: bool = False) -> torch.Tensor:
+    return level.gemm_q_linear(x, torch.from_numpy(data), int(QT[qtype]), bias, int8)
+
+
+def expect_new(y, x, qtype, data, bias, activations, level) -> None:
+    w = gguf.quants.dequantize(data, QT[qtype])
+    if activations == "fp32":
+        within_bound(y, x, w, bias)
+    else:
+        within_int8_bound(y, x, qtype, data, w, bias, level)
+
+
+# rows: decode's 1, a tile's tail, a few tiles, past a 64-row chunk; K of one block, three (an odd count: the
+# AVX-512 tiles' pairs), eight; outputs around the tiles' 2 and 4 weight rows.
+@kernel_levels
+@new_qtypes
+@pytest.mark.parametrize("rows", [1, 3, 17, 70])
+@pytest.mark.parametrize("out_features,blocks", [(1, 1), (7, 3), (33, 8)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_new_types_within_the_summation_bound_of_ggufs_dequantized_weights(level, qtype, rows, out_features,
+                                                                           blocks, with_bias, activations):
+    k = blocks * QK[qtype]
+    data = new_blocks(qtype, out_features, k, seed=rows + blocks)
+    x = randn(rows, k, seed=2) * torch.tensor([1e-3, 1.0, 40.0]).repeat(rows)[:rows, None]
+    bias = randn(out_features, seed=3) if with_bias else None
+    y = gemm(level, qtype, data, x, bias, activations == "int8")
+    expect_new(y, x, qtype, data, bias, activations, level)
+
+
+@kernel_levels
+@new_qtypes
+def test_new_types_exact_where_the_sums_are(level, qtype, activations):
+    """Power-of-two scales, integer quants and x (int8: x with a 127 in every block, so d_x = 1, and halves, which
+    gguf rounds away from zero): every product and partial sum is a multiple of 2^-5 below 2^19, an exact fp32
+    value, so any order gives the exact result, and every byte, bit, scale and min of the layout must be read as
+    gguf reads it."""
+    for rows, n, blocks in [(1, 9, 1), (5, 13, 3), (70, 7, 2)]:
+        k = blocks * QK[qtype]
+        data = new_blocks(qtype, n, k, seed=n, exact=True)
+        oracle = torch.from_numpy(gguf.quants.dequantize(data, QT[qtype])).double()
+        gen = torch.Generator().manual_seed(k)
+        if activations == "fp32":
+            x = torch.randint(-8, 9, (rows, k), generator=gen).float()
+            xq = x
+        else:
+            x = torch.randint(-8, 9, (rows, k), generator=gen).float() / 2
+            x[:, ::32] = 127 * (torch.randint(0, 2, (rows, k // 32), generator=gen).float() * 2 - 1)
+            xq = gguf_q8_0(x)
+            assert torch.equal(xq, torch.sign(x) * (x.abs() + 0.5).floor())
+        bias = torch.arange(n, dtype=torch.float32) * 0.5
+        scale = xq.double().abs() @ torch.from_numpy(magnitudes(qtype, data)).double().T + bias.double()
+        assert scale.max() < 2.0 ** 19
+        y = gemm(level, qtype, data, x, bias, activations == "int8")
+        assert torch.equal(y, (xq.double() @ oracle.T + bias.double()).float())
+
+
+@kernel_levels
+@new_qtypes
+def test_new_types_same_bits_whatever_the_batch_and_threads(level, qtype, activations):
+    """As for Q8_0 and Q4_1: a row's output does not depend on the rows beside it or on the threads."""
+    k = 640 if qtype == "Q5_0" else 1024  # Gemma 3 270M's
+    data = new_blocks(qtype, 66, k, seed=1)
+    x = randn(70, k, seed=2)
+    threads, int8 = torch.get_num_threads(), activations == "int8"
+    try:
+        outs = []
+        for n in (1, 2, 7):
+            torch.set_num_threads(n)
+            outs.append(gemm(level, qtype, data, x, None, int8))
+    finally:
+        torch.set_num_threads(threads)
+    expect_new(outs[0], x, qtype, data, None, activations, level)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert torch.equal(gemm(level, qtype, data, x[37:38], None, int8), outs[0][37:38])
+    assert torch.equal(gemm(level, qtype, data, x[:5], None, int8), outs[0][:5])
+
+
+@kernel_levels
+@new_qtypes
+def test_new_types_refuse_k_not_a_multiple_of_their_block(level, qtype):
+    qk, data = QK[qtype], torch.from_numpy(new_blocks(qtype, 4, 2 * QK[qtype], seed=1))
+    bytes_ = data.shape[1] // 2
+    for int8 in (True, False):
+        with pytest.raises(RuntimeError, match=f"x has {qk + 16} features; {qtype} weights take a multiple of {qk}"):
+            level.gemm_q_linear(randn(2, qk + 16, seed=2), data, int(QT[qtype]), None, int8)
+    with pytest.raises(RuntimeError, match=f"x has {3 * qk} features; the weight's rows hold {2 * bytes_} bytes, "
+                                           f"{2 * qk} features of {bytes_}-byte blocks of {qk}"):
+        level.gemm_q_linear(randn(2, 3 * qk, seed=2), data, int(QT[qtype]), None, True)

@@ -1,17 +1,19 @@
 // Weight-only quantized linears for the CPU engine: y[M, N] = x[M, K] @ W^T (+ bias) with W in a GGUF file's
-// own block layout (quant_blocks.h), kept as it is in the file (engine/cpu/quant.py), so a model's linears read
-// its quantized bytes and nothing else. Each row of W is K / 32 blocks, rows one after the other
-// ([N, K / 32 * bytes] uint8).
+// own block layout (quant_blocks.h: Q8_0, Q4_1, Q5_0, Q4_K, Q6_K), kept as it is in the file
+// (engine/cpu/quant.py), so a model's linears read its quantized bytes and nothing else. Each row of W is K / QK
+// blocks (QK = 32, or 256 for the K-quants' super-blocks), rows one after the other ([N, K / QK * bytes] uint8).
 //
 // Two arithmetics; quant.py picks one per call (TANDEM_QUANT_ACTIVATIONS): int8 activations (llama.cpp's, the
-// default: gemm_quant_int8.cpp) or fp32 activations, the exact path, here: each block is dequantized in
-// registers into two vectors of 16 fp32 values (one zmm register under AVX-512, two ymm under AVX2, four xmm
-// under SSE2), used for MR rows of x at once, then dropped. d * q is exact in fp32 (d has 11 significant bits,
-// q at most 8), so d * q (+ m, one rounding, whether contracted to an FMA or not) is bit for bit the fp32 weight
-// the `gguf` package's dequantize gives (numpy: d * q + m in fp32): the result is the fp32 GEMM of those
-// weights, summed in this kernel's order (per output, 16 lane-wise fp32 multiply-add chains over k, then a fixed
-// tree over the lanes, + bias), within gamma_{K+1} of the exact sum relative to sum |x| |w|
-// (tests/test_cpu_gemm_quant.py checks that bound against gguf's dequantize).
+// default: gemm_quant_int8.cpp) or fp32 activations, the exact path, here: each block of 32 weights (a K-quant's
+// sub-block, with its super-block's header) is dequantized in registers into two vectors of 16 fp32 values (one
+// zmm register under AVX-512, two ymm under AVX2, four xmm under SSE2), used for MR rows of x at once, then
+// dropped. Every product in a weight is exact in fp32 (d has 11 significant bits, d * sc at most 18, q at most 8),
+// so d * q (+ m), d * (q - 16), (d * sc) * q - dmin * m and (d * sc) * (q - 32) (one rounding where there is a
+// min, whether contracted to an FMA or not) are bit for bit the fp32 weights the `gguf` package's dequantize gives
+// (numpy's products are exact too): the result is the fp32 GEMM of those weights, summed in this kernel's order
+// (per output, 16 lane-wise fp32 multiply-add chains over k, then a fixed tree over the lanes, + bias), within
+// gamma_{K+1} of the exact sum relative to sum |x| |w| (tests/test_cpu_gemm_quant.py checks that bound against
+// gguf's dequantize).
 //
 // One source in GCC vectors and per-level intrinsics, compiled at every level as the rest of engine/cpu/.
 // Work: tiles of NR rows of W (NR blocks' dequantized weights in registers) by MR rows of x; x is taken 64 rows
@@ -74,23 +76,71 @@ constexpr int kMR = 2, kNR = 2;  // (4 + 4) x 2 ymm
 constexpr int kMR = 1, kNR = 2;  // (2 + 4) x 4 xmm
 #endif
 
-// A block's 32 weights as two 16-lane fp32 vectors.
+// Block b (32 weights along K) of a weight row as two 16-lane fp32 vectors, gguf's values bit for bit (numpy's
+// products are exact, and so are these: the same values whatever the order; Q4_1's and Q4_K's one rounding is
+// numpy's, contracted to an FMA or not).
 template <int64_t QT>
-inline void dequant(const uint8_t* blk, v16f& w0, v16f& w1);
+inline void dequant(const uint8_t* row, int64_t b, v16f& w0, v16f& w1);
 
 template <>
-inline void dequant<kGgmlQ8_0>(const uint8_t* blk, v16f& w0, v16f& w1) {
+inline void dequant<kGgmlQ8_0>(const uint8_t* row, int64_t b, v16f& w0, v16f& w1) {
+  const uint8_t* blk = row + b * kBlockBytes<kGgmlQ8_0>;
   const v16f d = v16f{} + half_to_float(blk);
   w0 = bytes_to_float<false>(load16(blk + 2)) * d;
   w1 = bytes_to_float<false>(load16(blk + 18)) * d;
 }
 
 template <>
-inline void dequant<kGgmlQ4_1>(const uint8_t* blk, v16f& w0, v16f& w1) {
+inline void dequant<kGgmlQ4_1>(const uint8_t* row, int64_t b, v16f& w0, v16f& w1) {
+  const uint8_t* blk = row + b * kBlockBytes<kGgmlQ4_1>;
   const v16f d = v16f{} + half_to_float(blk), m = v16f{} + half_to_float(blk + 2);
   const __m128i qs = load16(blk + 4), low = _mm_set1_epi8(0x0F);
   w0 = bytes_to_float<true>(_mm_and_si128(qs, low)) * d + m;
   w1 = bytes_to_float<true>(_mm_and_si128(_mm_srli_epi16(qs, 4), low)) * d + m;
+}
+
+template <>
+inline void dequant<kGgmlQ5_0>(const uint8_t* row, int64_t b, v16f& w0, v16f& w1) {
+  const uint8_t* blk = row + b * kBlockBytes<kGgmlQ5_0>;
+  const v16f d = v16f{} + half_to_float(blk);
+  const uint32_t qh = load_u32(blk + 2);
+  const __m128i qs = load16(blk + 6), low = _mm_set1_epi8(0x0F), sixteen = _mm_set1_epi8(16);
+  const __m128i q0 = _mm_or_si128(_mm_and_si128(qs, low), bit4_bytes16(qh));
+  const __m128i q1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), low), bit4_bytes16(qh >> 16));
+  w0 = bytes_to_float<false>(_mm_sub_epi8(q0, sixteen)) * d;  // d * (q - 16), as numpy: -0 where d < 0, q = 16
+  w1 = bytes_to_float<false>(_mm_sub_epi8(q1, sixteen)) * d;
+}
+
+template <>
+inline void dequant<kGgmlQ4_K>(const uint8_t* row, int64_t b, v16f& w0, v16f& w1) {
+  const uint8_t* sb = row + b / 8 * kBlockBytes<kGgmlQ4_K>;
+  const int j = int(b % 8);
+  int sc, m;
+  q4k_scale_min(sb + 4, j, sc, m);
+  const v16f dsc = v16f{} + half_to_float(sb) * float(sc), dm = v16f{} + half_to_float(sb + 2) * float(m);
+  const uint8_t* qs = sb + 16 + 32 * (j / 2);
+  const __m128i low = _mm_set1_epi8(0x0F), shift = _mm_cvtsi32_si128(4 * (j % 2));
+  w0 = bytes_to_float<true>(_mm_and_si128(_mm_srl_epi16(load16(qs), shift), low)) * dsc - dm;
+  w1 = bytes_to_float<true>(_mm_and_si128(_mm_srl_epi16(load16(qs + 16), shift), low)) * dsc - dm;
+}
+
+// Q6_K's 16 q - 32 of sub-block s (of its super-block `sb`) from byte 16 k on, as signed bytes.
+inline __m128i q6k_bytes16(const uint8_t* sb, int s, int k) {
+  const int h = s / 4;
+  const __m128i ql = load16(sb + 64 * h + 32 * (s & 1) + 16 * k), qh = load16(sb + 128 + 32 * h + 16 * k);
+  const __m128i lo = _mm_and_si128(_mm_srl_epi16(ql, _mm_cvtsi32_si128(4 * ((s >> 1) & 1))), _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srl_epi16(qh, _mm_cvtsi32_si128(2 * (s & 3))), _mm_set1_epi8(3));
+  return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+}
+
+template <>
+inline void dequant<kGgmlQ6_K>(const uint8_t* row, int64_t b, v16f& w0, v16f& w1) {
+  const uint8_t* sb = row + b / 8 * kBlockBytes<kGgmlQ6_K>;
+  const int s = int(b % 8);
+  const float d = half_to_float(sb + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(sb + 192 + 2 * s);
+  w0 = bytes_to_float<false>(q6k_bytes16(sb, s, 0)) * (v16f{} + d * float(sc[0]));
+  w1 = bytes_to_float<false>(q6k_bytes16(sb, s, 1)) * (v16f{} + d * float(sc[1]));
 }
 
 // y[m, r] (+ bias[r]) for R rows of x (ldx apart) by NR rows of W at `w` (row_bytes apart; rows past `nr` repeat
@@ -98,19 +148,23 @@ inline void dequant<kGgmlQ4_1>(const uint8_t* blk, v16f& w0, v16f& w1) {
 template <int64_t QT, int R>
 inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int nr, int64_t blocks,
                  const float* bias, float* y, int64_t ldy) {
-  constexpr int64_t bytes = kBlockBytes<QT>;
   const uint8_t* rows[kNR];
   for (int r = 0; r < kNR; ++r) rows[r] = w + std::min(r, nr - 1) * row_bytes;
   v16f acc[R][kNR] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
-    v16f w0[kNR], w1[kNR];
-    for (int r = 0; r < kNR; ++r) dequant<QT>(rows[r] + b * bytes, w0[r], w1[r]);
-    for (int m = 0; m < R; ++m) {
-      const v16f x0 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock);
-      const v16f x1 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock + 16);
-      for (int r = 0; r < kNR; ++r) {
-        acc[m][r] += x0 * w0[r];
-        acc[m][r] += x1 * w1[r];
+  constexpr int subs = kQK<QT> / kBlock;  // blocks a stored block (a K-quant's super-block): j a constant below
+  for (int64_t g = 0; g < blocks / subs; ++g) {
+#pragma GCC unroll 8
+    for (int j = 0; j < subs; ++j) {
+      const int64_t b = g * subs + j;
+      v16f w0[kNR], w1[kNR];
+      for (int r = 0; r < kNR; ++r) dequant<QT>(rows[r], b, w0[r], w1[r]);
+      for (int m = 0; m < R; ++m) {
+        const v16f x0 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock);
+        const v16f x1 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock + 16);
+        for (int r = 0; r < kNR; ++r) {
+          acc[m][r] += x0 * w0[r];
+          acc[m][r] += x1 * w1[r];
+        }
       }
     }
   }
@@ -123,7 +177,7 @@ void run(const float* x, const uint8_t* w, const float* bias, float* y, int64_t 
   using Tile = void (*)(const float*, int64_t, const uint8_t*, int64_t, int, int64_t, const float*, float*, int64_t);
   static constexpr Tile table[4] = {tile<QT, 1>, tile<QT, kMR >= 2 ? 2 : 1>, tile<QT, kMR >= 3 ? 3 : 1>,
                                     tile<QT, kMR >= 4 ? 4 : 1>};
-  const int64_t blocks = K / kBlock, row_bytes = blocks * kBlockBytes<QT>;
+  const int64_t blocks = K / kBlock, row_bytes = K / kQK<QT> * kBlockBytes<QT>;
   for_tiles<kMR, kNR>(M, N, [&](int64_t m0, int r, int64_t n0, int nr) {
     table[r - 1](x + m0 * K, K, w + n0 * row_bytes, row_bytes, nr, blocks, bias ? bias + n0 : nullptr,
                  y + m0 * N + n0, N);
@@ -132,24 +186,51 @@ void run(const float* x, const uint8_t* w, const float* bias, float* y, int64_t 
 
 #pragma GCC pop_options
 
-int64_t block_bytes(int64_t qtype) {
-  TORCH_CHECK(qtype == kGgmlQ8_0 || qtype == kGgmlQ4_1, "gemm_q_linear: ggml type ", qtype,
-              " is not supported; valid: 8 (Q8_0), 3 (Q4_1)");
-  return qtype == kGgmlQ8_0 ? kBlockBytes<kGgmlQ8_0> : kBlockBytes<kGgmlQ4_1>;
+// The types gemm_q_linear runs, in gemm_q_types' order.
+struct QType {
+  int64_t id;
+  const char* name;
+  int64_t qk, bytes;  // weights and bytes a stored block
+};
+template <int64_t QT>
+constexpr QType qtype_of(const char* name) {
+  return {QT, name, kQK<QT>, kBlockBytes<QT>};
+}
+constexpr QType kQTypes[] = {qtype_of<kGgmlQ8_0>("Q8_0"), qtype_of<kGgmlQ4_1>("Q4_1"), qtype_of<kGgmlQ5_0>("Q5_0"),
+                             qtype_of<kGgmlQ4_K>("Q4_K"), qtype_of<kGgmlQ6_K>("Q6_K")};
+
+const QType& find_qtype(int64_t qtype) {
+  for (const QType& t : kQTypes)
+    if (t.id == qtype) return t;
+  TORCH_CHECK(false, "gemm_q_linear: ggml type ", qtype,
+              " is not supported; valid: 8 (Q8_0), 3 (Q4_1), 6 (Q5_0), 12 (Q4_K), 14 (Q6_K)");
 }
 
-// x [..., K] float32 @ W^T (+ bias [N] float32) -> [..., N] float32, W [N, K / 32 * block bytes] uint8 in
+void gemm_fp32(int64_t qtype, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t K,
+               int64_t N) {
+  switch (qtype) {
+    case kGgmlQ8_0: return run<kGgmlQ8_0>(x, w, bias, y, M, K, N);
+    case kGgmlQ4_1: return run<kGgmlQ4_1>(x, w, bias, y, M, K, N);
+    case kGgmlQ5_0: return run<kGgmlQ5_0>(x, w, bias, y, M, K, N);
+    case kGgmlQ4_K: return run<kGgmlQ4_K>(x, w, bias, y, M, K, N);
+    default: return run<kGgmlQ6_K>(x, w, bias, y, M, K, N);
+  }
+}
+
+// x [..., K] float32 @ W^T (+ bias [N] float32) -> [..., N] float32, W [N, K / QK * block bytes] uint8 in
 // ggml type `qtype`'s blocks; x quantized to int8 blocks (int8_x) or fp32 as it is.
 at::Tensor gemm_q_linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype,
                          const c10::optional<at::Tensor>& bias, bool int8_x) {
-  const int64_t bytes = block_bytes(qtype);
+  const QType& t = find_qtype(qtype);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm_q_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
               "gemm_q_linear: the weight must be a contiguous 2-D uint8 tensor of blocks");
   const int64_t K = x.size(-1), N = weight.size(0);
-  TORCH_CHECK(K % kBlock == 0 && weight.size(1) == K / kBlock * bytes, "gemm_q_linear: x has ", K,
-              " features; the weight's rows hold ", weight.size(1), " bytes, ", weight.size(1) / bytes * kBlock,
-              " features of ", bytes, "-byte blocks of 32");
+  TORCH_CHECK(K % t.qk == 0, "gemm_q_linear: x has ", K, " features; ", t.name, " weights take a multiple of ",
+              t.qk);
+  TORCH_CHECK(weight.size(1) == K / t.qk * t.bytes, "gemm_q_linear: x has ", K, " features; the weight's rows hold ",
+              weight.size(1), " bytes, ", weight.size(1) / t.bytes * t.qk, " features of ", t.bytes,
+              "-byte blocks of ", t.qk);
   const auto xc = x.reshape({-1, K}).contiguous();
   const int64_t M = xc.size(0);
   at::Tensor b;
@@ -166,12 +247,7 @@ at::Tensor gemm_q_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
     const float* xp = xc.data_ptr<float>();
     const uint8_t* wp = weight.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    if (int8_x)
-      gemm_int8(qtype, xp, wp, bp, yp, M, K, N);
-    else if (qtype == kGgmlQ8_0)
-      run<kGgmlQ8_0>(xp, wp, bp, yp, M, K, N);
-    else
-      run<kGgmlQ4_1>(xp, wp, bp, yp, M, K, N);
+    (int8_x ? gemm_int8 : gemm_fp32)(qtype, xp, wp, bp, yp, M, K, N);
   }
   return y.view(out_shape);
 }
@@ -193,10 +269,12 @@ at::Tensor quantize_q8_0(const at::Tensor& x) {
 }  // namespace
 
 void register_gemm_quant(pybind11::module& m) {
-  m.def("gemm_q_linear", &gemm_q_linear, "x @ W^T (+ bias) with W in GGUF Q8_0 / Q4_1 blocks (CPU)",
+  m.def("gemm_q_linear", &gemm_q_linear, "x @ W^T (+ bias) with W in GGUF blocks of gemm_q_types (CPU)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("qtype"), pybind11::arg("bias"),
         pybind11::arg("int8_x"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize_q8_0", &quantize_q8_0, "x's Q8_0 blocks as gemm_q_linear's int8 path quantizes it (CPU)",
         pybind11::arg("x"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.attr("gemm_q_types") = pybind11::make_tuple("Q8_0", "Q4_1");
+  pybind11::tuple names(std::size(kQTypes));
+  for (size_t i = 0; i < std::size(kQTypes); ++i) names[i] = kQTypes[i].name;
+  m.attr("gemm_q_types") = names;
 }

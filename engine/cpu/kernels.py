@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("decode_attention.cpp", "prefill_attention.cpp", "fused.cpp", "gemm.cpp",
                                              "gemm_quant.cpp", "gemm_quant_int8.cpp"))
-_HEADERS = (_HERE / "simd.h", _HERE / "quant_blocks.h")  # in the digest: they are compiled into the sources
+# In the digest: they are compiled into the sources.
+_HEADERS = tuple(_HERE / name for name in ("simd.h", "quant_blocks.h", "quant_ints.h", "quant_pairs.h"))
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one thread);
 # -fno-math-errno lets `omp simd` call glibc's vector expf; the reassociation flags let GCC vectorize the
 # dot products' sums (a tree of vector adds instead of one scalar chain) without -ffast-math's
@@ -60,7 +61,7 @@ def load(isa: str | None = None):
     disabled or it does not build here. Its ops: `paged_decode`, `paged_prefill` (for the dtypes in
     `prefill_dtypes`), `rms_norm` (bf16), `rms_norm_f32`, `silu_mul`, `rope_`, and gemm.cpp's `gemm_pack` /
     `gemm_linear` (for the dtypes in `gemm_dtypes`) and `gemm_silu_mul` (where `gemm_silu`), gemm_quant.cpp's
-    `gemm_q_linear` (GGUF Q8_0 / Q4_1 weights, `gemm_q_types`; x fp32 or quantized to int8 blocks) and
+    `gemm_q_linear` (GGUF weights of the types in `gemm_q_types`; x fp32 or quantized to int8 blocks) and
     `quantize_q8_0` (that quantization, for tests); `isa` names the level it was built for. Every op runs
     without the GIL. Concurrent first calls may both reach the build; cpp_extension's lock file makes the second
     wait and reuse it."""
