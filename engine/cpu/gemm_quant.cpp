@@ -153,6 +153,7 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byte
   v16f acc[R][kNR] = {};
   constexpr int subs = kQK<QT> / kBlock;  // blocks a stored block (a K-quant's super-block): j a constant below
   for (int64_t g = 0; g < blocks / subs; ++g) {
+    for (int r = 0; r < kNR; ++r) prefetch_ahead<kBlockBytes<QT>>(rows[r] + g * kBlockBytes<QT>);
 #pragma GCC unroll 8
     for (int j = 0; j < subs; ++j) {
       const int64_t b = g * subs + j;
