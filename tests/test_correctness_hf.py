@@ -7,6 +7,7 @@ correct kernel may flip); that is asserted, not assumed.
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from tiny_models import FAMILIES
 
 TIE_GAP = 1e-3
 MAX_NEW = 16
-_ref_cache: dict = {}
+# HF model -> {(prompt, n, generate kwargs): (tokens, logits)}, held weakly: keyed by id(model), a model built
+# and dropped by one test could hand its references to a later model that got the same id
+_ref_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def make_prompts(seed: int, lengths=(3, 9, 17, 33, 40, 70)) -> list[list[int]]:
@@ -26,15 +29,16 @@ def make_prompts(seed: int, lengths=(3, 9, 17, 33, 40, 70)) -> list[list[int]]:
 
 def hf_greedy(model, prompt: list[int], n: int = MAX_NEW, **gen_kwargs) -> tuple[list[int], torch.Tensor]:
     """HF's greedy continuation and the raw logits it chose from at each step ([n, vocab])."""
-    key = (id(model), tuple(prompt), n, tuple(sorted(gen_kwargs.items())))
-    if key not in _ref_cache:
+    refs = _ref_cache.setdefault(model, {})
+    key = (tuple(prompt), n, tuple(sorted(gen_kwargs.items())))
+    if key not in refs:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, output_logits=True,
                                  return_dict_in_generate=True, **gen_kwargs)
         tokens = out.sequences[0, len(prompt):].tolist()
-        _ref_cache[key] = (tokens, torch.cat(out.logits).float())
-    return _ref_cache[key]
+        refs[key] = (tokens, torch.cat(out.logits).float())
+    return refs[key]
 
 
 def assert_matches_hf(model, prompt: list[int], ours: list[int], n: int = MAX_NEW) -> None:

@@ -37,20 +37,13 @@ from engine.models.fp8_linear import E4M3, Fp8Linear, fp8_values
 from engine.models.fp8_loader import fp8_scheme
 from engine.models.gguf_loader import weight_bytes
 from engine.models.quantized_checkpoint import checkpoint_scheme
-from test_correctness_hf import MAX_NEW, _ref_cache, assert_matches_hf, hf_greedy, make_prompts
+from test_correctness_hf import MAX_NEW, assert_matches_hf, hf_greedy, make_prompts
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # static input scales (compressed-tensors' FP8 scheme): q, k and v differ, so a fused qkv keeps three parts
 STATIC = {"q_proj": 0.011, "k_proj": 0.009, "v_proj": 0.013, "o_proj": 0.01, "gate_proj": 0.012,
           "up_proj": 0.012, "down_proj": 0.05}
 U = 2.0**-24  # fp32 unit roundoff
-
-
-@pytest.fixture(autouse=True)
-def fresh_hf_cache():
-    """hf_greedy caches by id(model): the models built here die with their test, and a later one may get the
-    same id."""
-    _ref_cache.clear()
 
 
 # ---- the formats, from their definitions ------------------------------------------------------------------
