@@ -13,7 +13,8 @@ A QuantWeight is a [N, K] weight as ggml's blocks along K, the bytes exactly as 
 Nothing is unpacked at load, so the model's resident weights are the file's size. engine/cpu/gemm_quant.cpp
 multiplies by it at every instruction-set level, for the types its build lists (`gemm_q_types`); otherwise (a
 type that build lacks, or no extension: it does not build, or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0 when the
-weight is made, at load) the fallback dequantizes the whole weight with torch ops on every call: correct, slow, and no more resident memory.
+weight is made, at load) the fallback dequantizes the whole weight with torch ops on every call: correct, slow,
+and no more resident memory.
 
 Activations (TANDEM_QUANT_ACTIVATIONS): "int8" (the default) is llama.cpp's arithmetic: x quantized per call to
 ggml's Q8_0 blocks (gguf.quants' quantizer bit for bit) and integer dot products with the weights' quants, a
