@@ -21,11 +21,10 @@ from engine import LLM, SamplingParams
 from engine.cpu.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QuantEmbedding, QuantLinear, QuantWeight
 from engine.models import from_gguf
 from engine.models.gguf_loader import weight_bytes
+from test_gguf_model import NEAR_TIE, NEAR_TIE_INT8, compare
 
 NEW_TYPES = ("Q5_0", "Q4_K", "Q6_K")
 TOKENS = 16
-NEAR_TIE = 0.05  # logit units: fp32 rounding moves these logits by ~1e-4
-NEAR_TIE_INT8 = 0.5  # logit units, as tests/test_gguf_model.py's
 SHORT = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
          "The three primary colors are", "Water boils at a temperature of", "import numpy as np\n\nx = np.",
          "The quick brown fox", "In 1969, the first humans"]
@@ -105,22 +104,6 @@ def hf_greedy(hf_dir, prompts) -> list[tuple[list[int], list[torch.Tensor]]]:
     return out
 
 
-def first_differences(outs, want, near_tie: float) -> list[tuple[int, int, float]]:
-    """(prompt, position, HF's logit gap) where Tandem first differs; fails unless that is a near-tie."""
-    ties = []
-    for i, (out, (tokens, logits)) in enumerate(zip(outs, want)):
-        if list(out.token_ids) == tokens:
-            continue
-        pos = next((p for p, (a, b) in enumerate(zip(out.token_ids, tokens)) if a != b), None)
-        assert pos is not None, f"prompt {i}: one stops early ({len(out.token_ids)} against HF's {len(tokens)})"
-        gap = (logits[pos][tokens[pos]] - logits[pos][out.token_ids[pos]]).item()
-        assert gap < near_tie, f"prompt {i} differs at token {pos} where HF's logits differ by {gap:.3g}"
-        ties.append((i, pos, gap))
-    print(f"{len(outs) - len(ties)} of {len(outs)} identical; first differences (prompt, position, HF's gap): "
-          f"{[(i, pos, round(gap, 4)) for i, pos, gap in ties]}")
-    return ties
-
-
 def greedy(llm, prompts):
     return llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
 
@@ -165,12 +148,12 @@ def test_the_files_blocks_are_held_as_they_are(llm, gguf_file, hf_dir):
 
 def test_exact_path_greedy_equals_hf(llm, prompts, hf_greedy, monkeypatch):
     monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "fp32")
-    ties = first_differences(greedy(llm, prompts), hf_greedy, NEAR_TIE)
+    ties = compare(greedy(llm, prompts), hf_greedy, NEAR_TIE)
     assert len(ties) <= 1
 
 
 def test_int8_activations_differ_from_hf_only_at_near_ties(llm, prompts, hf_greedy, monkeypatch):
     monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "int8")
     outs = greedy(llm, prompts)
-    first_differences(outs, hf_greedy, NEAR_TIE_INT8)
+    compare(outs, hf_greedy, NEAR_TIE_INT8)
     assert sum(out.token_ids[0] == tokens[0] for out, (tokens, _) in zip(outs, hf_greedy)) >= len(prompts) - 1
