@@ -20,7 +20,9 @@ sum relative to the sum of their magnitudes, which is at most sum |x^| mag(w) (+
 Q6_K (signed quants), |d q| + |m| for Q4_1, |d sc q| + |dmin m| for Q4_K, and |d| (q + 16) for Q5_0 (AVX-512 starts
 a block's first lanes from -16 sum(q_x)). That exact sum is sum x^ (d q + m) (and so on), whereas gguf's weight
 is that rounded to fp32 once (Q4_1, Q4_K; exact for the others), u relative: so within gamma_{9 B + 2} of the
-oracle. The torch fallback is F.linear of the same x^ and weights: the fp32 bound above with x^ for x.
+oracle. The packed layout's kernels (Q8_0 and Q4_1 where the build has AVX-512 VNNI: quant.pack_rows) sum a block's
+32 products in one integer lane, so an output has T = B + B + 2 terms, fewer: the same bound holds. The torch
+fallback is F.linear of the same x^ and weights: the fp32 bound above with x^ for x.
 
 A wrong nibble, bit, swapped scale, dropped block or sign is far outside either bound; where every product and
 partial sum is exact in fp32 (power-of-two scales, small integers; for int8, x with a 127 in every block, so
@@ -424,3 +426,100 @@ def test_new_types_refuse_k_not_a_multiple_of_their_block(level, qtype):
     with pytest.raises(RuntimeError, match=f"x has {3 * qk} features; the weight's rows hold {2 * bytes_} bytes, "
                                            f"{2 * qk} features of {bytes_}-byte blocks of {qk}"):
         level.gemm_q_linear(randn(2, 3 * qk, seed=2), data, int(QT[qtype]), None, True)
+
+
+# The packed layout (quant.pack_rows; gemm_q_packed_types: Q8_0 and Q4_1 in builds with AVX-512 VNNI): where a level
+# packs, QuantWeight runs it and every test above checks it through QuantWeight; the tiles over the file's layout
+# (what that level runs for the other types, and on a CPU without VNNI) are checked here directly.
+
+def packed_by_definition(qtype: str, data: np.ndarray) -> np.ndarray:
+    """The packed layout written out from its definition, a byte at a time: per group of 16 rows (zero rows after
+    the last) and block j: dword k of each row's quants in row order (Q8_0's + 128), then the rows' d, then Q4_1's m."""
+    nbytes, head = {"Q8_0": (34, 2), "Q4_1": (20, 4)}[qtype]
+    n, blocks = data.shape[0], data.shape[1] // nbytes
+    groups = -(-n // 16)
+    rows = np.zeros((groups * 16, data.shape[1]), np.uint8)
+    rows[:n] = data
+    out = []
+    for g in range(groups):
+        for j in range(blocks):
+            unit = []
+            block = [rows[16 * g + lane, j * nbytes:(j + 1) * nbytes] for lane in range(16)]
+            for k in range((nbytes - head) // 4):
+                for b in block:
+                    dword = b[head + 4 * k:head + 4 * k + 4]
+                    unit.extend(int(v) ^ 0x80 if qtype == "Q8_0" else int(v) for v in dword)
+            for s in range(0, head, 2):
+                for b in block:
+                    unit.extend(int(v) for v in b[s:s + 2])
+            out.extend(unit)
+    return np.array(out, np.uint8).reshape(groups, -1)
+
+
+@qtypes
+@pytest.mark.parametrize("n", [1, 16, 21, 40])
+def test_packed_layout_is_its_definition_and_unpacks_to_the_files_bytes(qtype, n):
+    data = raw_blocks(qtype, n, 96, seed=n)
+    packed = quant.pack_rows(qtype, torch.from_numpy(data))
+    assert np.array_equal(packed.numpy(), packed_by_definition(qtype, data))
+    assert torch.equal(quant.unpack_rows(qtype, packed, n), torch.from_numpy(data))
+
+
+@kernel_levels
+@qtypes
+def test_packed_rows_are_the_files_rows(level, qtype):
+    """The kernel's lookup of a packed weight's rows (an embedding's), in the file's layout, any order, repeats."""
+    data = raw_blocks(qtype, 40, 96, seed=2)
+    rows = torch.tensor([39, 0, 17, 17, 33])
+    if qtype not in level.gemm_q_packed_types:
+        pytest.skip(f"the {level.isa} build has no packed kernels (AVX-512 VNNI only)")
+    got = level.packed_rows(quant.pack_rows(qtype, torch.from_numpy(data)), int(QT[qtype]), rows)
+    assert torch.equal(got, torch.from_numpy(data)[rows])
+    with pytest.raises(RuntimeError, match="row 48 is out of range"):
+        level.packed_rows(quant.pack_rows(qtype, torch.from_numpy(data)), int(QT[qtype]), torch.tensor([48]))
+
+
+@qtypes
+def test_weights_pack_where_the_level_has_packed_kernels(level, qtype):
+    """A packed weight holds its file's bytes plus its padding rows, reads back as them, and says so."""
+    data = raw_blocks(qtype, 21, 96, seed=1)
+    weight = quant.QuantWeight(qtype, torch.from_numpy(data), 96)
+    packs = level is not None and qtype in level.gemm_q_packed_types
+    assert weight.packed is packs and ("packed" in repr(weight)) is packs
+    assert weight.nbytes == (32 if packs else 21) * data.shape[1]  # 2 groups of 16 rows
+    assert torch.equal(weight.data, torch.from_numpy(data)) and weight.out_features == 21
+
+
+@kernel_levels
+@qtypes
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("out_features,in_features", [(5, 64), (47, 96), (66, 1536)])
+def test_file_layout_tiles_within_the_bound_at_every_level(level, qtype, rows, out_features, in_features,
+                                                           activations):
+    weight, oracle = quantized(qtype, out_features, in_features, seed=rows)
+    x = randn(rows, in_features, seed=2) * torch.tensor([1e-3, 1.0, 40.0]).repeat(rows)[:rows, None]
+    bias = randn(out_features, seed=3)
+    y = level.gemm_q_linear(x, weight.data, int(QT[qtype]), bias, activations == "int8")
+    expect(y, x, weight, oracle, bias, activations, level)
+
+
+@kernel_levels
+def test_packed_kernel_refuses_what_it_cannot_run(level):
+    data = torch.from_numpy(raw_blocks("Q4_1", 20, 64, seed=1))
+    if "Q4_1" not in level.gemm_q_packed_types:
+        assert level.gemm_q_packed_types == ()
+        with pytest.raises(RuntimeError, match="no packed kernel for Q4_1 in this build"):
+            level.gemm_q_packed(randn(1, 64, seed=2), data, 3, None, 20, True)
+        return
+    assert level.gemm_q_packed_types == ("Q8_0", "Q4_1")
+    packed = quant.pack_rows("Q4_1", data)
+    with pytest.raises(RuntimeError, match="no packed kernel for Q5_0 in this build"):
+        level.gemm_q_packed(randn(1, 64, seed=2), packed, 6, None, 20, True)
+    with pytest.raises(RuntimeError, match=r"20 outputs of 64 features packed are a contiguous uint8 \[2, 640\]; "
+                                           r"got Byte \[2, 960\]"):
+        level.gemm_q_packed(randn(1, 96, seed=2)[:, :64], quant.pack_rows("Q4_1", torch.cat([data, data[:, :20]], 1)),
+                            3, None, 20, True)
+    with pytest.raises(RuntimeError, match="x must be float32, got BFloat16"):
+        level.gemm_q_packed(randn(1, 64, seed=2).bfloat16(), packed, 3, None, 20, False)
+    with pytest.raises(RuntimeError, match="float32 bias of 20 values, got Float of 3"):
+        level.gemm_q_packed(randn(1, 64, seed=2), packed, 3, randn(3, seed=3), 20, True)

@@ -187,6 +187,81 @@ void run(const float* x, const uint8_t* w, const float* bias, float* y, int64_t 
 
 #pragma GCC pop_options
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// The exact path on the packed layout (gemm_quant_int8.cpp describes it): per unit and weight t of the block, the 16
+// rows' quants (a byte, or a nibble, of each lane's dword) dequantized to 16 fp32 weights, gguf's bit for bit (an FMA
+// d * q + m: d * q is exact), then an FMA of x[t] into one of four chains a row of x (t mod 4) for all 16 outputs.
+// Per output: the four chains over k, then (c0 + c1) + (c2 + c3), + bias.
+template <int64_t QT, int R>
+inline void tile_packed_f32(const float* x, int64_t ldx, const uint8_t* w, int nr, int64_t blocks, const float* bias,
+                            float* y, int64_t ldy) {
+  constexpr int64_t scales = QT == kGgmlQ4_1 ? 256 : 512;  // the unit's d (then Q4_1's m) after its quants
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(QT == kGgmlQ4_1 ? 0x0F : 0xFF);
+  for (int64_t j = 0; j < blocks; ++j) {
+    const uint8_t* unit = w + j * kUnitBytes<QT>;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + scales)));
+    const __m512 mw = QT == kGgmlQ4_1
+                          ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + scales + 32)))
+                          : _mm512_setzero_ps();
+#pragma GCC unroll 32
+    for (int t = 0; t < kBlock; ++t) {
+      // Q4_1: weight t is the low (t < 16) or high nibble of byte t % 4 of dword (t % 16) / 4; Q8_0: byte t % 4 of
+      // dword t / 4, less 128
+      const int k = QT == kGgmlQ4_1 ? (t % 16) / 4 : t / 4;
+      const int shift = 8 * (t % 4) + (QT == kGgmlQ4_1 ? 4 * (t / 16) : 0);
+      __m512i q = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(unit + 64 * k), shift), mask);
+      if constexpr (QT == kGgmlQ8_0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(128));
+      const __m512 wt = QT == kGgmlQ4_1 ? _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), mw)
+                                        : _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+      for (int m = 0; m < R; ++m)
+        acc[m][t % 4] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + j * kBlock + t]), wt, acc[m][t % 4]);
+    }
+  }
+  const __mmask16 keep = __mmask16((1u << nr) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+  for (int m = 0; m < R; ++m) {
+    __m512 out = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+    if (bias) out = _mm512_add_ps(out, b);
+    _mm512_mask_storeu_ps(y + m * ldy, keep, out);
+  }
+}
+
+template <int64_t QT>
+void run_packed_f32(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+  using Tile = void (*)(const float*, int64_t, const uint8_t*, int, int64_t, const float*, float*, int64_t);
+  static constexpr Tile table[4] = {tile_packed_f32<QT, 1>, tile_packed_f32<QT, 2>, tile_packed_f32<QT, 3>,
+                                    tile_packed_f32<QT, 4>};
+  const int64_t groups = (N + kGroupRows - 1) / kGroupRows, blocks = K / kBlock;
+  const int64_t group_bytes = blocks * kUnitBytes<QT>;
+  for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
+    const int64_t c1 = std::min(M, c0 + kChunk);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * kGroupRows;
+        const int nr = int(std::min<int64_t>(kGroupRows, N - n0));
+        for (int64_t m0 = c0; m0 < c1; m0 += 4)
+          table[std::min<int64_t>(4, c1 - m0) - 1](x + m0 * K, K, w + g * group_bytes, nr, blocks,
+                                                   bias ? bias + n0 : nullptr, y + m0 * N + n0, N);
+      }
+    });
+  }
+}
+#endif
+
+// The fp32 path on the packed layout (a build with kPackedKernels; qtype Q8_0 or Q4_1).
+void gemm_fp32_packed(int64_t qtype, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
+                      int64_t K, int64_t N) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  if (qtype == kGgmlQ8_0) return run_packed_f32<kGgmlQ8_0>(x, w, bias, y, M, K, N);
+  return run_packed_f32<kGgmlQ4_1>(x, w, bias, y, M, K, N);
+#else
+  (void)qtype, (void)x, (void)w, (void)bias, (void)y, (void)M, (void)K, (void)N;
+#endif
+}
+
 // The types gemm_q_linear runs, in gemm_q_types' order.
 struct QType {
   int64_t id;
@@ -253,6 +328,71 @@ at::Tensor gemm_q_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
   return y.view(out_shape);
 }
 
+// x [..., K] float32 @ W^T (+ bias [N]) -> [..., N] float32, W [N, K] in the packed layout
+// (gemm_quant_int8.cpp's tile_packed; quant.py's pack_rows): [ceil(N / 16), K / 32 * 16 * block bytes] uint8.
+at::Tensor gemm_q_packed(const at::Tensor& x, const at::Tensor& packed, int64_t qtype,
+                         const c10::optional<at::Tensor>& bias, int64_t N, bool int8_x) {
+  const QType& t = find_qtype(qtype);
+  TORCH_CHECK(kPackedKernels && (qtype == kGgmlQ8_0 || qtype == kGgmlQ4_1), "gemm_q_packed: no packed kernel for ",
+              t.name, " in this build; valid: gemm_q_packed_types");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gemm_q_packed: x must be float32, got ", x.scalar_type());
+  const int64_t K = x.size(-1), groups = (N + 15) / 16;
+  TORCH_CHECK(N > 0 && K % t.qk == 0, "gemm_q_packed: x has ", K, " features; ", t.name, " weights take a multiple of ",
+              t.qk, " (and N > 0)");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == groups && packed.size(1) == K / t.qk * 16 * t.bytes,
+              "gemm_q_packed: ", N, " outputs of ", K, " features packed are a contiguous uint8 [", groups, ", ",
+              K / t.qk * 16 * t.bytes, "]; got ", packed.scalar_type(), " ", packed.sizes());
+  const auto xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "gemm_q_packed: a float32 bias of ", N,
+                " values, got ", bias->scalar_type(), " of ", bias->numel());
+    b = bias->contiguous();
+  }
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  if (M > 0) {
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    (int8_x ? gemm_int8_packed : gemm_fp32_packed)(qtype, xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), bp,
+                                                    y.data_ptr<float>(), M, K, N);
+  }
+  return y.view(out_shape);
+}
+
+// Rows of a weight in the packed layout back in the file's layout: packed [groups, B * 16 * block bytes] uint8 ->
+// [len(rows), B * block bytes] (an embedding's lookup; quant.py's unpack_rows is the same in torch ops).
+at::Tensor packed_rows(const at::Tensor& packed, int64_t qtype, const at::Tensor& rows) {
+  TORCH_CHECK(qtype == kGgmlQ8_0 || qtype == kGgmlQ4_1, "packed_rows: the packed layout is Q8_0's or Q4_1's");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed_rows: packed must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(rows.scalar_type() == at::kLong, "packed_rows: rows must be int64");
+  const int64_t bytes = qtype == kGgmlQ8_0 ? kBlockBytes<kGgmlQ8_0> : kBlockBytes<kGgmlQ4_1>;
+  const int64_t head = qtype == kGgmlQ8_0 ? 2 : 4, unit = kGroupRows * bytes, blocks = packed.size(1) / unit;
+  const uint8_t flip = qtype == kGgmlQ8_0 ? 0x80 : 0;  // Q8_0's quants are stored + 128
+  const auto ids = rows.reshape({-1}).contiguous();
+  const int64_t n = ids.numel(), limit = packed.size(0) * kGroupRows;
+  auto out = at::empty({n, blocks * bytes}, packed.options());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < limit, "packed_rows: row ", ip[i], " is out of range");
+    const int64_t lane = ip[i] % kGroupRows;
+    const uint8_t* group = src + ip[i] / kGroupRows * packed.size(1);
+    for (int64_t j = 0; j < blocks; ++j) {
+      const uint8_t* u = group + j * unit;
+      uint8_t* o = dst + (i * blocks + j) * bytes;
+      for (int64_t s = 0; s < head; s += 2) std::memcpy(o + s, u + (bytes - head) * kGroupRows + 16 * s + 2 * lane, 2);
+      for (int64_t k = 0; k < (bytes - head) / 4; ++k)
+        for (int b = 0; b < 4; ++b) o[head + 4 * k + b] = u[64 * k + 4 * lane + b] ^ flip;
+    }
+  }
+  return out;
+}
+
 // x [..., K] float32 -> [..., K / 32 * 34] uint8: its Q8_0 blocks as the int8 path quantizes it (and as
 // gguf.quants.quantize would write them), for tests.
 at::Tensor quantize_q8_0(const at::Tensor& x) {
@@ -273,9 +413,16 @@ void register_gemm_quant(pybind11::module& m) {
   m.def("gemm_q_linear", &gemm_q_linear, "x @ W^T (+ bias) with W in GGUF blocks of gemm_q_types (CPU)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("qtype"), pybind11::arg("bias"),
         pybind11::arg("int8_x"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gemm_q_packed", &gemm_q_packed, "x @ W^T (+ bias), W in the packed layout of gemm_q_packed_types (CPU)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("qtype"), pybind11::arg("bias"),
+        pybind11::arg("out_features"), pybind11::arg("int8_x"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("packed_rows", &packed_rows, "rows of a packed weight in the file's block layout (CPU)",
+        pybind11::arg("packed"), pybind11::arg("qtype"), pybind11::arg("rows"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize_q8_0", &quantize_q8_0, "x's Q8_0 blocks as gemm_q_linear's int8 path quantizes it (CPU)",
         pybind11::arg("x"), pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::tuple names(std::size(kQTypes));
   for (size_t i = 0; i < std::size(kQTypes); ++i) names[i] = kQTypes[i].name;
   m.attr("gemm_q_types") = names;
+  m.attr("gemm_q_packed_types") = kPackedKernels ? pybind11::make_tuple("Q8_0", "Q4_1") : pybind11::tuple();
 }

@@ -10,7 +10,10 @@ A QuantWeight is a [N, K] weight as ggml's blocks along K, the bytes exactly as 
         2c the low nibbles of bytes 32c..32c+31, 2c + 1 their high ones);              w = (d sc_j) q - dmin m_j
   Q6_K  256 in 210: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 weights), fp16 d;
         w = (d sc_i) (q - 32)
-Nothing is unpacked at load, so the model's resident weights are the file's size. engine/cpu/gemm_quant.cpp
+Nothing is unpacked at load, so the model's resident weights are the file's size (Q8_0 and Q4_1 on AVX-512 VNNI
+are repacked at load into the packed layout, `pack_rows`: the same bytes, 16 rows' blocks interleaved, so that one
+integer dot instruction serves 16 outputs; a decode step's linears then stream at memory speed instead of compute
+speed). engine/cpu/gemm_quant.cpp
 multiplies by it at every instruction-set level, for the types its build lists (`gemm_q_types`); otherwise (a
 type that build lacks, or no extension: it does not build, or TANDEM_CPU_GEMM=0 / TANDEM_CPU_KERNELS=0 when the
 weight is made, at load) the fallback dequantizes the whole weight with torch ops on every call: correct, slow,
@@ -74,8 +77,12 @@ def q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 class QuantWeight:
-    """A [out_features, in_features] weight in ggml blocks of `qtype`; `data` uint8 [N, K / 32 * block bytes].
-    Callable as a packed head (engine/cpu/linear.py's packed_linear): `w(x, bias)` is x @ W^T (+ bias)."""
+    """A [out_features, in_features] weight in ggml blocks of `qtype`; `data` uint8 [N, K / 32 * block bytes], the
+    file's layout. Callable as a packed head (engine/cpu/linear.py's packed_linear): `w(x, bias)` is x @ W^T (+ bias).
+
+    Held as given, or, where this build has packed kernels for the type (`gemm_q_packed_types`: Q8_0 and Q4_1 with
+    AVX-512 VNNI), in the packed layout (`pack_rows`: the same bytes, plus at most 15 rows of padding), which both
+    activation paths run on; `data` then unpacks a copy."""
 
     def __init__(self, qtype: str, data: torch.Tensor, in_features: int):
         if qtype not in BLOCK_BYTES:
@@ -87,22 +94,34 @@ class QuantWeight:
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row:
             raise ValueError(f"a {qtype} weight of {in_features} features is uint8 [N, {row}]; got "
                              f"{data.dtype} {tuple(data.shape)}")
-        self.qtype, self.data, self.in_features = qtype, data.contiguous(), in_features
+        self.qtype, self.in_features, self.rows = qtype, in_features, data.shape[0]
         # the kernels are chosen once, at load (as the float linears' CPU GEMM is): looking them up took ~3 us a
         # call, ~5% of a SmolLM2 decode step; the activation switch is still read at every call
         self.kernels = quant_kernels(qtype)
+        self.packed = self.kernels is not None and self.rows > 0 and qtype in getattr(self.kernels,
+                                                                                         "gemm_q_packed_types", ())
+        self._store = pack_rows(qtype, data) if self.packed else data.contiguous()
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The blocks in the file's layout, [N, K / QK * block bytes] (a copy when the weight is packed)."""
+        return unpack_rows(self.qtype, self._store, self.rows) if self.packed else self._store
 
     @property
     def out_features(self) -> int:
-        return self.data.shape[0]
+        return self.rows
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self._store.numel()
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weight [N, K] (or only `rows`, for an embedding lookup), as gguf.quants.dequantize gives it."""
-        data = self.data if rows is None else self.data.index_select(0, rows.reshape(-1))
+        if self.packed:
+            data = (unpack_rows(self.qtype, self._store, self.rows) if rows is None else
+                    self.kernels.packed_rows(self._store, GGML_TYPE_IDS[self.qtype], rows.reshape(-1)))
+        else:
+            data = self._store if rows is None else self._store.index_select(0, rows.reshape(-1))
         blocks = data.view(data.shape[0], -1, BLOCK_BYTES[self.qtype])  # [n, K / QK, bytes]
         return _DEQUANTIZE[self.qtype](blocks).reshape(data.shape[0], self.in_features)
 
@@ -110,10 +129,60 @@ class QuantWeight:
         int8 = int8_activations()
         if self.kernels is None:
             return F.linear(q8_0_round_trip(x) if int8 else x, self.dequantize(), bias)
-        return self.kernels.gemm_q_linear(x, self.data, GGML_TYPE_IDS[self.qtype], bias, int8)
+        if self.packed:
+            return self.kernels.gemm_q_packed(x, self._store, GGML_TYPE_IDS[self.qtype], bias, self.rows, int8)
+        return self.kernels.gemm_q_linear(x, self._store, GGML_TYPE_IDS[self.qtype], bias, int8)
 
     def __repr__(self) -> str:
-        return f"QuantWeight({self.qtype}, [{self.out_features}, {self.in_features}])"
+        packed = ", packed" if self.packed else ""
+        return f"QuantWeight({self.qtype}, [{self.out_features}, {self.in_features}]{packed})"
+
+
+GROUP_ROWS = 16  # weight rows a group of the packed layout
+
+
+def _packed_parts(qtype: str) -> tuple[int, int]:
+    """The packed layout's dwords of quants a row's block, and the bytes of fp16 scales that start a file block
+    (d, then Q4_1's m), which follow the quants in a packed unit in the same order."""
+    return {"Q4_1": (4, 4), "Q8_0": (8, 2)}[qtype]
+
+
+def pack_rows(qtype: str, data: torch.Tensor) -> torch.Tensor:
+    """[N, blocks * bytes] file blocks (Q8_0 or Q4_1) -> the packed layout, [ceil(N / 16), blocks * 16 * bytes]: the
+    rows padded with zero blocks to a multiple of 16; per group of 16 rows and block j (16 * bytes together): dword k
+    of the block's quants of each of the 16 rows (64 bytes a k, row order), then the 16 rows' fp16 d, then (Q4_1)
+    their m. Q8_0's quants are stored + 128 (unsigned). gemm_quant_int8.cpp's tile_packed reads it."""
+    dwords, scales = _packed_parts(qtype)
+    n, nbytes = data.shape[0], BLOCK_BYTES[qtype]
+    groups = -(-n // GROUP_ROWS)
+    padded = torch.zeros(groups * GROUP_ROWS, data.shape[1], dtype=torch.uint8)
+    padded[:n] = data
+    blocks = padded.view(groups, GROUP_ROWS, -1, nbytes)  # [G, 16, B, bytes]
+    qs = blocks[..., scales:]
+    if qtype == "Q8_0":
+        qs = qs ^ 0x80
+    qs = qs.reshape(groups, GROUP_ROWS, -1, dwords, 4).permute(0, 2, 3, 1, 4)  # [G, B, k, 16, 4]
+    parts = [qs.reshape(groups, -1, dwords * 64)]
+    for s in range(0, scales, 2):  # d (and m): [G, B, 16, 2]
+        parts.append(blocks[..., s:s + 2].permute(0, 2, 1, 3).reshape(groups, -1, 32))
+    return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
+
+
+def unpack_rows(qtype: str, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_rows undone: the file blocks of the first n rows, [n, blocks * bytes] (a packed QuantWeight's `data`;
+    an embedding's lookup of a few rows goes through the kernel's packed_rows instead)."""
+    dwords, scales = _packed_parts(qtype)
+    groups = packed.shape[0]
+    units = packed.view(groups, -1, GROUP_ROWS * BLOCK_BYTES[qtype])  # [G, B, 16 * bytes]
+    qs = units[..., :dwords * 64].reshape(groups, -1, dwords, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)  # [G, 16, B, k, 4]
+    if qtype == "Q8_0":
+        qs = qs ^ 0x80
+    parts = []
+    for s in range(0, scales, 2):  # [G, 16, B, 2]
+        at = dwords * 64 + 16 * s
+        parts.append(units[..., at:at + 32].reshape(groups, -1, GROUP_ROWS, 2).permute(0, 2, 1, 3))
+    parts.append(qs.reshape(groups, GROUP_ROWS, -1, dwords * 4))
+    return torch.cat(parts, dim=-1).reshape(groups * GROUP_ROWS, -1)[:n].contiguous()
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:

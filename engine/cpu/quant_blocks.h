@@ -168,5 +168,20 @@ void for_tiles(int64_t M, int64_t N, const Tile& tile) {
 void gemm_int8(int64_t qtype, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t K,
                int64_t N);
 void quantize_blocks_q8_0(const float* x, int64_t blocks, uint8_t* out);
+// The same product with W in the packed layout (gemm_quant_int8.cpp; quant.py's pack_rows): [ceil(N / 16), K / 32 *
+// 16 * block bytes] uint8, qtype Q8_0 or Q4_1, in a build with kPackedKernels (a no-op elsewhere).
+void gemm_int8_packed(int64_t qtype, const float* x, const uint8_t* w, const float* bias, float* y, int64_t M,
+                      int64_t K, int64_t N);
+// The packed layout: 16 weight rows a group, a group's block j of all 16 rows together (a unit).
+constexpr int kGroupRows = 16;
+template <int64_t QT>
+constexpr int64_t kUnitBytes = kGroupRows * kBlockBytes<QT>;  // 320 (Q4_1) or 544 (Q8_0)
+// Whether this build has the packed kernels, for Q8_0 and Q4_1: with AVX-512 VNNI, not elsewhere.
+constexpr bool kPackedKernels =
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    true;
+#else
+    false;
+#endif
 
 }  // namespace tandem_quant
