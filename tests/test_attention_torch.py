@@ -147,6 +147,86 @@ def test_cpu_decode_kernel_fp32_equals_dense(dim, bs, num_seqs, window, softcap)
         torch.testing.assert_close(out[b:b + 1], ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,half", [(64, 32), (128, 64), (64, 16)])  # (64, 16): partial rotary
+@pytest.mark.parametrize("window,softcap", [(0, None), (37, 3.0)])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_decode_attend_is_rope_store_and_paged_decode_bit_for_bit(dtype, dim, half, window, softcap, rotate):
+    """decode_attend (a decode step's attention from the qkv projection in one call) against the calls it replaces:
+    rope_ on q and k in place, the K/V rows into their slots (one slot -1: not stored), paged_decode of the q heads."""
+    torch.manual_seed(3)
+    heads, kv_heads, bs, nblocks = 9, 3, 16, 64
+    lens = [1, 17, 300, 45]
+    kernel = cpu_native.load()
+    k_cache = torch.randn(nblocks, bs, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(nblocks, bs, kv_heads, dim).to(dtype)
+    tables = torch.stack([torch.randperm(nblocks)[:-(-max(lens) // bs)] for _ in lens]).int()
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(lens)])
+    slots[2] = -1
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(len(lens), width + 8).to(dtype)[:, :width]  # strided rows, as a fused projection's slice
+    cos, sin = torch.randn(len(lens), 1, half).to(dtype), torch.randn(len(lens), 1, half).to(dtype)
+    rope = (cos, sin) if rotate else (None, None)
+
+    want_qkv, want_k, want_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    if rotate:
+        kernel.rope_(want_qkv, cos[:, 0], sin[:, 0], heads + kv_heads, dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k.view(-1, kv_heads, dim)[slot] = want_qkv[t, heads * dim:(heads + kv_heads) * dim].view(kv_heads, dim)
+            want_v.view(-1, kv_heads, dim)[slot] = want_qkv[t, (heads + kv_heads) * dim:].view(kv_heads, dim)
+    lens32 = torch.tensor(lens, dtype=torch.int32)
+    want = kernel.paged_decode(want_qkv[:, :heads * dim].contiguous().view(-1, heads, dim), want_k, want_v, tables,
+                               lens32, dim ** -0.5, window, softcap or 0.0)
+
+    got = kernel.decode_attend(qkv, *rope, k_cache, v_cache, slots, tables, lens32, heads, kv_heads, dim ** -0.5,
+                               window, softcap or 0.0)
+    assert got.shape == (len(lens), heads * dim) and got.dtype == dtype
+    assert torch.equal(got, want.view(len(lens), -1))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v) and torch.equal(qkv, want_qkv)
+
+
+def test_decode_attend_refuses_what_it_cannot_run():
+    kernel = cpu_native.load()
+    qkv, cache = torch.randn(2, 5 * 64), torch.randn(8, 16, 1, 64)
+    args = (torch.tensor([3, 4]), torch.zeros(2, 1, dtype=torch.int32), torch.tensor([4, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="caches must be contiguous, in qkv's dtype"):
+        kernel.decode_attend(qkv, None, None, cache.bfloat16(), cache.bfloat16(), *args, 3, 1, 0.125, 0, 0.0)
+    with pytest.raises(RuntimeError, match=r"qkv must be \[tokens, \(heads \+ 2 kv_heads\) head_dim\]"):
+        kernel.decode_attend(qkv, None, None, cache, cache, *args, 2, 1, 0.125, 0, 0.0)
+    with pytest.raises(RuntimeError, match="slot 200 is past the cache's 128"):
+        kernel.decode_attend(qkv, None, None, cache, cache, torch.tensor([3, 200]), *args[1:], 3, 1, 0.125, 0, 0.0)
+
+
+def test_cpu_backend_takes_decode_steps_from_qkv_and_leaves_mixed_steps():
+    """CpuPagedAttention.decode_qkv runs a decode-only step and declines (None, nothing written) a step with a
+    prefill chunk or a cache of another dtype, which the eager path then serves."""
+    backend = get_backend("cpu")
+    heads, kv_heads, dim, bs = 4, 2, 64, 16
+    caches = torch.zeros(8, bs, kv_heads, dim), torch.zeros(8, bs, kv_heads, dim)
+    tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+
+    def meta(query_lens, seq_lens):
+        slots = [int(tables[i, (n - q + j) // bs]) * bs + (n - q + j) % bs
+                 for i, (q, n) in enumerate(zip(query_lens, seq_lens)) for j in range(q)]
+        starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).int()
+        m = AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=starts, block_tables=tables,
+                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_size=bs,
+                              query_lens_host=query_lens, seq_lens_host=seq_lens)
+        backend.prepare(m)
+        return m
+
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim)
+    out = backend.decode_qkv(qkv, None, *caches, meta([1, 1], [5, 20]), 0.125, None, heads, kv_heads)
+    assert out.shape == (2, heads * dim) and caches[0].abs().sum() > 0
+    mixed = torch.randn(4, (heads + 2 * kv_heads) * dim)
+    before = caches[0].clone()
+    assert backend.decode_qkv(mixed, None, *caches, meta([1, 3], [6, 3]), 0.125, None, heads, kv_heads) is None
+    assert backend.decode_qkv(qkv.bfloat16(), None, *caches, meta([1, 1], [6, 21]), 0.125, None, heads,
+                              kv_heads) is None
+    assert torch.equal(caches[0], before)
+
+
 # A step's multi-token chunks for the prefill kernel (query tokens, seq_len): whole prompts, chunks continuing a
 # context (queries at positions seq_len - n .. seq_len - 1, keys past the 256-key chunks of the online softmax)
 # and a 2-token chunk.

@@ -270,6 +270,24 @@ class CpuPagedAttention(TorchPagedAttention):
     def _units_for(self, plan: _Plan, window: int | None) -> tuple[list, None]:
         return plan.decodes, None  # both native units take the window as a kernel argument
 
+    def decode_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: LayerAttention | None,
+                   heads: int, kv_heads: int) -> torch.Tensor | None:
+        """A decode-only step's attention for one layer straight from its qkv projection [T, (H + 2 Hkv) D], in one
+        kernel call (decode_attention.cpp's decode_attend: q and k rotated in place with `rope`'s tables unless it
+        is None, K/V stored, paged decode): [T, H * D], what Attention.attend's eager path computes, bit for bit.
+        None, with nothing done, where that path is needed: a step with a multi-token chunk, or a cache in another
+        dtype than qkv's."""
+        plan = meta.backend_data
+        if plan.layout.chunks or len(plan.decodes) != 1 or qkv.dtype != k_cache.dtype or qkv.stride(1) != 1:
+            return None
+        g = plan.decodes[0]
+        window = self.sliding_window if layer is None else layer.sliding_window
+        softcap = None if layer is None else layer.softcap
+        cos, sin = rope if rope is not None else (None, None)
+        return self.kernel.decode_attend(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, g.blocks, g.lens, heads,
+                                         kv_heads, scale, window or 0, softcap or 0.0)
+
     def _decode(self, q, k_cache, v_cache, g: _NativeDecode, scale: float, window: int | None,
                 softcap: float | None, scales: KVScales) -> torch.Tensor:
         """(A CPU cache is never fp8, so `scales` are not read: engine/kv_dtype.py refuses fp8 on cpu.)"""

@@ -24,6 +24,10 @@
 #include <type_traits>
 #include <vector>
 
+namespace tandem_fused {
+void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
+}  // namespace tandem_fused
+
 namespace {
 
 template <typename T>
@@ -364,6 +368,49 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// A decode-only step's whole attention for one layer, from its qkv projection: what Attention.attend and the
+// backend's forward otherwise do in some twenty torch calls a layer. qkv [T, (H + 2 Hkv) D] (rows contiguous: q
+// heads, k heads, v heads); cos/sin [T, 1 or none, half] in qkv's dtype, or None (no rotary here: q and k as they
+// are); k/v caches [blocks, block_size, Hkv, D] in qkv's dtype; slots [T] int64 (-1: not stored); block_tables /
+// seq_lens as paged_decode's, a row each. Rotates q and k in qkv in place (fused.cpp's rope_), copies each row's k
+// and v into its slot, then paged_decode of the q heads. Returns [T, H * D].
+at::Tensor decode_attend(const at::Tensor& qkv, const c10::optional<at::Tensor>& cos,
+                         const c10::optional<at::Tensor>& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         int64_t heads, int64_t kv_heads, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == kv_heads && v_cache.sizes() == k_cache.sizes(),
+              "decode_attend: caches must be [blocks, block_size, ", kv_heads, ", head_dim]");
+  const int64_t tokens = qkv.size(0), d = k_cache.size(3), row = kv_heads * d;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "decode_attend: qkv must be [tokens, (heads + 2 kv_heads) head_dim] with contiguous rows");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decode_attend: the caches must be contiguous, in qkv's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == tokens &&
+                  block_tables.size(0) == tokens && seq_lens.size(0) == tokens,
+              "decode_attend: a slot, a block table row and a length per token");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "decode_attend: cos and sin together");
+  if (cos.has_value()) {
+    const at::Tensor c = cos->reshape({tokens, -1}), s = sin->reshape({tokens, -1});
+    tandem_fused::rope(qkv, c, s, heads + kv_heads, d);
+  }
+  const auto slot = slots.contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.numel() / row, bytes = row * qkv.element_size();
+  const char* src = static_cast<const char*>(qkv.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ld = qkv.stride(0) * qkv.element_size(), es = qkv.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (sp[t] < 0) continue;
+    TORCH_CHECK(sp[t] < capacity, "decode_attend: slot ", sp[t], " is past the cache's ", capacity);
+    std::memcpy(kc + sp[t] * bytes, src + t * ld + heads * d * es, bytes);
+    std::memcpy(vc + sp[t] * bytes, src + t * ld + (heads + kv_heads) * d * es, bytes);
+  }
+  const at::Tensor q = qkv.narrow(1, 0, heads * d).contiguous().view({tokens, heads, d});
+  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap).view({tokens, heads * d});
+}
+
 }  // namespace
 
 void register_fused(pybind11::module& m);  // engine/cpu/fused.cpp, built into the same module
@@ -381,4 +428,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,
         // Without the GIL, as PyTorch's own ops run: the replica's Serve thread ships chunks meanwhile.
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_attend", &decode_attend, "a decode-only step's attention for one layer from its qkv (CPU)",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+        pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("scale"), pybind11::arg("window"),
+        pybind11::arg("softcap"), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

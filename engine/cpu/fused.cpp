@@ -493,6 +493,10 @@ template void silu_mul_rows<float>(const float*, const float*, int64_t, int64_t,
                                    int64_t);
 template void silu_mul_rows<at::BFloat16>(const float*, const float*, int64_t, int64_t, int64_t, at::BFloat16*,
                                           int64_t, int64_t, int64_t);
+// fused.cpp's rope_ for the other sources of the module (decode_attention.cpp's decode_attend).
+void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  rope_(x, cos, sin, heads, head_dim);
+}
 }  // namespace tandem_fused
 
 void register_fused(pybind11::module& m) {

@@ -185,6 +185,12 @@ class Attention(nn.Module):
         """Every row's K/V into the cache and its attention output before o_proj, [T, heads * head_dim]."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if self.rope_kernel is not None:  # the CPU backend takes a decode step from qkv in one kernel call
+            whole = getattr(self.backend, "decode_qkv", None)
+            o = None if whole is None else whole(qkv, rope, kv[0], kv[1], meta, self.scale, self.layer, h,
+                                                 self.num_kv_heads)
+            if o is not None:
+                return o
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, d)  # [T, H + Hkv, D]: q heads, then k heads
         if self.rope_kernel is not None:  # q and k rotated in place inside qkv, one pass
             self.rope_kernel.rope_(qkv, rope[0][:, 0], rope[1][:, 0], h + self.num_kv_heads, d)
