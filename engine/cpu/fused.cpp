@@ -493,10 +493,16 @@ template void silu_mul_rows<float>(const float*, const float*, int64_t, int64_t,
                                    int64_t);
 template void silu_mul_rows<at::BFloat16>(const float*, const float*, int64_t, int64_t, int64_t, at::BFloat16*,
                                           int64_t, int64_t, int64_t);
-// fused.cpp's rope_ for the other sources of the module (decode_attention.cpp's decode_attend).
+// This file's ops for the other sources of the module (decode_attention.cpp's decode_attend and decode_layers).
 void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim) {
   rope_(x, cos, sin, heads, head_dim);
 }
+// [residual add +] RMSNorm: the fp32 kernel at `lanes` (8 or 16), or with lanes 0 the bf16 one; {out, stream}.
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                     const at::Tensor& w, double eps, int64_t lanes) {
+  return lanes ? rms_norm_f32(x, residual, w, eps, lanes) : rms_norm(x, residual, w, eps);
+}
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return silu_mul(gate_up); }
 }  // namespace tandem_fused
 
 void register_fused(pybind11::module& m) {

@@ -426,6 +426,16 @@ at::Tensor gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c1
 
 }  // namespace
 
+namespace tandem_gemm {  // gemm.cpp's entry points for the other sources of the module (decode_layers)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n) {
+  return gemm_linear(x, packed, bias, n);
+}
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t n) {
+  return gemm_silu_mul(x, packed, bias, n);
+}
+}  // namespace tandem_gemm
+
 void register_gemm(pybind11::module& m) {
   m.def("gemm_pack", &gemm_pack, "a weight [N, K] into gemm_linear's panels", pybind11::arg("weight"));
   m.def("gemm_linear", &gemm_linear, "x @ W^T (+ bias) with W packed by gemm_pack (CPU)", pybind11::arg("x"),

@@ -409,6 +409,13 @@ at::Tensor quantize_q8_0(const at::Tensor& x) {
 
 }  // namespace
 
+namespace tandem_quant {  // this file's entry points for the other sources of the module (decode_layers)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
+                  int64_t n, bool packed, bool int8_x) {
+  return packed ? gemm_q_packed(x, weight, qtype, bias, n, int8_x) : gemm_q_linear(x, weight, qtype, bias, int8_x);
+}
+}  // namespace tandem_quant
+
 void register_gemm_quant(pybind11::module& m) {
   m.def("gemm_q_linear", &gemm_q_linear, "x @ W^T (+ bias) with W in GGUF blocks of gemm_q_types (CPU)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("qtype"), pybind11::arg("bias"),

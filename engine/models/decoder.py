@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata, LayerAttention
+from engine.cpu.decode_stack import CpuDecodeStack
 from engine.cpu.linear import FusedGateUp, fused_gate_up, pack_linears, pack_weight, packed_linear
 from engine.models.moe import MoESpec, SparseMoeBlock
 
@@ -346,6 +347,7 @@ class DecoderLM(nn.Module):
                         if self.is_last and not spec.tie_word_embeddings else None)
         self.head_packed = None  # the LM head packed for the CPU (pack_for_cpu)
         self.norm_kernel = None  # CPU pre-norm models: fused residual add + RMSNorm (use_cpu_kernels)
+        self.cpu_stack = CpuDecodeStack()  # their decode steps' layers in one call, where they can go
         self.fused = None  # CUDA: the fused forward's layers (use_gpu_kernels)
         # Tensor parallelism (engine/models/tp.py): gathers the head's vocabulary shards to rank 0; None = whole head.
         self.vocab_gather = None
@@ -448,9 +450,13 @@ class DecoderLM(nn.Module):
 
     def _forward_fused(self, x, rope, kv_caches, meta, keep) -> torch.Tensor:
         h, residual, last, group = x, None, len(self.layers) - 1, self.kv_group
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            h, residual = layer.forward_fused(h, residual, rope, kv, meta.for_group(group[i]), self.norm_kernel,
-                                              keep if i == last else None)
+        whole = None if keep is not None else self.cpu_stack(self, x, rope, kv_caches, meta)
+        if whole is not None:  # a decode step: every layer in one call, the same kernels (engine/cpu/decode_stack.py)
+            h, residual = whole
+        else:
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                h, residual = layer.forward_fused(h, residual, rope, kv, meta.for_group(group[i]), self.norm_kernel,
+                                                  keep if i == last else None)
         if self.is_last:
             return add_rms_norm(self.norm_kernel, self.norm, h, residual)[0]
         return h + residual
