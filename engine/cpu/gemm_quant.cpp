@@ -234,20 +234,10 @@ void run_packed_f32(const float* x, const uint8_t* w, const float* bias, float* 
   using Tile = void (*)(const float*, int64_t, const uint8_t*, int, int64_t, const float*, float*, int64_t);
   static constexpr Tile table[4] = {tile_packed_f32<QT, 1>, tile_packed_f32<QT, 2>, tile_packed_f32<QT, 3>,
                                     tile_packed_f32<QT, 4>};
-  const int64_t groups = (N + kGroupRows - 1) / kGroupRows, blocks = K / kBlock;
-  const int64_t group_bytes = blocks * kUnitBytes<QT>;
-  for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
-    const int64_t c1 = std::min(M, c0 + kChunk);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n0 = g * kGroupRows;
-        const int nr = int(std::min<int64_t>(kGroupRows, N - n0));
-        for (int64_t m0 = c0; m0 < c1; m0 += 4)
-          table[std::min<int64_t>(4, c1 - m0) - 1](x + m0 * K, K, w + g * group_bytes, nr, blocks,
-                                                   bias ? bias + n0 : nullptr, y + m0 * N + n0, N);
-      }
-    });
-  }
+  const int64_t blocks = K / kBlock, group_bytes = blocks * kUnitBytes<QT>;
+  for_groups(M, N, [&](int64_t m0, int rows, int64_t g, int64_t n0, int nr) {
+    table[rows - 1](x + m0 * K, K, w + g * group_bytes, nr, blocks, bias ? bias + n0 : nullptr, y + m0 * N + n0, N);
+  });
 }
 #endif
 

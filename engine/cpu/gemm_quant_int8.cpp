@@ -345,19 +345,10 @@ void run_packed(const float* x, const uint8_t* w, const float* bias, float* y, i
   static constexpr Tile table[4] = {tile_packed<QT, 1>, tile_packed<QT, 2>, tile_packed<QT, 3>, tile_packed<QT, 4>};
   at::Tensor store;
   const Q8Rows xq = quantize_rows(x, M, K, store);
-  const int64_t groups = (N + kGroupRows - 1) / kGroupRows, group_bytes = K / kBlock * kUnitBytes<QT>;
-  for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
-    const int64_t c1 = std::min(M, c0 + kChunk);
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n0 = g * kGroupRows;
-        const int nr = int(std::min<int64_t>(kGroupRows, N - n0));
-        for (int64_t m0 = c0; m0 < c1; m0 += 4)
-          table[std::min<int64_t>(4, c1 - m0) - 1](xq, m0, w + g * group_bytes, nr, bias ? bias + n0 : nullptr,
-                                                   y + m0 * N + n0, N);
-      }
-    });
-  }
+  const int64_t group_bytes = K / kBlock * kUnitBytes<QT>;
+  for_groups(M, N, [&](int64_t m0, int rows, int64_t g, int64_t n0, int nr) {
+    table[rows - 1](xq, m0, w + g * group_bytes, nr, bias ? bias + n0 : nullptr, y + m0 * N + n0, N);
+  });
 }
 #endif
 

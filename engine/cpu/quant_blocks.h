@@ -176,6 +176,23 @@ void gemm_int8_packed(int64_t qtype, const float* x, const uint8_t* w, const flo
 constexpr int kGroupRows = 16;
 template <int64_t QT>
 constexpr int64_t kUnitBytes = kGroupRows * kBlockBytes<QT>;  // 320 (Q4_1) or 544 (Q8_0)
+
+// Every group of the packed layout by up to 4 rows of x: `tile(m0, rows, g, n0, nr)` (group g's first output n0,
+// its nr <= 16 outputs), x kChunk rows at a time, a chunk's groups split over the threads.
+template <typename Tile>
+void for_groups(int64_t M, int64_t N, const Tile& tile) {
+  const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
+  for (int64_t c0 = 0; c0 < M; c0 += kChunk) {
+    const int64_t c1 = std::min(M, c0 + kChunk);
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * kGroupRows;
+        for (int64_t m0 = c0; m0 < c1; m0 += 4)
+          tile(m0, int(std::min<int64_t>(4, c1 - m0)), g, n0, int(std::min<int64_t>(kGroupRows, N - n0)));
+      }
+    });
+  }
+}
 // Whether this build has the packed kernels, for Q8_0 and Q4_1: with AVX-512 VNNI, not elsewhere.
 constexpr bool kPackedKernels =
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
