@@ -270,6 +270,15 @@ class CpuPagedAttention(TorchPagedAttention):
     def _units_for(self, plan: _Plan, window: int | None) -> tuple[list, None]:
         return plan.decodes, None  # both native units take the window as a kernel argument
 
+    @staticmethod
+    def decode_unit(meta: AttentionMetadata) -> _NativeDecode | None:
+        """The step's one native decode unit when every row is a one-token decode (prepared by `prepare`), else
+        None: the condition for a step taken from qkv in one call (decode_qkv; engine/cpu/decode_stack.py)."""
+        plan = meta.backend_data
+        if plan is None or plan.layout.chunks or len(plan.decodes) != 1:
+            return None
+        return plan.decodes[0]
+
     def decode_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, layer: LayerAttention | None,
                    heads: int, kv_heads: int) -> torch.Tensor | None:
@@ -278,10 +287,9 @@ class CpuPagedAttention(TorchPagedAttention):
         is None, K/V stored, paged decode): [T, H * D], what Attention.attend's eager path computes, bit for bit.
         None, with nothing done, where that path is needed: a step with a multi-token chunk, or a cache in another
         dtype than qkv's."""
-        plan = meta.backend_data
-        if plan.layout.chunks or len(plan.decodes) != 1 or qkv.dtype != k_cache.dtype or qkv.stride(1) != 1:
+        g = self.decode_unit(meta)
+        if g is None or qkv.dtype != k_cache.dtype or qkv.stride(1) != 1:
             return None
-        g = plan.decodes[0]
         window = self.sliding_window if layer is None else layer.sliding_window
         softcap = None if layer is None else layer.softcap
         cos, sin = rope if rope is not None else (None, None)

@@ -41,6 +41,7 @@ class CpuDecodeStack:
         self.stack = None
         self.kv_caches = None  # the caches the stack was built for (a model's KV cache is made once)
         self.groups = 1
+        self.backend = None  # the layers' attention backend (CpuPagedAttention)
         self.reason: str | None = None  # why this model's layers stay in Python; None while it can go
 
     def __call__(self, model, x, rope, kv_caches, meta):
@@ -55,10 +56,10 @@ class CpuDecodeStack:
         args = []
         for g in range(self.groups):
             m = meta.for_group(g)
-            plan = m.backend_data
-            if plan is None or plan.layout.chunks or len(plan.decodes) != 1:
+            unit = self.backend.decode_unit(m)
+            if unit is None:
                 return None
-            args.append([m.slot_mapping, plan.decodes[0].blocks, plan.decodes[0].lens])
+            args.append([m.slot_mapping, unit.blocks, unit.lens])
         cos, sin = rope if rope is not None else (None, None)
         return self.stack.run(x, args, cos, sin, int8_activations())
 
@@ -73,8 +74,9 @@ class CpuDecodeStack:
         layers = model.layers
         attn0 = layers[0].self_attn
         kernels = getattr(attn0.backend, "kernel", None)
-        if kernels is None or not hasattr(kernels, "DecodeStack") or getattr(attn0.backend, "decode_qkv", None) is None:
+        if kernels is None or not hasattr(kernels, "DecodeStack") or not hasattr(attn0.backend, "decode_unit"):
             return "the attention backend is not the CPU kernels'", None
+        self.backend = attn0.backend
         norm = model.norm_kernel
         lanes = 0 if norm is kernels else getattr(norm, "lanes", None) if getattr(norm, "kernels", None) is kernels \
             else None

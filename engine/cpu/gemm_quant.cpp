@@ -353,7 +353,7 @@ at::Tensor gemm_q_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
 }
 
 // Rows of a weight in the packed layout back in the file's layout: packed [groups, B * 16 * block bytes] uint8 ->
-// [len(rows), B * block bytes] (an embedding's lookup; quant.py's unpack_rows is the same in torch ops).
+// [len(rows), B * block bytes] (an embedding's lookup, and QuantWeight.data). Any build: plain byte moves.
 at::Tensor packed_rows(const at::Tensor& packed, int64_t qtype, const at::Tensor& rows) {
   TORCH_CHECK(qtype == kGgmlQ8_0 || qtype == kGgmlQ4_1, "packed_rows: the packed layout is Q8_0's or Q4_1's");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),

@@ -105,7 +105,15 @@ class QuantWeight:
     @property
     def data(self) -> torch.Tensor:
         """The blocks in the file's layout, [N, K / QK * block bytes] (a copy when the weight is packed)."""
-        return unpack_rows(self.qtype, self._store, self.rows) if self.packed else self._store
+        return self._file_rows(None)
+
+    def _file_rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """The file-layout blocks of `rows` (any shape, flattened), or of every row; a packed weight's through the
+        kernel's packed_rows."""
+        if self.packed:
+            ids = torch.arange(self.rows) if rows is None else rows.reshape(-1)
+            return self.kernels.packed_rows(self._store, GGML_TYPE_IDS[self.qtype], ids)
+        return self._store if rows is None else self._store.index_select(0, rows.reshape(-1))
 
     @property
     def out_features(self) -> int:
@@ -117,11 +125,7 @@ class QuantWeight:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weight [N, K] (or only `rows`, for an embedding lookup), as gguf.quants.dequantize gives it."""
-        if self.packed:
-            data = (unpack_rows(self.qtype, self._store, self.rows) if rows is None else
-                    self.kernels.packed_rows(self._store, GGML_TYPE_IDS[self.qtype], rows.reshape(-1)))
-        else:
-            data = self._store if rows is None else self._store.index_select(0, rows.reshape(-1))
+        data = self._file_rows(rows)
         blocks = data.view(data.shape[0], -1, BLOCK_BYTES[self.qtype])  # [n, K / QK, bytes]
         return _DEQUANTIZE[self.qtype](blocks).reshape(data.shape[0], self.in_features)
 
@@ -141,18 +145,13 @@ class QuantWeight:
 GROUP_ROWS = 16  # weight rows a group of the packed layout
 
 
-def _packed_parts(qtype: str) -> tuple[int, int]:
-    """The packed layout's dwords of quants a row's block, and the bytes of fp16 scales that start a file block
-    (d, then Q4_1's m), which follow the quants in a packed unit in the same order."""
-    return {"Q4_1": (4, 4), "Q8_0": (8, 2)}[qtype]
-
-
 def pack_rows(qtype: str, data: torch.Tensor) -> torch.Tensor:
     """[N, blocks * bytes] file blocks (Q8_0 or Q4_1) -> the packed layout, [ceil(N / 16), blocks * 16 * bytes]: the
     rows padded with zero blocks to a multiple of 16; per group of 16 rows and block j (16 * bytes together): dword k
     of the block's quants of each of the 16 rows (64 bytes a k, row order), then the 16 rows' fp16 d, then (Q4_1)
-    their m. Q8_0's quants are stored + 128 (unsigned). gemm_quant_int8.cpp's tile_packed reads it."""
-    dwords, scales = _packed_parts(qtype)
+    their m. Q8_0's quants are stored + 128 (unsigned). gemm_quant_int8.cpp's tile_packed reads it; the kernel's
+    packed_rows gives rows of it back in the file's layout."""
+    dwords, scales = {"Q4_1": (4, 4), "Q8_0": (8, 2)}[qtype]  # quant dwords a block; bytes of fp16 scales first
     n, nbytes = data.shape[0], BLOCK_BYTES[qtype]
     groups = -(-n // GROUP_ROWS)
     padded = torch.zeros(groups * GROUP_ROWS, data.shape[1], dtype=torch.uint8)
@@ -166,23 +165,6 @@ def pack_rows(qtype: str, data: torch.Tensor) -> torch.Tensor:
     for s in range(0, scales, 2):  # d (and m): [G, B, 16, 2]
         parts.append(blocks[..., s:s + 2].permute(0, 2, 1, 3).reshape(groups, -1, 32))
     return torch.cat(parts, dim=-1).reshape(groups, -1).contiguous()
-
-
-def unpack_rows(qtype: str, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """pack_rows undone: the file blocks of the first n rows, [n, blocks * bytes] (a packed QuantWeight's `data`;
-    an embedding's lookup of a few rows goes through the kernel's packed_rows instead)."""
-    dwords, scales = _packed_parts(qtype)
-    groups = packed.shape[0]
-    units = packed.view(groups, -1, GROUP_ROWS * BLOCK_BYTES[qtype])  # [G, B, 16 * bytes]
-    qs = units[..., :dwords * 64].reshape(groups, -1, dwords, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)  # [G, 16, B, k, 4]
-    if qtype == "Q8_0":
-        qs = qs ^ 0x80
-    parts = []
-    for s in range(0, scales, 2):  # [G, 16, B, 2]
-        at = dwords * 64 + 16 * s
-        parts.append(units[..., at:at + 32].reshape(groups, -1, GROUP_ROWS, 2).permute(0, 2, 1, 3))
-    parts.append(qs.reshape(groups, GROUP_ROWS, -1, dwords * 4))
-    return torch.cat(parts, dim=-1).reshape(groups * GROUP_ROWS, -1)[:n].contiguous()
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:
