@@ -258,7 +258,7 @@ class EngineConfig:
         return checkpoint_scheme(self.model)
 
     def _check_quantized_checkpoint(self, scheme) -> None:
-        """int4 runs on CPU as GGUF does, or on CUDA (_check_quantized); FP8 runs on cpu, cuda and sim in any
+        """int4 runs on CPU as GGUF does, or on CUDA and sim (_check_quantized); FP8 runs on cpu, cuda and sim in any
         dtype, with LoRA and pipeline stages, but its linears are not sharded for tensor parallelism."""
         from engine.models.int4_loader import Int4Scheme
 
@@ -270,11 +270,11 @@ class EngineConfig:
             raise ValueError(f"{what} is not supported with tensor_parallel_size > 1 (FP8 linears are not sharded)")
 
     def _check_quantized(self, what: str, cuda: bool = False) -> None:
-        """Quantized weights: GGUF on CPU; GPTQ/AWQ int4 (`cuda`) on CPU or on CUDA (the Triton int4 GEMM,
-        engine/models/int4_triton.py). On CPU fp32 activations; one device, no adapters (what the quantized
-        kernels cover)."""
-        on_cuda = cuda and (self.device == "cuda" or (self.device == "auto" and _cuda_available()))
-        devices, where = (("auto", "cpu", "cuda"), "int4 weights run on cpu or cuda") if cuda else \
+        """Quantized weights: GGUF on CPU; GPTQ/AWQ int4 (`cuda`) on CPU, on CUDA (the Triton int4 GEMM,
+        engine/models/int4_triton.py) or on the simulated device (priced at that GEMM's bytes). On CPU fp32
+        activations; one device, no adapters (what the quantized kernels cover)."""
+        on_cuda = cuda and (self.device in ("cuda", "sim") or (self.device == "auto" and _cuda_available()))
+        devices, where = (("auto", "cpu", "cuda", "sim"), "int4 weights run on cpu, cuda or sim") if cuda else \
             (("auto", "cpu"), "quantized weights run on CPU; device='cpu' or 'auto' without CUDA")
         unsupported = [why for why, used in (
             (f"device={self.device!r} ({where})", self.device not in devices),

@@ -236,8 +236,9 @@ def test_a_quantized_lm_head_and_unsupported_settings_are_refused(tiny_model_fac
     quantize_checkpoint(path, qdir, "gptq", 32, True)
     with pytest.raises(ValueError, match="dtype='bfloat16' \\(on CPU"):
         EngineConfig(model=str(qdir), device="cpu", dtype="bfloat16")
-    with pytest.raises(ValueError, match="device='sim' \\(int4 weights run on cpu or cuda\\)"):
-        EngineConfig(model=str(qdir), device="sim")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        EngineConfig(model=str(qdir), device="cpu", kv_cache_dtype="fp8")
+    EngineConfig(model=str(qdir), device="sim")  # priced at the Triton GEMM's bytes
     EngineConfig(model=str(qdir), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8")  # the Triton int4 GEMM
     with pytest.raises(ValueError, match="LoRA"):
         EngineConfig(model=str(qdir), enable_lora=True)
@@ -250,6 +251,43 @@ def test_a_quantized_lm_head_and_unsupported_settings_are_refused(tiny_model_fac
     save_file(tensors, str(qdir / "model.safetensors"))
     with pytest.raises(ValueError, match="lm_head.qweight"):
         LLM(str(qdir))
+
+
+@pytest.mark.parametrize("group", [128, -1])
+def test_the_simulated_device_prices_int4_linears_at_the_triton_layouts_bytes(tmp_path, group):
+    """Llama-3.1-8B's config with a GPTQ quantization_config on the simulated H100: each decoder linear is priced
+    at what int4_triton.pack holds for it (measured on a packed weight of the same shape, not from the formula),
+    the head and embedding stay bf16, and the KV cache gets the memory freed."""
+    from engine.models.int4_triton import pack
+    from engine.sim import SIM_MODELS
+
+    def runner(model: str):
+        llm = LLM(model, device="sim", sim_gpu="h100", max_num_seqs=256, max_model_len=131072)
+        try:
+            r = llm.engine.core.runner
+            return r.cost.model, r.num_kv_blocks
+        finally:
+            llm.shutdown()
+
+    def packed_bytes(n: int, k: int) -> int:
+        g = k if group == -1 else group
+        z = torch.full((-(-k // g), n), 8, dtype=torch.int32)
+        return pack(torch.zeros(n, k, dtype=torch.uint8), z, torch.ones(z.shape).half(), None if group == -1
+                    else group).nbytes
+
+    q4 = tmp_path / "llama-gptq"
+    shutil.copytree(SIM_MODELS / "llama-3.1-8b", q4)
+    config = json.loads((q4 / "config.json").read_text())
+    (q4 / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig("gptq", group)}))
+    (bf16, bf16_blocks), (ours, q4_blocks) = runner(str(SIM_MODELS / "llama-3.1-8b")), runner(str(q4))
+    h, i, q, kv = 4096, 14336, 4096, 1024
+    linears = ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))
+    assert ours.layer_weight_bytes == sum(packed_bytes(n, k) for n, k in linears)
+    assert bf16.layer_weight_bytes == 2 * sum(n * k for n, k in linears)
+    assert 3.5 < bf16.layer_weight_bytes / ours.layer_weight_bytes < 4.0  # half a byte a weight plus the groups
+    assert ours.head_weight_bytes == bf16.head_weight_bytes == 128256 * h * 2
+    freed, per_block = 32 * (bf16.layer_weight_bytes - ours.layer_weight_bytes), 16 * ours.kv_bytes_per_token
+    assert abs((q4_blocks - bf16_blocks) * per_block - freed) <= per_block  # every freed byte to the KV cache
 
 
 def test_real_smollm2_gptq_greedy_matches_hf(tmp_path):

@@ -38,7 +38,7 @@ from torch import nn
 
 from engine.cpu.quant import BLOCK, QuantLinear, QuantWeight
 from engine.models.decoder import DecoderLM
-from engine.models.int4_triton import Int4Linear, Int4Weight, pack
+from engine.models.int4_triton import CHUNK, Int4Linear, Int4Weight, pack
 from engine.models.quantized_checkpoint import Checkpoint
 
 INT4_METHODS = ("gptq", "awq")
@@ -54,6 +54,13 @@ class Int4Scheme:
     method: str  # "gptq" | "awq"
     group_size: int | None
     zero_offset: int  # 1 for GPTQ v1 (zero points stored minus one), else 0
+
+    def linear_bytes(self, n: int, k: int) -> int:
+        """Bytes an [n, k] linear holds on a GPU (the Triton GEMM's layout, engine/models/int4_triton.pack):
+        the codes at half a byte, K rounded up to a 128-input chunk, and per group and output a uint8 zero
+        point and an fp16 scale. The simulated device prices int4 linears with it."""
+        groups = 1 if self.group_size is None else -(-k // self.group_size)
+        return n * (-(-k // CHUNK) * CHUNK) // 2 + 3 * n * groups
 
 
 def int4_scheme(qc: dict) -> Int4Scheme:

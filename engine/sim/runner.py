@@ -106,7 +106,7 @@ class SimRunner(StepRunner):
         if is_fp8(kv_dtype) and not gpu.fp8:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs fp8 conversions (compute capability "
                              f"8.9+), which sim_gpu={config.sim_gpu!r} lacks; use h100, h200 or b200")
-        scheme = checkpoint_scheme(config.model_dir)  # FP8 linears hold a byte a weight (int4 never reaches sim)
+        scheme = checkpoint_scheme(config.model_dir)  # FP8 / int4 linears: the bytes their GPU layout holds
         self.cost = CostModel(spec, torch.tensor([], dtype=dtype).element_size(), gpu, config.sim_kernels_per_layer,
                               config.tensor_parallel_size, torch.tensor([], dtype=kv_dtype).element_size(),
                               None if scheme is None else scheme.linear_bytes)
