@@ -319,15 +319,17 @@ def wait_port_free(port: int, timeout_s: float = 120) -> None:
 
 
 async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int,
-                    params: dict) -> dict:
+                    params: dict, texts: list[str] | None = None) -> dict:
     """Streamed /v1/completions, `concurrency` at a time: TTFT (first text chunk), TPOT ((end - first) /
-    (tokens - 1), per request), output tokens per second over the whole run."""
+    (tokens - 1), per request), output tokens per second over the whole run. `texts`: filled with each
+    request's streamed text, in the order of `prompts` (to compare servers' outputs)."""
     sem = asyncio.Semaphore(concurrency)
     ttft, tpot, tokens = [], [], 0
+    out = [""] * len(prompts)
     body = {"model": "m", "max_tokens": max_tokens, **params, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
 
-    async def one(client, prompt):
+    async def one(client, i, prompt):
         nonlocal tokens
         async with sem:
             t0, first, n = time.perf_counter(), None, 0
@@ -339,8 +341,9 @@ async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concur
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
-                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                        first = time.perf_counter()
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        first = first or time.perf_counter()
+                        out[i] += chunk["choices"][0]["text"]
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]
             end = time.perf_counter()
@@ -350,8 +353,10 @@ async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concur
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(client, p) for p in prompts))
+        await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - t0
+    if texts is not None:
+        texts[:] = out
     # At 16 streams the TTFTs are bimodal (a wave of 16 arrivals is prefilled in two ~2 s steps of ~8 prompts,
     # 2048 tokens each), so the p50 can jump between the two modes from run to run: the mean is reported too.
     return {"concurrency": concurrency, "requests": len(prompts), "output_tok_s": tokens / wall,
