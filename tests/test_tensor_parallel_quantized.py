@@ -321,6 +321,30 @@ def test_misaligned_k_splits_are_refused_by_name_at_config_and_load(tiny_gguf, t
         local_engine(qdir, tensor_parallel_size=4)
 
 
+def test_tp2_fp8_dynamic_activations_are_quantized_per_rank_slice(tiny_model_factory, tmp_path):
+    """FP8_DYNAMIC: a row-parallel rank holds only its K slice of each token's input, so it quantizes that slice
+    with its own per-token scale (as vLLM's row-parallel layers do); the reference quantizes o_proj's and
+    down_proj's inputs per token per half of K, every other linear's per whole token."""
+    from test_fp8_checkpoint import LINEARS, ct_qconfig, e4m3_round_trip, hf_on, write_fp8
+
+    path, hf = tiny_model_factory("llama")
+    qdir = tmp_path / "fp8"
+    reference = hf_on(hf, write_fp8(path, qdir, ct_qconfig("channel", "token"), "channel"))
+    for name, module in reference.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in LINEARS:
+            halves = 2 if leaf in ("o_proj", "down_proj") else 1
+            module.register_forward_pre_hook(
+                lambda m, args, n=halves: (torch.cat([e4m3_round_trip(c) for c in args[0].chunk(n, -1)], -1),))
+    prompts = make_prompts(seed=35, lengths=(5, 19, 40))
+    engine = local_engine(qdir)
+    try:
+        for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
+            assert_matches_hf(reference, prompt, out.token_ids)
+    finally:
+        engine.shutdown()
+
+
 def test_tp2_equals_tp1_on_the_int8_activation_path(tiny_gguf, monkeypatch):
     """The default arithmetic: x's Q8_0 blocks are the same on both ranks as on one device (column-parallel
     linears see the whole x; a row-parallel split falls on x's 32-blocks), so TP=2 differs from TP=1 only in the

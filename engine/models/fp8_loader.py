@@ -15,6 +15,11 @@ other. Refused, naming the field: other bit widths and types (int8 W8A8, FP4), g
 (quant_method "fp8", DeepSeek-style 128x128 blocks), asymmetric or dynamic weights, config groups that
 disagree, output activations, a kv_cache_scheme, transforms, sparsity; at load, an FP8 LM head, embedding or
 mixture-of-experts model, and e5m2 tensors.
+
+Tensor parallelism shards the e4m3 weights as float ones: column-parallel rows with their per-row scales (a
+per-tensor scale is already one per row) and biases; row-parallel (o, down) along K at any column, the row
+scales, bias and static input scales whole. Dynamic per-token activations are then quantized per rank, over the
+rank's K slice of each token (as vLLM's row-parallel layers do): TP=N rounds them differently from one device.
 """
 
 from __future__ import annotations

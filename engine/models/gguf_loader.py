@@ -15,8 +15,12 @@ Architectures: llama (Llama, SmolLM2, Mistral written as llama) and gemma3 (Gemm
 converter permutes a llama's attn_q / attn_k rows for its RoPE layout; they are put back here, on the quantized
 rows (a row permutation moves whole rows of blocks), as transformers does on the dequantized ones. It writes a
 Gemma's RMSNorm weights as 1 + w (Gemma scales by 1 + w); here, as in transformers, w = that - 1 in fp32.
-Runs on CPU in fp32 activations only; tensor or pipeline parallelism and LoRA adapters with a GGUF model are
-refused by EngineConfig.
+Runs on CPU in fp32 activations only; pipeline parallelism and LoRA adapters with a GGUF model are refused by
+EngineConfig. Tensor parallelism shards it (engine/models/tp.py's take_shard): each rank copies out of the memory
+map only its rows of q/k/v and gate/up (un-permuted after the slice: the permutation moves rows within a head, and
+a rank's rows are whole heads), its K blocks of attn_output and ffn_down (refused, naming the tensor, its type and
+K, where K / tp is not a whole number of the type's blocks: 32 weights, 256 for Q4_K / Q6_K), and its vocabulary
+rows of the embedding and head (zero blocks past the vocabulary, which dequantize to 0).
 """
 
 from __future__ import annotations

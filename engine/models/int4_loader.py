@@ -25,8 +25,12 @@ by at most half an fp16 ulp of m (AWQ, asymmetric GPTQ): the weights then differ
 dequantization by that much (docs/features.md says so; tests/test_int4_checkpoint.py bounds it). The CUDA
 kernel computes scale * (q - z) exactly, for both formats.
 
-On CPU it runs with float32 activations, on CUDA in the model's dtype; one device, no LoRA (EngineConfig refuses
-the rest by name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
+On CPU it runs with float32 activations, on CUDA in the model's dtype; no pipeline stages, no LoRA (EngineConfig
+refuses the rest by name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
+Tensor parallelism (CPU) shards the Q4_1 blocks: each linear is converted whole, one at a time, and the rank keeps
+its rows (q/k/v, gate/up) or K blocks (o, down) of it. A group of g becomes g / 32 blocks each carrying the
+group's scale, so a K split needs only K / tp to be a multiple of 32 (refused at load, naming the tensor,
+otherwise), whatever the group size. The Triton int4 weights are not sharded.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ heads, KV heads and MLP width, and of the vocabulary) and reads only its slice o
 Norms, RoPE tables and q/k norms (per head_dim) are replicated. Everything outside the model (scheduler, block
 manager, sampler, detokenizer) runs once, on rank 0 (engine/tp).
 
+Quantized weights (GGUF blocks, int4 as Q4_1 blocks, FP8) shard the same way (`take_shard`): rows are whole rows of
+blocks; a row-parallel K split must fall on block boundaries (a block's weights share a scale and cannot be cut:
+32 weights, 256 for the K-quants), else `check_block_aligned` refuses it naming the tensor; a quantized embedding
+is `QuantVocabParallelEmbedding` (zero blocks pad it: they dequantize to 0), and a tied head reads its blocks.
+
 The collectives go through `comm` (engine/tp/comm.py): all_reduce(t) in place, and gather_to_root(t, out_list).
 """
 
