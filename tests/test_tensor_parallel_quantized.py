@@ -262,41 +262,50 @@ def test_tp2_gguf_greedy_equals_transformers_on_the_files_weights(tiny_gguf, tie
         engine.shutdown()
 
 
-def test_tp2_gptq_greedy_equals_hf_on_the_checkpoints_weights(tiny_model_factory, tmp_path, exact):
-    """Symmetric GPTQ, group 64: a rank's 32 o_proj inputs cut each group in half (Q4_1 blocks of 32 carry their
-    group's scale, so only 32-alignment matters); qwen2's q/k/v biases are sliced with their rows."""
+@pytest.mark.parametrize("family,method,sym", [("qwen2", "gptq", True), ("llama_mqa_rope_scaled", "awq", False)])
+def test_tp2_int4_greedy_equals_hf_on_the_checkpoints_weights(tiny_model_factory, tmp_path, family, method, sym,
+                                                               exact):
+    """Group 64: a rank's 32 o_proj inputs cut each group in half (Q4_1 blocks of 32 carry their group's scale, so
+    only 32-alignment matters). qwen2 (symmetric GPTQ): q/k/v biases sliced with their rows; llama with one KV head
+    (AWQ, asymmetric): the KV head's rows replicated on both ranks, o_proj's bias added once after the all-reduce."""
     from test_int4_checkpoint import hf_on, quantize_checkpoint
 
-    path, hf = tiny_model_factory("qwen2")
-    qdir = tmp_path / "gptq"
-    reference = hf_on(hf, quantize_checkpoint(path, qdir, "gptq", 64, True))
+    path, hf = tiny_model_factory(family)
+    qdir = tmp_path / method
+    reference = hf_on(hf, quantize_checkpoint(path, qdir, method, 64, sym))
     prompts = make_prompts(seed=32, lengths=(5, 19, 40))
     engine = local_engine(qdir)
     try:
-        qkv = engine.runner.model.layers[0].self_attn.qkv_proj
-        assert qkv.parts[0].qtype == "Q4_1" and qkv.out_features == 64 and qkv.qbias.shape == (64,)
+        attn = engine.runner.model.layers[0].self_attn
+        kv_rows = 16  # one KV head a rank: split (2 over 2 ranks) or replicated (1 on both)
+        assert attn.qkv_proj.parts[0].qtype == "Q4_1" and attn.qkv_proj.out_features == 32 + 2 * kv_rows
+        assert attn.qkv_proj.qbias.shape == (32 + 2 * kv_rows,)
+        assert (attn.o_proj.bias is not None) == (family != "qwen2") and attn.o_proj.linear.qbias is None
         for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
             assert_matches_hf(reference, prompt, out.token_ids)
     finally:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("acts", [None, "tensor"])
-def test_tp2_fp8_greedy_equals_hf_on_the_checkpoints_weights(tiny_model_factory, tmp_path, acts):
+@pytest.mark.parametrize("family,acts", [("llama", None), ("llama", "tensor"), ("llama_mqa_rope_scaled", None)])
+def test_tp2_fp8_greedy_equals_hf_on_the_checkpoints_weights(tiny_model_factory, tmp_path, family, acts):
     """Weight-only per-channel FP8 and static per-tensor W8A8 (q, k, v input scales differ: three parts a rank):
-    both are the single device's arithmetic (a static scale quantizes x elementwise, whatever the split)."""
+    both are the single device's arithmetic (a static scale quantizes x elementwise, whatever the split). One KV
+    head (replicated) with random q/k/v/o biases: o_proj's added once, after the all-reduce."""
     from test_fp8_checkpoint import ct_qconfig, hf_on, write_fp8
 
-    path, hf = tiny_model_factory("llama")
+    path, hf = tiny_model_factory(family)
     qdir = tmp_path / "fp8"
     strategy = "channel" if acts is None else "tensor"
-    refs = write_fp8(path, qdir, ct_qconfig(strategy, acts), strategy, static=acts == "tensor")
+    refs = write_fp8(path, qdir, ct_qconfig(strategy, acts), strategy, static=acts == "tensor",
+                     biases=family != "llama")
     reference = hf_on(hf, refs, acts)
     prompts = make_prompts(seed=33, lengths=(5, 19, 40))
     engine = local_engine(qdir)
     try:
-        qkv = engine.runner.model.layers[0].self_attn.qkv_proj
-        assert qkv.weight.shape == (64, 64) and len(qkv.parts) == (1 if acts is None else 3)
+        attn = engine.runner.model.layers[0].self_attn
+        assert attn.qkv_proj.weight.shape == (64, 64) and len(attn.qkv_proj.parts) == (1 if acts is None else 3)
+        assert (attn.o_proj.bias is not None) == (family != "llama") and attn.o_proj.linear.bias is None
         for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
             assert_matches_hf(reference, prompt, out.token_ids)
     finally:
