@@ -12,7 +12,10 @@
 - TP=2 against TP=1 on the int8-activation default: x's Q8_0 blocks are the same on every rank (a K split falls on
   block boundaries), so the two differ only in the order the partial sums are added; the test asserts equal
   tokens or a first difference at a near-tie of TP=1's own logits.
+- FP8 with dynamic per-token activations: each rank quantizes its own K slice of a token (the reference does the
+  same per half of o_proj's and down_proj's inputs).
 - Each rank holds about half of the whole model's quantized bytes.
+- The worker rank as a Ray actor (its own process) reads the GGUF file itself and gives the in-process tokens.
 """
 
 from __future__ import annotations
@@ -426,3 +429,27 @@ def test_each_rank_holds_about_half_the_quantized_bytes(tiny_gguf, tiny_model_fa
         assert all(0.45 * q_whole <= q <= 0.55 * q_whole for q in q_ranks), (what, q_whole, q_ranks)
         assert all(model_bytes(r) <= 0.56 * model_bytes(whole) for r in ranks), what
     print(capsys.readouterr().out)
+
+
+def test_ray_tp2_gguf_worker_process_equals_the_in_process_group(tiny_gguf, monkeypatch):
+    """The worker rank as a Ray actor (its own process) finds the GGUF model's config directory and cuts its shard
+    from the file itself: on the int8 default, the same tokens as ranks in process (the same arithmetic)."""
+    from engine import LLM
+    from ray_local import local_ray
+
+    monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "int8")  # also what the Ray worker, without the variable, runs
+    path, tok, _ = tiny_gguf(True)
+    prompts = make_prompts(seed=36, lengths=(5, 19, 40))
+    engine = local_engine(path, tokenizer=tok)
+    try:
+        want = [o.token_ids for o in run_engine(engine, prompts, GREEDY)]
+    finally:
+        engine.shutdown()
+    with local_ray(2, "tandem-tp-quantized-test"):
+        llm = LLM(path, tokenizer=tok, device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+                  tensor_parallel_size=2, num_kv_blocks=96, tp_worker_num_cpus=1.0)
+        try:
+            assert "tensor parallel x2" in llm.stats()["attention_backend"]
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+        finally:
+            llm.shutdown()
