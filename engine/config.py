@@ -242,13 +242,18 @@ class EngineConfig:
         return gguf_model_dir(self.gguf_file, self.tokenizer and os.path.abspath(self.tokenizer))
 
     def _check_gguf(self) -> None:
-        """A GGUF model: a file; CPU, fp32 activations, one device, no adapters (what its kernels cover)."""
+        """A GGUF model: a file; CPU, fp32 activations, no pipeline stages, no adapters (what its kernels cover);
+        tensor parallelism where its row-parallel weights split on block boundaries."""
         if not os.path.isfile(self.model):
             raise ValueError(f"model {self.model!r} names a GGUF file that does not exist")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer must be a directory of tokenizer files; {self.tokenizer!r} is not one")
         self._check_quantized(f"a GGUF model (model={self.model!r})")
         self.model_dir  # noqa: B018 - written now (or found): a bad file fails here, naming itself
+        if self.tensor_parallel_size > 1:  # K splits on block boundaries (heads are checked with the model's spec)
+            from engine.models.gguf_loader import check_tensor_parallel
+
+            check_tensor_parallel(self.gguf_file, self.tensor_parallel_size)
 
     def _quant_scheme(self):
         """The quantization scheme of the checkpoint directory (engine/models/quantized_checkpoint.py: GPTQ / AWQ
@@ -259,20 +264,18 @@ class EngineConfig:
 
     def _check_quantized_checkpoint(self, scheme) -> None:
         """int4 runs on CPU as GGUF does, or on CUDA and sim (_check_quantized); FP8 runs on cpu, cuda and sim in any
-        dtype, with LoRA and pipeline stages, but its linears are not sharded for tensor parallelism."""
+        dtype, with LoRA, pipeline stages and tensor parallelism. Both shard for tensor parallelism (their K splits
+        are checked as the ranks load: int4's on Q4_1 block boundaries, FP8's anywhere)."""
         from engine.models.int4_loader import Int4Scheme
 
-        what = f"a {scheme.method} {'int4' if isinstance(scheme, Int4Scheme) else 'FP8'} checkpoint " \
-               f"(model={self.model!r})"
         if isinstance(scheme, Int4Scheme):
-            self._check_quantized(what, cuda=True)
-        elif self.tensor_parallel_size > 1:
-            raise ValueError(f"{what} is not supported with tensor_parallel_size > 1 (FP8 linears are not sharded)")
+            self._check_quantized(f"a {scheme.method} int4 checkpoint (model={self.model!r})", cuda=True)
 
     def _check_quantized(self, what: str, cuda: bool = False) -> None:
         """Quantized weights: GGUF on CPU; GPTQ/AWQ int4 (`cuda`) on CPU, on CUDA (the Triton int4 GEMM,
         engine/models/int4_triton.py) or on the simulated device (priced at that GEMM's bytes). On CPU fp32
-        activations; one device, no adapters (what the quantized kernels cover)."""
+        activations; no pipeline stages, no adapters (what the quantized kernels cover); tensor parallelism shards
+        them (on CPU, as every tensor-parallel engine runs)."""
         on_cuda = cuda and (self.device in ("cuda", "sim") or (self.device == "auto" and _cuda_available()))
         devices, where = (("auto", "cpu", "cuda", "sim"), "int4 weights run on cpu, cuda or sim") if cuda else \
             (("auto", "cpu"), "quantized weights run on CPU; device='cpu' or 'auto' without CUDA")
@@ -280,7 +283,6 @@ class EngineConfig:
             (f"device={self.device!r} ({where})", self.device not in devices),
             (f"dtype={self.dtype!r} (on CPU its quantized linears take float32 activations: 'auto' or 'float32')",
              not on_cuda and self.dtype not in ("auto", "float32")),
-            ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
             ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
             ("LoRA adapters (enable_lora, lora_modules, lora_dir)", self.enable_lora),
             (f"kv_cache_dtype={self.kv_cache_dtype!r} (an fp8 KV cache runs on cuda)",

@@ -327,15 +327,14 @@ def test_resident_weights_within_ten_percent_of_the_file(tiny_model_factory, tmp
 
 
 def test_engine_settings(tiny_model_factory, tmp_path):
-    """FP8 runs where the engine does (cuda, sim, bf16, LoRA), not sharded for tensor parallelism."""
+    """FP8 runs where the engine does (cuda, sim, bf16, LoRA, tensor parallelism: its sharding is
+    tests/test_tensor_parallel_quantized.py's)."""
     path, _ = tiny_model_factory("llama")
     qdir = tmp_path / "fp8"
     write_fp8(path, qdir, ct_qconfig("channel", "token"))
     for kw in (dict(device="cuda", dtype="bfloat16"), dict(device="sim"), dict(enable_lora=True),
-               dict(dtype="bfloat16")):
+               dict(dtype="bfloat16"), dict(tensor_parallel_size=2)):
         EngineConfig(model=str(qdir), **kw)
-    with pytest.raises(ValueError, match="FP8 checkpoint.*tensor_parallel_size > 1"):
-        EngineConfig(model=str(qdir), tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -238,8 +238,7 @@ def test_tokenizer_dir_and_the_ggufs_own_tokenizer_agree(q4_file, hf_dir):
 def test_bad_gguf_uses_are_refused_by_name(q4_file, hf_dir, tmp_path):
     with pytest.raises(ValueError, match="GGUF file that does not exist"):
         EngineConfig(model=str(tmp_path / "missing.gguf"))
-    for kwargs, why in (({"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
-                        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
+    for kwargs, why in (({"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
                         ({"enable_lora": True}, "LoRA adapters"), ({"dtype": "bfloat16"}, "dtype='bfloat16'"),
                         ({"device": "cuda"}, "device='cuda'")):
         with pytest.raises(ValueError, match=f"a GGUF model .* is not supported with .*{why}"):

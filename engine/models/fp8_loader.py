@@ -15,6 +15,11 @@ other. Refused, naming the field: other bit widths and types (int8 W8A8, FP4), g
 (quant_method "fp8", DeepSeek-style 128x128 blocks), asymmetric or dynamic weights, config groups that
 disagree, output activations, a kv_cache_scheme, transforms, sparsity; at load, an FP8 LM head, embedding or
 mixture-of-experts model, and e5m2 tensors.
+
+Tensor parallelism shards the e4m3 weights as float ones: column-parallel rows with their per-row scales (a
+per-tensor scale is already one per row) and biases; row-parallel (o, down) along K at any column, the row
+scales, bias and static input scales whole. Dynamic per-token activations are then quantized per rank, over the
+rank's K slice of each token (as vLLM's row-parallel layers do): TP=N rounds them differently from one device.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from torch import nn
 from engine.models.decoder import DecoderLM
 from engine.models.fp8_linear import Fp8Linear
 from engine.models.quantized_checkpoint import Checkpoint
+from engine.models.tp import TPShard, take_shard
 
 FP8_METHODS = ("compressed-tensors", "fbgemm_fp8")
+WHOLE = -1  # engine/models/loader.py's shard index of a fused checkpoint tensor
 E4M3_DTYPE = "F8_E4M3"  # safetensors' name for torch.float8_e4m3fn
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 # (decoder submodule, its fused linear, the checkpoint's linears stacked in it; Phi-3 holds the fused one)
@@ -120,11 +127,11 @@ def _check_e4m3(where: str, args: dict) -> None:
 
 
 def place_fp8_linears(model: DecoderLM, model_dir: str, scheme: Fp8Scheme, dtype: torch.dtype,
-                      device: torch.device) -> None:
+                      device: torch.device, tp: TPShard | None = None) -> None:
     """Replace the FP8 linears of `model` (a DecoderLM on the meta device, before to_empty; one pipeline stage's
     layers when built so) by Fp8Linears holding the checkpoint's bytes on `device` (engine/models/loader.py's
     build_model calls it; its load_weights then fills every float parameter left). Refuses an FP8 tensor it
-    did not place (an LM head, an embedding, an expert)."""
+    did not place (an LM head, an embedding, an expert). With `tp`, this rank's shard of each (module docstring)."""
     if model.spec.moe is not None:
         raise ValueError(f"a {scheme.method} FP8 mixture-of-experts model is not supported")
     ckpt = Checkpoint(model_dir)
@@ -138,7 +145,7 @@ def place_fp8_linears(model: DecoderLM, model_dir: str, scheme: Fp8Scheme, dtype
         for sub, attr, parts in _LINEARS:
             base = f"model.layers.{i}.{sub}"
             names = [f"{base}.{attr}"] if f"{base}.{attr}.weight" in ckpt else [f"{base}.{p}" for p in parts]
-            placed.update(_place_linear(ckpt, scheme, getattr(layer, sub), attr, names, dtype, device))
+            placed.update(_place_linear(ckpt, scheme, getattr(layer, sub), attr, names, dtype, device, tp))
     unplaced = sorted(n for n, d in ckpt.dtypes.items() if d == E4M3_DTYPE and n not in placed
                       and _in_stage(n, first, end))
     if unplaced:
@@ -152,9 +159,10 @@ def _in_stage(name: str, first: int, end: int) -> bool:
 
 
 def _place_linear(ckpt: Checkpoint, scheme: Fp8Scheme, owner: nn.Module, attr: str, names: list[str],
-                  dtype: torch.dtype, device: torch.device) -> list[str]:
+                  dtype: torch.dtype, device: torch.device, tp: TPShard | None = None) -> list[str]:
     """owner.attr := an Fp8Linear of the rows of `names` stacked, when the checkpoint holds them in e4m3 (a
-    float linear is left for load_weights). Returns the weight names placed."""
+    float linear is left for load_weights); with `tp`, of this rank's rows (and their scales and biases) or input
+    columns (the row scales and bias whole). Returns the weight names placed."""
     fp8 = [ckpt.dtypes.get(f"{n}.weight") == E4M3_DTYPE for n in names]
     if not any(fp8):
         return []
@@ -164,6 +172,12 @@ def _place_linear(ckpt: Checkpoint, scheme: Fp8Scheme, owner: nn.Module, attr: s
     scales = [_row_scales(scheme, ckpt.get(f"{n}.weight_scale"), w.shape[0], n) for n, w in zip(names, weights)]
     input_scales = [_input_scale(ckpt, n) for n in names] if scheme.activations == "tensor" else None
     biases = [ckpt.get(f"{n}.bias") for n in names if f"{n}.bias" in ckpt]
+    if tp is not None:  # a fused checkpoint tensor (Phi-3's qkv_proj) is shard WHOLE: its sections sliced each
+        shards = range(len(names)) if len(names) > 1 else [WHOLE]
+        weights = [take_shard(w, f"{attr}.weight", i, tp).clone(memory_format=torch.contiguous_format)
+                   for i, w in zip(shards, weights)]
+        scales = [take_shard(s, f"{attr}.weight_scale", i, tp) for i, s in zip(shards, scales)]
+        biases = [take_shard(b, f"{attr}.bias", i, tp) for i, b in zip(shards, biases)]
     setattr(owner, attr, Fp8Linear(
         torch.cat(weights).to(device), torch.cat(scales).to(device),
         torch.cat(biases).to(device) if biases else None, scheme.activations, dtype, input_scales,

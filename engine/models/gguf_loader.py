@@ -15,8 +15,12 @@ Architectures: llama (Llama, SmolLM2, Mistral written as llama) and gemma3 (Gemm
 converter permutes a llama's attn_q / attn_k rows for its RoPE layout; they are put back here, on the quantized
 rows (a row permutation moves whole rows of blocks), as transformers does on the dequantized ones. It writes a
 Gemma's RMSNorm weights as 1 + w (Gemma scales by 1 + w); here, as in transformers, w = that - 1 in fp32.
-Runs on CPU in fp32 activations only; tensor or pipeline parallelism and LoRA adapters with a GGUF model are
-refused by EngineConfig.
+Runs on CPU in fp32 activations only; pipeline parallelism and LoRA adapters with a GGUF model are refused by
+EngineConfig. Tensor parallelism shards it (engine/models/tp.py's take_shard): each rank copies out of the memory
+map only its rows of q/k/v and gate/up (un-permuted after the slice: the permutation moves rows within a head, and
+a rank's rows are whole heads), its K blocks of attn_output and ffn_down (refused, naming the tensor, its type and
+K, where K / tp is not a whole number of the type's blocks: 32 weights, 256 for Q4_K / Q6_K), and its vocabulary
+rows of the embedding and head (zero blocks past the vocabulary, which dequantize to 0).
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine.cpu import kernels as cpu_native
 from engine.cpu import linear as cpu_linear
-from engine.cpu.quant import QUANT_TYPES, QuantEmbedding, QuantLinear, QuantWeight, quantized_bytes
+from engine.cpu.quant import (BLOCK_BYTES, BLOCK_WEIGHTS, QUANT_TYPES, QuantEmbedding, QuantLinear, QuantWeight,
+                              quantized_bytes)
 from engine.models.decoder import DecoderLM, ModelSpec
+from engine.models.tp import TPShard, check_block_aligned, parallelize, take_shard
 from engine.models.from_gguf import write_dir_atomically
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
@@ -137,6 +144,11 @@ class GGUFTensors:
         return torch.from_numpy(values.copy()).float().reshape(*reversed([int(n) for n in t.shape]))
 
     def quantized(self, name: str) -> QuantWeight:
+        kind, rows, k = self.blocks(name)
+        return QuantWeight(kind, rows[:], k)
+
+    def blocks(self, name: str) -> tuple[str, FileRows, int]:
+        """(type, the block rows [N, K / QK * block bytes] read on demand, K) of quantized tensor `name`."""
         t = self.tensors[self._need(name)]
         kind = t.tensor_type.name
         if kind not in QUANT_TYPES:
@@ -144,63 +156,99 @@ class GGUFTensors:
                              f"and {', '.join(FLOAT_TYPES)} as floats (python -m engine.models.from_gguf FILE OUT_DIR "
                              "serves other types dequantized)")
         k, n = (int(v) for v in t.shape)
-        return QuantWeight(kind, torch.from_numpy(t.data.copy()).view(n, -1), k)
+        return kind, FileRows(t.data.reshape(n, -1)), k
+
+    def row_parallel(self) -> list[tuple[str, str, int]]:
+        """(name, type, K) of every quantized attn_output / ffn_down weight: the ones a tensor-parallel rank splits
+        along K."""
+        return [(name, t.tensor_type.name, int(t.shape[0])) for name, t in self.tensors.items()
+                if name.endswith((".attn_output.weight", ".ffn_down.weight")) and t.tensor_type.name not in FLOAT_TYPES]
 
     def unused(self) -> list[str]:
         return sorted(set(self.tensors) - self.used - set(IGNORED))
 
 
-def _unpermute(w: QuantWeight | torch.Tensor, heads: int) -> QuantWeight | torch.Tensor:
-    """Rows of a llama attn_q / attn_k weight (or bias) back in the checkpoint's order: llama.cpp stores each
-    head's rotary pairs interleaved ([head, dim / 2, 2] rows); transformers' reverse permutation, on whole rows."""
-    n = w.out_features if isinstance(w, QuantWeight) else w.shape[0]
-    perm = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
-    if isinstance(w, QuantWeight):
-        return QuantWeight(w.qtype, w.data.index_select(0, perm), w.in_features)
+class FileRows:
+    """A quantized tensor's block rows [N, bytes] in the file's memory map; indexing (rows, or rows and byte
+    columns) copies out only what it selects, so a tensor-parallel rank never holds the rest."""
+
+    def __init__(self, data):
+        self.data = data
+        self.shape = data.shape
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.data[index]))
+
+
+def _unpermute(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a llama attn_q / attn_k weight (float, or quantized block rows) or bias back in the checkpoint's
+    order: llama.cpp stores each head's rotary pairs interleaved ([head, dim / 2, 2] rows); transformers' reverse
+    permutation, on whole rows. It moves rows within a head only, so it applies alike to any run of whole heads (a
+    tensor-parallel rank's)."""
+    n = w.shape[0]
+    perm = torch.arange(n).view(n // head_dim, head_dim // 2, 2).transpose(1, 2).reshape(-1)
     return w.index_select(0, perm)
 
 
 class _Placer:
     """Puts the file's tensors into a DecoderLM built on the meta device: quantized linears and embedding as
-    modules holding their bytes (before to_empty, which leaves them alone), float ones recorded for after it."""
+    modules holding their bytes (before to_empty, which leaves them alone), float ones recorded for after it. With
+    `tp`, every tensor is this rank's shard (engine/models/tp.py's take_shard), cut out of the file's rows."""
 
-    def __init__(self, tensors: GGUFTensors, spec: ModelSpec, norm_shift: float):
-        self.t, self.spec, self.norm_shift = tensors, spec, norm_shift
+    def __init__(self, tensors: GGUFTensors, spec: ModelSpec, norm_shift: float, tp: TPShard | None = None):
+        self.t, self.spec, self.norm_shift, self.tp = tensors, spec, norm_shift, tp
         self.after: list[tuple[torch.Tensor | str, torch.Tensor]] = []  # (parameter name, value) once allocated
 
-    def linear(self, owner: nn.Module, attr: str, pname: str, names: list[str], heads: list[int | None]) -> None:
-        """owner.attr := the rows of `names` stacked (q/k/v, gate/up), each unpermuted over `heads` when given."""
+    def linear(self, owner: nn.Module, attr: str, pname: str, names: list[str], permuted: list[bool]) -> None:
+        """owner.attr := the rows of `names` stacked (q/k/v, gate/up), each unpermuted when `permuted` says."""
         kinds = {self.t.type_of(f"{n}.weight") for n in names}
-        biases = [f"{n}.bias" for n in names if f"{n}.bias" in self.t]
-        bias = torch.cat([self._rows(self.t.float(b), h) for b, h in zip(biases, heads)]) if biases else None
+        biases = [self.weight(f"{n}.bias", f"{pname}.bias", i, p) for i, (n, p) in enumerate(zip(names, permuted))
+                  if f"{n}.bias" in self.t]
+        bias = torch.cat(biases) if biases else None
+        parts = [self.weight(f"{n}.weight", f"{pname}.weight", i, p) for i, (n, p) in enumerate(zip(names, permuted))]
         if kinds <= set(FLOAT_TYPES):  # a float linear: its parameters are filled after to_empty
-            weight = torch.cat([self._rows(self.t.float(f"{n}.weight"), h) for n, h in zip(names, heads)])
-            self.after.append((f"{pname}.weight", weight))
+            self.after.append((f"{pname}.weight", torch.cat(parts)))
             if bias is not None:
                 self.after.append((f"{pname}.bias", bias))
             return
-        parts = [self._rows(self.t.quantized(f"{n}.weight"), h) for n, h in zip(names, heads)]
         setattr(owner, attr, QuantLinear(parts, bias))
 
-    @staticmethod
-    def _rows(w, heads: int | None):
-        return w if heads is None else _unpermute(w, heads)
+    def weight(self, name: str, pname: str, shard: int = 0, permuted: bool = False) -> QuantWeight | torch.Tensor:
+        """Tensor `name` (this rank's shard of it for parameter `pname`, tp.take_shard's `shard`): fp32 for a float
+        type, else a QuantWeight of its blocks; unpermuted after the slice (a rank's rows are whole heads)."""
+        if self.t.type_of(name) in FLOAT_TYPES:
+            w = self.t.float(name)
+            w = w if self.tp is None else take_shard(w, pname, shard, self.tp)
+            return _unpermute(w, self.spec.head_dim) if permuted else w
+        kind, rows, k = self.t.blocks(name)
+        data = rows[:] if self.tp is None else take_shard(rows, pname, shard, self.tp, kind, name)
+        if permuted:
+            data = _unpermute(data, self.spec.head_dim)
+        return QuantWeight(kind, data, data.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind])
 
     def embedding(self, model: DecoderLM) -> None:
-        name = "token_embd.weight"
-        if self.t.type_of(name) in FLOAT_TYPES:
-            self.after.append(("embed_tokens.weight", self.t.float(name)))
+        w = self.weight("token_embd.weight", "embed_tokens.weight")
+        if isinstance(w, QuantWeight):
+            model.embed_tokens = QuantEmbedding(w)
         else:
-            model.embed_tokens = QuantEmbedding(self.t.quantized(name))
+            self.after.append(("embed_tokens.weight", w))
 
     def norm(self, pname: str, name: str) -> None:
         self.after.append((pname, self.t.float(name) - self.norm_shift))
 
 
+def check_tensor_parallel(gguf_file: str | Path, size: int) -> None:
+    """ValueError naming the first quantized attn_output / ffn_down weight whose K `size` ranks cannot split on
+    block boundaries (EngineConfig calls it; the load checks each tensor again as it slices it)."""
+    for name, kind, k in GGUFTensors(gguf_file).row_parallel():
+        check_block_aligned(name, kind, k, size)
+
+
 def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dtype: torch.dtype,
-                     device: torch.device) -> DecoderLM:
+                     device: torch.device, tp: TPShard | None = None) -> DecoderLM:
     """The whole model with the file's weights (engine/models/loader.py's build_model calls it for a GGUF);
-    `rotary` the RoPE tables for `spec`, `local` those of Gemma 3's sliding layers (None for one table)."""
+    `rotary` the RoPE tables for `spec`, `local` those of Gemma 3's sliding layers (None for one table). With
+    `tp`, one tensor-parallel rank's shard: `spec` is then its local_spec."""
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"a GGUF model runs quantized on CPU in float32 only, not {device.type} {dtype} "
                          "(CUDA quantized kernels are not built)")
@@ -208,16 +256,13 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dt
     gemma = tensors.arch == "gemma3"
     with torch.device("meta"):
         model = DecoderLM(spec, None, backend)
-    place = _Placer(tensors, spec, norm_shift=1.0 if gemma else 0.0)
-    _place_layers(model, place, spec, permuted=not gemma)
+    place = _Placer(tensors, spec, norm_shift=1.0 if gemma else 0.0, tp=tp)
+    _place_layers(model, place, permuted=not gemma)
     place.embedding(model)
     place.norm("norm.weight", "output_norm.weight")
     head = None
     if "output.weight" in tensors:  # an untied head (a tied one is the embedding, read back below)
-        if tensors.type_of("output.weight") in FLOAT_TYPES:
-            head = tensors.float("output.weight")
-        else:
-            head = tensors.quantized("output.weight")
+        head = place.weight("output.weight", "lm_head.weight")
     elif not spec.tie_word_embeddings:
         raise ValueError(f"GGUF file {gguf_file!r} has no output.weight and its config does not tie the head")
     unused = tensors.unused()
@@ -234,6 +279,8 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dt
             raise ValueError(f"weight shape mismatch for {pname}: GGUF {tuple(value.shape)} vs model "
                              f"{tuple(params[pname].shape)}")
         params[pname].data.copy_(value)
+    if tp is not None:
+        parallelize(model, tp)
     model = model.eval().requires_grad_(False)
     _pack_head(model, head)
     if cpu_linear.available(dtype):  # linears the file keeps in float, if any
@@ -242,17 +289,16 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dt
     return model
 
 
-def _place_layers(model: DecoderLM, place: _Placer, spec: ModelSpec, permuted: bool) -> None:
+def _place_layers(model: DecoderLM, place: _Placer, permuted: bool) -> None:
     """Every layer's tensors; `permuted`: the file's attn_q / attn_k rows are in llama.cpp's RoPE order."""
-    heads = [spec.num_heads, spec.num_kv_heads, None] if permuted else [None, None, None]
     for i, layer in enumerate(model.layers):
         blk, attn, mlp = f"blk.{i}", layer.self_attn, layer.mlp
         place.linear(attn, "qkv_proj", f"layers.{i}.self_attn.qkv_proj",
-                     [f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"], heads)
-        place.linear(attn, "o_proj", f"layers.{i}.self_attn.o_proj", [f"{blk}.attn_output"], [None])
+                     [f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"], [permuted, permuted, False])
+        place.linear(attn, "o_proj", f"layers.{i}.self_attn.o_proj", [f"{blk}.attn_output"], [False])
         place.linear(mlp, "gate_up_proj", f"layers.{i}.mlp.gate_up_proj", [f"{blk}.ffn_gate", f"{blk}.ffn_up"],
-                     [None, None])
-        place.linear(mlp, "down_proj", f"layers.{i}.mlp.down_proj", [f"{blk}.ffn_down"], [None])
+                     [False, False])
+        place.linear(mlp, "down_proj", f"layers.{i}.mlp.down_proj", [f"{blk}.ffn_down"], [False])
         place.norm(f"layers.{i}.input_layernorm.weight", f"{blk}.attn_norm.weight")
         if layer.sandwich:  # Gemma: the attention output normed, the MLP between two norms
             place.norm(f"layers.{i}.post_attention_layernorm.weight", f"{blk}.post_attention_norm.weight")

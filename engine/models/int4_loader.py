@@ -25,8 +25,12 @@ by at most half an fp16 ulp of m (AWQ, asymmetric GPTQ): the weights then differ
 dequantization by that much (docs/features.md says so; tests/test_int4_checkpoint.py bounds it). The CUDA
 kernel computes scale * (q - z) exactly, for both formats.
 
-On CPU it runs with float32 activations, on CUDA in the model's dtype; one device, no LoRA (EngineConfig refuses
-the rest by name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
+On CPU it runs with float32 activations, on CUDA in the model's dtype; no pipeline stages, no LoRA (EngineConfig
+refuses the rest by name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
+Tensor parallelism (CPU) shards the Q4_1 blocks: each linear is converted whole, one at a time, and the rank keeps
+its rows (q/k/v, gate/up) or K blocks (o, down) of it. A group of g becomes g / 32 blocks each carrying the
+group's scale, so a K split needs only K / tp to be a multiple of 32 (refused at load, naming the tensor,
+otherwise), whatever the group size. The Triton int4 weights are not sharded.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.cpu.quant import BLOCK, QuantLinear, QuantWeight
+from engine.cpu.quant import BLOCK, BLOCK_BYTES, QuantLinear, QuantWeight
 from engine.models.decoder import DecoderLM
 from engine.models.int4_triton import CHUNK, Int4Linear, Int4Weight, pack
 from engine.models.quantized_checkpoint import Checkpoint
+from engine.models.tp import TPShard, take_shard
 
 INT4_METHODS = ("gptq", "awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8c + AWQ_ORDER[i]
@@ -122,7 +127,15 @@ def _awq_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def to_q4_1(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
-    """One linear's int4 groups as Q4_1 blocks (the module docstring: d = scale, m = -scale * z in fp16)."""
+    """One linear's int4 groups as a Q4_1 QuantWeight (the module docstring: d = scale, m = -scale * z in fp16)."""
+    blocks = q4_1_blocks(scheme, qweight, qzeros, scales)
+    return QuantWeight("Q4_1", blocks, blocks.shape[1] // BLOCK_BYTES["Q4_1"] * BLOCK)
+
+
+def q4_1_blocks(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
+                ) -> torch.Tensor:
+    """One linear's int4 groups as Q4_1 block bytes, uint8 [N, K / 32 * 20], the file layout a QuantWeight is
+    made from (and a tensor-parallel rank slices first)."""
     q, z, s = unpack(scheme, qweight, qzeros, scales)
     n, k = q.shape
     group = scheme.group_size or k  # the last group may be short, as GPTQ makes it when K is not a multiple
@@ -135,17 +148,20 @@ def to_q4_1(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     qs = q.view(n, k // BLOCK, BLOCK)
     packed = qs[..., :16] | (qs[..., 16:] << 4)  # Q4_1: weights 0-15 in the low nibbles, 16-31 in the high
     blocks = torch.cat((d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), packed), dim=-1)
-    return QuantWeight("Q4_1", blocks.reshape(n, -1), k)
+    return blocks.reshape(n, -1)
 
 
 def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dtype: torch.dtype,
-                       device: torch.device, gpu: bool) -> None:
+                       device: torch.device, gpu: bool, tp: TPShard | None = None) -> None:
     """Replace the quantized linears of `model` (a DecoderLM on the meta device, before to_empty) by modules
     holding their bytes: with `gpu`, Int4Linears on `device` running the Triton int4 GEMM (CUDA, or CPU tensors
     under the interpreter); else Q4_1 QuantLinears (CPU, float32). engine/models/loader.py's build_model calls it;
     its load_weights then fills every float parameter left: embeddings, norms, the LM head, linears the
     checkpoint kept in float. Refuses what it does not run, and a quantized tensor it did not place (a quantized
-    LM head, an unknown module)."""
+    LM head, an unknown module). With `tp`, the rank's shard of every Q4_1 linear (module docstring)."""
+    if gpu and tp is not None:
+        raise ValueError(f"a {scheme.method} int4 model shards for tensor parallelism on the CPU's Q4_1 path only "
+                         "(the Triton int4 GEMM's weights are not sharded)")
     if not gpu and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"a {scheme.method} int4 model runs quantized on CPU in float32 only, not {device.type} "
                          f"{dtype} (on CUDA the Triton int4 GEMM runs it in the model's dtype)")
@@ -161,17 +177,17 @@ def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dty
                                    (layer.self_attn, "o_proj", [f"{pre}.self_attn.o_proj"]),
                                    (layer.mlp, "gate_up_proj", [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"]),
                                    (layer.mlp, "down_proj", [f"{pre}.mlp.down_proj"])):
-            placed.update(_place_linear(ckpt, scheme, owner, attr, names, device if gpu else None))
+            placed.update(_place_linear(ckpt, scheme, owner, attr, names, device if gpu else None, tp))
     unplaced = sorted(n for n in ckpt.where if n.endswith(".qweight") and n not in placed)
     if unplaced:
         raise ValueError(f"checkpoint {model_dir!r} quantizes tensors Tandem runs only in float: {unplaced[:8]}")
 
 
 def _place_linear(ckpt: Checkpoint, scheme: Int4Scheme, owner: nn.Module, attr: str, names: list[str],
-                  device: torch.device | None) -> list[str]:
+                  device: torch.device | None, tp: TPShard | None = None) -> list[str]:
     """owner.attr := the quantized linear of the rows of `names` stacked, when the checkpoint quantized them (a
-    float linear is left for load_weights): an Int4Linear on `device`, or with None a Q4_1 QuantLinear. Biases
-    (Qwen2's q/k/v) stay fp32. Returns the qweight names placed."""
+    float linear is left for load_weights): an Int4Linear on `device`, or with None a Q4_1 QuantLinear (with
+    `tp`, of this rank's rows or K blocks). Biases (Qwen2's q/k/v) stay fp32. Returns the qweight names placed."""
     quantized = [f"{n}.qweight" in ckpt for n in names]
     if not any(quantized):
         return []
@@ -179,16 +195,32 @@ def _place_linear(ckpt: Checkpoint, scheme: Int4Scheme, owner: nn.Module, attr: 
         raise ValueError(f"the checkpoint quantizes some of {names} and not the others")
     tensors = [(ckpt.get(f"{n}.qweight"), ckpt.get(f"{n}.qzeros"), ckpt.get(f"{n}.scales")) for n in names]
     biases = [ckpt.get(f"{n}.bias") for n in names if f"{n}.bias" in ckpt]
+    if tp is not None:  # column-parallel biases are sliced with their rows; a row-parallel one stays whole
+        biases = [take_shard(b, f"{attr}.bias", i, tp) for i, b in enumerate(biases)]
     bias = torch.cat(biases).float() if biases else None
-    if device is None:
+    if device is None and tp is not None:
+        linear = QuantLinear([_q4_1_shard(scheme, t, attr, i, n, tp) for i, (t, n) in enumerate(zip(tensors, names))],
+                             bias)
+    elif device is None:
         linear = QuantLinear([to_q4_1(scheme, *t) for t in tensors], bias)
     else:
         linear = Int4Linear(_stacked_int4(scheme, tensors, device), bias)
-    for n in names:
+    for n, (qweight, _, _) in zip(names, tensors):  # against the checkpoint's whole K (a rank's may be a slice)
         if f"{n}.g_idx" in ckpt:
-            _check_g_idx(ckpt.get(f"{n}.g_idx"), scheme, linear.in_features, n)
+            _check_g_idx(ckpt.get(f"{n}.g_idx"), scheme, qweight.shape[0] * (8 if scheme.method == "gptq" else 1), n)
     setattr(owner, attr, linear)
     return [f"{n}.qweight" for n in names]
+
+
+def _q4_1_shard(scheme: Int4Scheme, tensors: tuple[torch.Tensor, ...], attr: str, shard: int, name: str,
+                tp: TPShard) -> QuantWeight:
+    """This rank's rows (q/k/v, gate/up) or K blocks (o, down) of one linear's Q4_1 blocks, copied out of the whole
+    (made here one linear at a time), so the rank holds only its part. Groups become Q4_1 blocks of 32 weights,
+    each with its group's scale, so a K split needs only 32-alignment, whatever the group size."""
+    blocks = q4_1_blocks(scheme, *tensors)
+    part = take_shard(blocks, f"{attr}.weight", shard, tp, "Q4_1", f"{name}.qweight")
+    part = part.clone(memory_format=torch.contiguous_format)
+    return QuantWeight("Q4_1", part, part.shape[1] // BLOCK_BYTES["Q4_1"] * BLOCK)
 
 
 def _stacked_int4(scheme: Int4Scheme, tensors: list[tuple[torch.Tensor, ...]], device: torch.device) -> Int4Weight:

@@ -146,26 +146,25 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     With `gguf_file`, the weights come from it, quantized where the CPU kernels run the type
     (engine/models/gguf_loader.py; `model_dir` then holds only config and tokenizer). A GPTQ / AWQ int4
     checkpoint's linears run the Triton int4 GEMM on CUDA (and with `fused` True, under the interpreter), else
-    the CPU's Q4_1 GEMM (engine/models/int4_loader.py)."""
+    the CPU's Q4_1 GEMM (engine/models/int4_loader.py). Quantized weights shard with `tp` as float ones do, on
+    block boundaries (engine/models/tp.py)."""
     moe.check_device(spec.moe, device)
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
     if gguf_file is not None:
-        if layers is not None or tp is not None:
-            raise ValueError("a GGUF model is built whole, on one device")
-        return build_gguf_model(gguf_file, spec, rotary, local, backend, dtype, device)
+        if layers is not None:
+            raise ValueError("a GGUF model is built whole or as tensor-parallel shards, not as pipeline stages")
+        return build_gguf_model(gguf_file, spec, rotary, local, backend, dtype, device, tp)
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
     scheme = checkpoint_scheme(model_dir)
-    if scheme is not None:  # quantized linears placed before the float parameters are loaded
-        if tp is not None:
-            raise ValueError(f"a {scheme.method} quantized model runs without tensor parallelism")
+    if scheme is not None:  # quantized linears placed (with `tp`, this rank's shards) before the float parameters
         if isinstance(scheme, int4_loader.Int4Scheme):  # GPTQ / AWQ int4
             gpu = device.type == "cuda" or fused is True  # the Triton int4 GEMM wherever the GPU kernels run
-            int4_loader.place_int4_linears(model, model_dir, scheme, dtype, device, gpu)
+            int4_loader.place_int4_linears(model, model_dir, scheme, dtype, device, gpu, tp)
             fused = fused if gpu else False  # Q4_1 QuantLinears: the CPU's path
         else:  # FP8: Fp8Linears
-            fp8_loader.place_fp8_linears(model, model_dir, scheme, dtype, device)
+            fp8_loader.place_fp8_linears(model, model_dir, scheme, dtype, device, tp)
             fused = False  # the fused forward reads plain float weights
     model = model.to_empty(device=device).to(dtype)
     model.rotary = rotary.to(device)  # fp32 tables, kept out of the dtype cast above

@@ -19,6 +19,11 @@ heads, KV heads and MLP width, and of the vocabulary) and reads only its slice o
 Norms, RoPE tables and q/k norms (per head_dim) are replicated. Everything outside the model (scheduler, block
 manager, sampler, detokenizer) runs once, on rank 0 (engine/tp).
 
+Quantized weights (GGUF blocks, int4 as Q4_1 blocks, FP8) shard the same way (`take_shard`): rows are whole rows of
+blocks; a row-parallel K split must fall on block boundaries (a block's weights share a scale and cannot be cut:
+32 weights, 256 for the K-quants), else `check_block_aligned` refuses it naming the tensor; a quantized embedding
+is `QuantVocabParallelEmbedding` (zero blocks pad it: they dequantize to 0), and a tied head reads its blocks.
+
 The collectives go through `comm` (engine/tp/comm.py): all_reduce(t) in place, and gather_to_root(t, out_list).
 """
 
@@ -30,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.decoder import DecoderLM, ModelSpec
+from engine.cpu.quant import QuantEmbedding, QuantLinear, QuantWeight
+from engine.models.decoder import MLP, DecoderLM, ModelSpec
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,7 +89,47 @@ def read_shard(f, name: str, pname: str, shard: int, tp: TPShard) -> torch.Tenso
     """This rank's part of checkpoint tensor `name`, which loader._map_name mapped to parameter `pname`
     (`shard`: 0/1/2 for q/k/v or gate/up inside the fused parameter, loader.WHOLE (-1) for one already fused
     in the checkpoint, as Phi-3's)."""
-    sl = f.get_slice(name)
+    return take_shard(f.get_slice(name), pname, shard, tp)
+
+
+def take_shard(sl, pname: str, shard: int, tp: TPShard, qtype: str | None = None, name: str = ""):
+    """This rank's part of `sl`, anything sliced like a 2-D array (a safetensors slice, a tensor), for parameter
+    `pname` (read_shard's `shard`). With `qtype`, `sl` is a quantized weight's block bytes [N, K / QK * block
+    bytes] (engine/cpu/quant.py): rows are whole rows of blocks either way, and a row-parallel weight's inputs are
+    split on block boundaries, or refused naming tensor `name` (check_block_aligned)."""
+    rows = _row_ranges(pname, shard, tp)
+    if rows is not None:
+        parts = [sl[start:start + length] for start, length in rows]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    cols = _input_columns(pname, tp)
+    if cols is not None:
+        start, length = cols
+        if qtype is not None:
+            qk, nbytes = check_block_aligned(name or pname, qtype, length * tp.size, tp.size)
+            start, length = start // qk * nbytes, length // qk * nbytes
+        return sl[:, start:start + length]
+    if pname in ("embed_tokens.weight", "lm_head.weight"):
+        return _vocab_rows(sl, tp)
+    return sl[:]  # norms, row-parallel biases (added once after the all-reduce): whole on every rank
+
+
+def check_block_aligned(name: str, qtype: str, k: int, size: int) -> tuple[int, int]:
+    """(weights, bytes) of a `qtype` block, after checking that `size` ranks split the K = `k` inputs of quantized
+    tensor `name` on block boundaries (a quantized row is a run of blocks along K: a block cannot be cut);
+    ValueError naming the tensor, its type, K and the size otherwise."""
+    from engine.cpu.quant import BLOCK_BYTES, BLOCK_WEIGHTS
+
+    qk = BLOCK_WEIGHTS[qtype]
+    if k % size or (k // size) % qk:
+        raise ValueError(f"tensor_parallel_size={size} cannot split {name} ({qtype}, K={k}) on its block boundaries: "
+                         f"a row-parallel shard of {k / size:g} inputs is not a whole number of {qtype} blocks "
+                         f"({qk} weights each)")
+    return qk, BLOCK_BYTES[qtype]
+
+
+def _row_ranges(pname: str, shard: int, tp: TPShard) -> list[tuple[int, int]] | None:
+    """(start, length) row ranges of a column-parallel tensor (q/k/v, gate/up, their biases) this rank keeps, in
+    order; None for any other."""
     full, d = tp.full, tp.full.head_dim
     q_rows = (tp.rank * full.num_heads // tp.size * d, full.num_heads // tp.size * d)  # (start, length)
     kv_rows = (tp.kv_head_start * d, max(1, full.num_kv_heads // tp.size) * d)
@@ -91,29 +137,31 @@ def read_shard(f, name: str, pname: str, shard: int, tp: TPShard) -> torch.Tenso
     mlp_rows = (tp.rank * inter, inter)
     if "qkv_proj" in pname:
         if shard >= 0:
-            return _rows(sl, *(q_rows if shard == 0 else kv_rows))
+            return [q_rows if shard == 0 else kv_rows]
         q, kv = full.num_heads * d, full.num_kv_heads * d  # fused: q, then k, then v sections
-        return torch.cat([_rows(sl, q_rows[0], q_rows[1]), _rows(sl, q + kv_rows[0], kv_rows[1]),
-                          _rows(sl, q + kv + kv_rows[0], kv_rows[1])])
+        return [q_rows, (q + kv_rows[0], kv_rows[1]), (q + kv + kv_rows[0], kv_rows[1])]
     if "gate_up_proj" in pname:
         if shard >= 0:
-            return _rows(sl, *mlp_rows)
-        return torch.cat([_rows(sl, *mlp_rows), _rows(sl, full.intermediate_size + mlp_rows[0], inter)])
+            return [mlp_rows]
+        return [mlp_rows, (full.intermediate_size + mlp_rows[0], inter)]
+    return None
+
+
+def _input_columns(pname: str, tp: TPShard) -> tuple[int, int] | None:
+    """(start, length) of the input columns of a row-parallel weight (o_proj, down_proj) this rank keeps."""
+    full = tp.full
     if pname.endswith("o_proj.weight"):
-        return sl[:, q_rows[0]:q_rows[0] + q_rows[1]]
-    if pname.endswith("down_proj.weight"):
-        return sl[:, mlp_rows[0]:mlp_rows[0] + inter]
-    if pname in ("embed_tokens.weight", "lm_head.weight"):
-        return _vocab_rows(sl, tp)
-    return sl[:]  # norms, row-parallel biases (added once after the all-reduce): whole on every rank
-
-
-def _rows(sl, start: int, length: int) -> torch.Tensor:
-    return sl[start:start + length]
+        per_rank = full.num_heads // tp.size * full.head_dim
+    elif pname.endswith("down_proj.weight"):
+        per_rank = full.intermediate_size // tp.size
+    else:
+        return None
+    return tp.rank * per_rank, per_rank
 
 
 def _vocab_rows(sl, tp: TPShard) -> torch.Tensor:
-    """Rows [r*Vs, (r+1)*Vs) of the embedding / head, zero-padded past the real vocabulary."""
+    """Rows [r*Vs, (r+1)*Vs) of the embedding / head, zero-padded past the real vocabulary (for quantized block
+    bytes a zero row is zero blocks, whose scales are 0: every weight dequantizes to 0)."""
     vs, vocab = tp.vocab_shard, tp.full.vocab_size
     start = min(tp.rank * vs, vocab)
     part = sl[start:min(start + vs, vocab)]
@@ -142,14 +190,36 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
+class QuantVocabParallelEmbedding(QuantEmbedding):
+    """VocabParallelEmbedding over quantized rows (a GGUF file's token_embd): this rank's vocabulary rows in their
+    blocks (zero blocks past the vocabulary), a lookup dequantizing only the rows it reads, summed over the ranks.
+    Keeps `qweight`, so a tied LM head reads the same shard's blocks."""
+
+    def __init__(self, weight: QuantWeight, start: int, comm):
+        super().__init__(weight)
+        self.start = start
+        self.comm = comm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = super().forward(local.masked_fill(outside, 0))  # [T, hidden] fp32
+        x.masked_fill_(outside.unsqueeze(-1), 0.0)
+        self.comm.all_reduce(x)
+        return x
+
+
 class RowParallelLinear(nn.Module):
     """Input-sharded linear: this rank's partial product, summed over the ranks, then the bias once.
-    The inner nn.Linear has no bias, so engine/cpu/linear.pack_linears packs it like any other."""
+    The inner linear (an nn.Linear, or a quantized QuantLinear / Fp8Linear holding its K slice) has no bias, so
+    engine/cpu/linear.pack_linears packs a float one like any other."""
 
-    def __init__(self, linear: nn.Linear, comm):
+    def __init__(self, linear: nn.Module, comm):
         super().__init__()
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        linear.bias = None
+        attr = "qbias" if isinstance(linear, QuantLinear) else "bias"  # QuantLinear keeps its fp32 bias as qbias
+        bias = getattr(linear, attr)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        setattr(linear, attr, None)
         self.linear = linear
         self.comm = comm
 
@@ -179,13 +249,15 @@ class VocabGather:
 
 def parallelize(model: DecoderLM, tp: TPShard) -> None:
     """Swap in the collectives after the rank's shards are loaded (and before pack_for_cpu packs the linears)."""
-    comm = tp.comm
-    if model.embed_tokens is not None:
-        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight.data, tp.rank * tp.vocab_shard, comm)
+    comm, embed, start = tp.comm, model.embed_tokens, tp.rank * tp.vocab_shard
+    if isinstance(embed, QuantEmbedding):
+        model.embed_tokens = QuantVocabParallelEmbedding(embed.qweight, start, comm)
+    elif embed is not None:
+        model.embed_tokens = VocabParallelEmbedding(embed.weight.data, start, comm)
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         attn.o_proj = RowParallelLinear(attn.o_proj, comm)
-        if not isinstance(getattr(mlp, "down_proj", None), nn.Linear):
+        if not isinstance(mlp, MLP):
             raise ValueError(f"tensor parallelism shards dense MLPs only; layer {i} has a {type(mlp).__name__}")
         mlp.down_proj = RowParallelLinear(mlp.down_proj, comm)
     if model.is_last:

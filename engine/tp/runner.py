@@ -65,9 +65,9 @@ class TPModelRunner(ModelRunner):
         return self.comm.rank == 0
 
     def _build_model(self, hf_config, spec: ModelSpec, max_model_len: int, dtype: torch.dtype):
-        return build_model(self.config.model, hf_config, local_spec(spec, self.comm.size), max_model_len,
+        return build_model(self.config.model_dir, hf_config, local_spec(spec, self.comm.size), max_model_len,
                            self.backend, dtype, self.device, cpu_onednn=self.config.cpu_onednn, tp=self.shard,
-                           fused=self.config.fused_forward)
+                           fused=self.config.fused_forward, gguf_file=self.config.gguf_file)
 
     def _agree_kv_blocks(self, num_blocks: int) -> int:
         return self.comm.all_reduce_min(num_blocks)

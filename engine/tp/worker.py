@@ -42,7 +42,7 @@ class TPWorker:
         self.spec = spec
         comm = GroupComm.join(spec.store_host, spec.store_port, spec.rank, spec.size, spec.bind_host,
                               spec.config.stall_timeout_s)
-        hf_config = load_hf_config(spec.config.model)
+        hf_config = load_hf_config(spec.config.model_dir)  # a GGUF file's is the directory written for it
         self.runner = TPModelRunner(spec.config, hf_config, model_spec(hf_config), torch.device("cpu"),
                                     getattr(torch, spec.dtype), spec.max_model_len, comm)
 
