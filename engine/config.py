@@ -242,7 +242,7 @@ class EngineConfig:
         return gguf_model_dir(self.gguf_file, self.tokenizer and os.path.abspath(self.tokenizer))
 
     def _check_gguf(self) -> None:
-        """A GGUF model: a file; CPU, fp32 activations, one device, no adapters (what its kernels cover)."""
+        """A GGUF model: a file; CPU, fp32 activations, no tensor parallelism (what its kernels cover)."""
         if not os.path.isfile(self.model):
             raise ValueError(f"model {self.model!r} names a GGUF file that does not exist")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
@@ -271,9 +271,11 @@ class EngineConfig:
 
     def _check_quantized(self, what: str, cuda: bool = False) -> None:
         """Quantized weights: GGUF on CPU; GPTQ/AWQ int4 (`cuda`) on CPU or on CUDA (the Triton int4 GEMM,
-        engine/models/int4_triton.py). On CPU fp32 activations; one device, no adapters (what the quantized
-        kernels cover)."""
+        engine/models/int4_triton.py). On CPU fp32 activations, with pipeline stages and LoRA adapters over the
+        CPU's quantized linears; no tensor parallelism. The Triton int4 GEMM (on CUDA, and with fused_forward
+        under the interpreter) takes no adapters, nor stages on CUDA: untested there."""
         on_cuda = cuda and (self.device == "cuda" or (self.device == "auto" and _cuda_available()))
+        triton = on_cuda or (cuda and self.fused_forward is True)
         devices, where = (("auto", "cpu", "cuda"), "int4 weights run on cpu or cuda") if cuda else \
             (("auto", "cpu"), "quantized weights run on CPU; device='cpu' or 'auto' without CUDA")
         unsupported = [why for why, used in (
@@ -281,8 +283,10 @@ class EngineConfig:
             (f"dtype={self.dtype!r} (on CPU its quantized linears take float32 activations: 'auto' or 'float32')",
              not on_cuda and self.dtype not in ("auto", "float32")),
             ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-            ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
-            ("LoRA adapters (enable_lora, lora_modules, lora_dir)", self.enable_lora),
+            ("pipeline_parallel_size > 1 on cuda (the Triton int4 GEMM's stages are untested)",
+             on_cuda and self.pipeline_parallel_size > 1),
+            ("LoRA adapters (enable_lora, lora_modules, lora_dir) over the Triton int4 GEMM (cuda or fused_forward)",
+             triton and self.enable_lora),
             (f"kv_cache_dtype={self.kv_cache_dtype!r} (an fp8 KV cache runs on cuda)",
              not on_cuda and self.kv_cache_dtype.startswith("fp8")),
         ) if used]
