@@ -14,7 +14,7 @@ Every test runs the exact path (TANDEM_QUANT_ACTIVATIONS=fp32). Oracles, never T
 - a stage holds only its own layers: its weight bytes against the file's own byte count for the tensors it should
   hold (the GGUF reader's), and the tensors it reads;
 - what stays refused is refused by name.
-Stages run in process (LocalStageGroup); Ray stage actors run the same StageWorker (tests/test_pipeline_parallel.py).
+Stages run in process (LocalStageGroup), and once over Ray stage actors (the same StageWorker in an actor).
 """
 
 from __future__ import annotations
@@ -198,19 +198,39 @@ def test_real_smollm2_q4_1_over_two_stages_matches_hf():
     q4, hf_dir = from_gguf.smollm2_gguf(), from_gguf.smollm2_dir()
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS[:4]]
+             for q in QUESTIONS[:3]]
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
     want = hf_chat_greedy(hf, tok, texts)
     params = SamplingParams(max_tokens=TOKENS, temperature=0)
-    llm = LLM(str(q4), tokenizer=str(hf_dir), max_num_seqs=4)
+    small = dict(tokenizer=str(hf_dir), max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64)
+    llm = LLM(str(q4), **small)
     single = llm.generate(texts, params)
     llm.shutdown()
-    engine = stage_engine(str(q4), 2, tokenizer=str(hf_dir), max_num_seqs=4)
+    engine = PipelineEngine(EngineConfig(model=str(q4), pipeline_parallel_size=2, **small), LocalStageGroup)
     ids = [tok.encode(t, add_special_tokens=False) for t in texts]
     outs = run_engine(engine, ids, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in single]
     assert len(compare(outs, want)) <= 1
     assert [m.layer_range for m in stage_models(engine)] == [(0, 15), (15, 30)]
+
+
+def test_gguf_over_ray_stage_actors_matches_hf(tiny_gguf):
+    """The offline LLM over 2 Ray stage actors (cluster/pipeline.py): each actor builds its stage from the GGUF
+    file the StageSpec names. Ray starts inside the test, so the actors inherit the exact path's setting."""
+    from ray_local import local_ray
+
+    path, tok, hf = tiny_gguf[True]
+    prompts = make_prompts(seed=6, lengths=(3, 17, 40))
+    with local_ray(4, "tandem-quant-pp-test"):
+        llm = LLM(str(path), tokenizer=str(tok), pipeline_parallel_size=2, pp_stage_num_cpus=1.0, **ENGINE)
+        try:
+            assert "over Ray" in llm.stats()["attention_backend"]
+            outs = llm.generate(prompts, GREEDY)
+            llm.check_integrity()
+        finally:
+            llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert_matches_hf(hf, prompt, out.token_ids)
 
 
 # ---- a stage holds only its own layers -----------------------------------------------------------------------------
