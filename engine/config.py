@@ -242,7 +242,7 @@ class EngineConfig:
         return gguf_model_dir(self.gguf_file, self.tokenizer and os.path.abspath(self.tokenizer))
 
     def _check_gguf(self) -> None:
-        """A GGUF model: a file; CPU, fp32 activations, no pipeline stages, no adapters (what its kernels cover);
+        """A GGUF model: a file; CPU, fp32 activations (what its kernels cover); pipeline stages and adapters;
         tensor parallelism where its row-parallel weights split on block boundaries."""
         if not os.path.isfile(self.model):
             raise ValueError(f"model {self.model!r} names a GGUF file that does not exist")
@@ -274,19 +274,24 @@ class EngineConfig:
     def _check_quantized(self, what: str, cuda: bool = False) -> None:
         """Quantized weights: GGUF on CPU; GPTQ/AWQ int4 (`cuda`) on CPU, on CUDA (the Triton int4 GEMM,
         engine/models/int4_triton.py) or on the simulated device (priced at that GEMM's bytes). On CPU fp32
-        activations; no pipeline stages, no adapters (what the quantized kernels cover); tensor parallelism shards
-        them (on CPU, as every tensor-parallel engine runs)."""
-        on_cuda = cuda and (self.device in ("cuda", "sim") or (self.device == "auto" and _cuda_available()))
+        activations, with pipeline stages, LoRA adapters and tensor-parallel shards over the CPU's quantized
+        linears. The Triton int4 GEMM (on CUDA, and with fused_forward under the interpreter) takes no adapters,
+        nor stages on CUDA: untested there."""
+        on_cuda = cuda and (self.device == "cuda" or (self.device == "auto" and _cuda_available()))
+        on_gpu = on_cuda or (cuda and self.device == "sim")  # the model's dtype, an fp8 KV cache
+        triton = on_cuda or (cuda and self.fused_forward is True)
         devices, where = (("auto", "cpu", "cuda", "sim"), "int4 weights run on cpu, cuda or sim") if cuda else \
             (("auto", "cpu"), "quantized weights run on CPU; device='cpu' or 'auto' without CUDA")
         unsupported = [why for why, used in (
             (f"device={self.device!r} ({where})", self.device not in devices),
             (f"dtype={self.dtype!r} (on CPU its quantized linears take float32 activations: 'auto' or 'float32')",
-             not on_cuda and self.dtype not in ("auto", "float32")),
-            ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
-            ("LoRA adapters (enable_lora, lora_modules, lora_dir)", self.enable_lora),
+             not on_gpu and self.dtype not in ("auto", "float32")),
+            ("pipeline_parallel_size > 1 on cuda (the Triton int4 GEMM's stages are untested)",
+             on_cuda and self.pipeline_parallel_size > 1),
+            ("LoRA adapters (enable_lora, lora_modules, lora_dir) over the Triton int4 GEMM (cuda or fused_forward)",
+             triton and self.enable_lora),
             (f"kv_cache_dtype={self.kv_cache_dtype!r} (an fp8 KV cache runs on cuda)",
-             not on_cuda and self.kv_cache_dtype.startswith("fp8")),
+             not on_gpu and self.kv_cache_dtype.startswith("fp8")),
         ) if used]
         if unsupported:
             raise ValueError(f"{what} is not supported with {'; '.join(unsupported)}")

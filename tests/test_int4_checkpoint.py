@@ -240,8 +240,10 @@ def test_a_quantized_lm_head_and_unsupported_settings_are_refused(tiny_model_fac
         EngineConfig(model=str(qdir), device="cpu", kv_cache_dtype="fp8")
     EngineConfig(model=str(qdir), device="sim")  # priced at the Triton GEMM's bytes
     EngineConfig(model=str(qdir), device="cuda", dtype="bfloat16", kv_cache_dtype="fp8")  # the Triton int4 GEMM
-    with pytest.raises(ValueError, match="LoRA"):
-        EngineConfig(model=str(qdir), enable_lora=True)
+    with pytest.raises(ValueError, match="LoRA adapters .* over the Triton int4 GEMM"):
+        EngineConfig(model=str(qdir), device="cuda", dtype="bfloat16", enable_lora=True)
+    EngineConfig(model=str(qdir), enable_lora=True)  # over the CPU's Q4_1 linears (tests/test_quantized_pp_lora.py)
+    EngineConfig(model=str(qdir), pipeline_parallel_size=2)
     tensors = load_file(str(qdir / "model.safetensors"))
     w = tensors.pop("lm_head.weight")
     tensors.update({f"lm_head.{k}": v for k, v in checkpoint_tensors(

@@ -49,7 +49,9 @@ class LoRAContext:
 
 
 class LoRALinear(nn.Module):
-    """A base linear (nn.Linear or a packed CPU one) plus the stacked adapters of every slot."""
+    """A base linear plus the stacked adapters of every slot. The base is any module mapping [T, in] to [T, out]
+    in the adapters' dtype (nn.Linear, a packed CPU one, a quantized one: QuantLinear, Fp8Linear): only its
+    output is read, and the shapes come from the spec."""
 
     def __init__(self, base: nn.Module, ctx: LoRAContext, spec: ModelSpec, modules: tuple[str, ...],
                  max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):

@@ -15,8 +15,10 @@ Architectures: llama (Llama, SmolLM2, Mistral written as llama) and gemma3 (Gemm
 converter permutes a llama's attn_q / attn_k rows for its RoPE layout; they are put back here, on the quantized
 rows (a row permutation moves whole rows of blocks), as transformers does on the dequantized ones. It writes a
 Gemma's RMSNorm weights as 1 + w (Gemma scales by 1 + w); here, as in transformers, w = that - 1 in fp32.
-Runs on CPU in fp32 activations only; pipeline parallelism and LoRA adapters with a GGUF model are refused by
-EngineConfig. Tensor parallelism shards it (engine/models/tp.py's take_shard): each rank copies out of the memory
+Runs on CPU in fp32 activations only. A pipeline stage (`layers=(start, end)`) reads only its own layers'
+tensors, the embedding on the first stage and the final norm and head on the last (with a tied head, the
+embedding's blocks too). LoRA adapters wrap its quantized linears as any other (engine/lora/layers.py).
+Tensor parallelism shards it (engine/models/tp.py's take_shard): each rank copies out of the memory
 map only its rows of q/k/v and gate/up (un-permuted after the slice: the permutation moves rows within a head, and
 a rank's rows are whole heads), its K blocks of attn_output and ffn_down (refused, naming the tensor, its type and
 K, where K / tp is not a whole number of the type's blocks: 32 weights, 256 for Q4_K / Q6_K), and its vocabulary
@@ -164,8 +166,9 @@ class GGUFTensors:
         return [(name, t.tensor_type.name, int(t.shape[0])) for name, t in self.tensors.items()
                 if name.endswith((".attn_output.weight", ".ffn_down.weight")) and t.tensor_type.name not in FLOAT_TYPES]
 
-    def unused(self) -> list[str]:
-        return sorted(set(self.tensors) - self.used - set(IGNORED))
+    def unused(self, placed_here=lambda name: True) -> list[str]:
+        """Tensors not read, of those `placed_here` says this model (one pipeline stage) should hold."""
+        return sorted(n for n in set(self.tensors) - self.used - set(IGNORED) if placed_here(n))
 
 
 class FileRows:
@@ -245,8 +248,10 @@ def check_tensor_parallel(gguf_file: str | Path, size: int) -> None:
 
 
 def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dtype: torch.dtype,
-                     device: torch.device, tp: TPShard | None = None) -> DecoderLM:
-    """The whole model with the file's weights (engine/models/loader.py's build_model calls it for a GGUF);
+                     device: torch.device, layers: tuple[int, int] | None = None,
+                     tp: TPShard | None = None) -> DecoderLM:
+    """The model with the file's weights (engine/models/loader.py's build_model calls it for a GGUF), or with
+    `layers=(start, end)` one pipeline stage holding only its own tensors (DecoderLM's stage layout);
     `rotary` the RoPE tables for `spec`, `local` those of Gemma 3's sliding layers (None for one table). With
     `tp`, one tensor-parallel rank's shard: `spec` is then its local_spec."""
     if device.type != "cpu" or dtype != torch.float32:
@@ -255,17 +260,13 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dt
     tensors = GGUFTensors(gguf_file)
     gemma = tensors.arch == "gemma3"
     with torch.device("meta"):
-        model = DecoderLM(spec, None, backend)
+        model = DecoderLM(spec, None, backend, layers)
     place = _Placer(tensors, spec, norm_shift=1.0 if gemma else 0.0, tp=tp)
     _place_layers(model, place, permuted=not gemma)
-    place.embedding(model)
-    place.norm("norm.weight", "output_norm.weight")
-    head = None
-    if "output.weight" in tensors:  # an untied head (a tied one is the embedding, read back below)
-        head = place.weight("output.weight", "lm_head.weight")
-    elif not spec.tie_word_embeddings:
-        raise ValueError(f"GGUF file {gguf_file!r} has no output.weight and its config does not tie the head")
-    unused = tensors.unused()
+    if model.embed_tokens is not None:  # the first stage, and a last one whose head is the tied embedding
+        place.embedding(model)
+    head = _read_head(model, place, gguf_file) if model.is_last else None
+    unused = tensors.unused(functools.partial(_in_stage, model))
     if unused:
         raise ValueError(f"GGUF file {gguf_file!r} holds tensors Tandem does not place: {unused[:8]}")
     model.lm_head = None
@@ -282,17 +283,43 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dt
     if tp is not None:
         parallelize(model, tp)
     model = model.eval().requires_grad_(False)
-    _pack_head(model, head)
+    if model.is_last:
+        _pack_head(model, head)
     if cpu_linear.available(dtype):  # linears the file keeps in float, if any
         cpu_linear.pack_linears(model.layers)
     model.use_cpu_kernels(cpu_native.load(), dtype)
     return model
 
 
+def _read_head(model: DecoderLM, place: _Placer, gguf_file: str) -> QuantWeight | torch.Tensor | None:
+    """The last stage's final norm (recorded) and untied head (this rank's vocabulary rows of it under tensor
+    parallelism); None for a tied head (the embedding, read back by _pack_head)."""
+    place.norm("norm.weight", "output_norm.weight")
+    if "output.weight" in place.t:
+        return place.weight("output.weight", "lm_head.weight")
+    if not model.spec.tie_word_embeddings:
+        raise ValueError(f"GGUF file {gguf_file!r} has no output.weight and its config does not tie the head")
+    return None
+
+
+def _in_stage(model: DecoderLM, name: str) -> bool:
+    """Whether tensor `name` belongs to `model` (one pipeline stage, or the whole model): its layers' blocks, the
+    embedding where it holds one, the final norm and head on the last stage; any other name on every stage."""
+    if name.startswith("blk."):
+        first, end = model.layer_range
+        return first <= int(name.split(".")[1]) < end
+    if name == "token_embd.weight":
+        return model.embed_tokens is not None
+    if name in ("output_norm.weight", "output.weight"):
+        return model.is_last
+    return True
+
+
 def _place_layers(model: DecoderLM, place: _Placer, permuted: bool) -> None:
-    """Every layer's tensors; `permuted`: the file's attn_q / attn_k rows are in llama.cpp's RoPE order."""
+    """Every layer's tensors (a stage's: the file's block numbers global, the model's parameters local);
+    `permuted`: the file's attn_q / attn_k rows are in llama.cpp's RoPE order."""
     for i, layer in enumerate(model.layers):
-        blk, attn, mlp = f"blk.{i}", layer.self_attn, layer.mlp
+        blk, attn, mlp = f"blk.{i + model.layer_range[0]}", layer.self_attn, layer.mlp
         place.linear(attn, "qkv_proj", f"layers.{i}.self_attn.qkv_proj",
                      [f"{blk}.attn_q", f"{blk}.attn_k", f"{blk}.attn_v"], [permuted, permuted, False])
         place.linear(attn, "o_proj", f"layers.{i}.self_attn.o_proj", [f"{blk}.attn_output"], [False])

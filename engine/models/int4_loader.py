@@ -25,8 +25,10 @@ by at most half an fp16 ulp of m (AWQ, asymmetric GPTQ): the weights then differ
 dequantization by that much (docs/features.md says so; tests/test_int4_checkpoint.py bounds it). The CUDA
 kernel computes scale * (q - z) exactly, for both formats.
 
-On CPU it runs with float32 activations, on CUDA in the model's dtype; no pipeline stages, no LoRA (EngineConfig
-refuses the rest by name). Linears a checkpoint keeps in float (the LM head, `modules_to_not_convert`) stay float.
+On CPU it runs with float32 activations, on CUDA in the model's dtype. On CPU a pipeline stage places only its
+own layers' linears, and LoRA adapters wrap the Q4_1 linears as any other (engine/lora/layers.py); on CUDA (the
+Triton int4 GEMM) pipeline stages and LoRA are refused by EngineConfig. Linears a checkpoint keeps in float (the
+LM head, `modules_to_not_convert`) stay float.
 Tensor parallelism (CPU) shards the Q4_1 blocks: each linear is converted whole, one at a time, and the rank keeps
 its rows (q/k/v, gate/up) or K blocks (o, down) of it. A group of g becomes g / 32 blocks each carrying the
 group's scale, so a K split needs only K / tp to be a multiple of 32 (refused at load, naming the tensor,
@@ -43,7 +45,7 @@ from torch import nn
 from engine.cpu.quant import BLOCK, BLOCK_BYTES, QuantLinear, QuantWeight
 from engine.models.decoder import DecoderLM
 from engine.models.int4_triton import CHUNK, Int4Linear, Int4Weight, pack
-from engine.models.quantized_checkpoint import Checkpoint
+from engine.models.quantized_checkpoint import Checkpoint, in_stage
 from engine.models.tp import TPShard, take_shard
 
 INT4_METHODS = ("gptq", "awq")
@@ -153,7 +155,8 @@ def q4_1_blocks(scheme: Int4Scheme, qweight: torch.Tensor, qzeros: torch.Tensor,
 
 def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dtype: torch.dtype,
                        device: torch.device, gpu: bool, tp: TPShard | None = None) -> None:
-    """Replace the quantized linears of `model` (a DecoderLM on the meta device, before to_empty) by modules
+    """Replace the quantized linears of `model` (a DecoderLM on the meta device, before to_empty; one pipeline
+    stage's layers when built so, which reads only their tensors) by modules
     holding their bytes: with `gpu`, Int4Linears on `device` running the Triton int4 GEMM (CUDA, or CPU tensors
     under the interpreter); else Q4_1 QuantLinears (CPU, float32). engine/models/loader.py's build_model calls it;
     its load_weights then fills every float parameter left: embeddings, norms, the LM head, linears the
@@ -170,15 +173,17 @@ def place_int4_linears(model: DecoderLM, model_dir: str, scheme: Int4Scheme, dty
         raise ValueError(f"a {scheme.method} int4 mixture-of-experts model is not supported")
     ckpt = Checkpoint(model_dir)
     placed: set[str] = set()
-    for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i + model.layer_range[0]}"
+    first, end = model.layer_range
+    for i, layer in zip(range(first, end), model.layers):
+        pre = f"model.layers.{i}"
         attn = [f"{pre}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
         for owner, attr, names in ((layer.self_attn, "qkv_proj", attn),
                                    (layer.self_attn, "o_proj", [f"{pre}.self_attn.o_proj"]),
                                    (layer.mlp, "gate_up_proj", [f"{pre}.mlp.gate_proj", f"{pre}.mlp.up_proj"]),
                                    (layer.mlp, "down_proj", [f"{pre}.mlp.down_proj"])):
             placed.update(_place_linear(ckpt, scheme, owner, attr, names, device if gpu else None, tp))
-    unplaced = sorted(n for n in ckpt.where if n.endswith(".qweight") and n not in placed)
+    unplaced = sorted(n for n in ckpt.where if n.endswith(".qweight") and n not in placed
+                      and in_stage(n, first, end))
     if unplaced:
         raise ValueError(f"checkpoint {model_dir!r} quantizes tensors Tandem runs only in float: {unplaced[:8]}")
 

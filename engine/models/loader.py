@@ -144,7 +144,8 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     with the Triton attention backend for the families it runs; True on CPU only under Triton's interpreter
     (tests), and then the linears stay unpacked and the CPU's own kernels off.
     With `gguf_file`, the weights come from it, quantized where the CPU kernels run the type
-    (engine/models/gguf_loader.py; `model_dir` then holds only config and tokenizer). A GPTQ / AWQ int4
+    (engine/models/gguf_loader.py; `model_dir` then holds only config and tokenizer; a stage reads only its
+    own tensors). A GPTQ / AWQ int4
     checkpoint's linears run the Triton int4 GEMM on CUDA (and with `fused` True, under the interpreter), else
     the CPU's Q4_1 GEMM (engine/models/int4_loader.py). Quantized weights shard with `tp` as float ones do, on
     block boundaries (engine/models/tp.py)."""
@@ -152,9 +153,7 @@ def build_model(model_dir: str, config, spec: ModelSpec, max_positions: int, bac
     rotary = rope_tables(config, spec, max_positions, "full_attention" if spec.local_rope else None)
     local = rope_tables(config, spec, max_positions, "sliding_attention") if spec.local_rope else None
     if gguf_file is not None:
-        if layers is not None:
-            raise ValueError("a GGUF model is built whole or as tensor-parallel shards, not as pipeline stages")
-        return build_gguf_model(gguf_file, spec, rotary, local, backend, dtype, device, tp)
+        return build_gguf_model(gguf_file, spec, rotary, local, backend, dtype, device, layers, tp)
     with torch.device("meta"):  # no random init: every parameter is overwritten by load_weights
         model = DecoderLM(spec, None, backend, layers)
     scheme = checkpoint_scheme(model_dir)

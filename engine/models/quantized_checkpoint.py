@@ -50,6 +50,12 @@ def checkpoint_scheme(model_dir: str | Path) -> Int4Scheme | Fp8Scheme | None:
                      f"{', '.join(INT4_METHODS)} (int4, CPU), {', '.join(FP8_METHODS)} (FP8)")
 
 
+def in_stage(name: str, first: int, end: int) -> bool:
+    """Whether checkpoint tensor `name` is one of layers first..end-1 (a pipeline stage's) or outside the layers
+    (embedding, head: the quantized loaders refuse those quantized on every stage)."""
+    return not name.startswith("model.layers.") or first <= int(name.split(".")[2]) < end
+
+
 class Checkpoint:
     """The directory's tensors by name across its safetensors files, read on demand."""
 

@@ -53,8 +53,8 @@ def stage_specs(core: EngineCore, limits: BufferLimits, sample_on_stage: bool) -
     check_shardable(core.spec, tp)
     n = p * tp  # processes sharing this host's memory
     dtype = str(core.dtype).removeprefix("torch.")
-    return [StageSpec(model=cfg.model, index=i, num_stages=p, layers=layers, block_size=cfg.block_size,
-                      limits=limits, max_model_len=core.max_model_len, dtype=dtype,
+    return [StageSpec(model=cfg.model_dir, gguf_file=cfg.gguf_file, index=i, num_stages=p, layers=layers,
+                      block_size=cfg.block_size, limits=limits, max_model_len=core.max_model_len, dtype=dtype,
                       device=core.compute_device.type, attention_backend=cfg.attention_backend,
                       kv_cache_dtype=cfg.kv_cache_dtype,
                       num_kv_blocks=cfg.num_kv_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -37,7 +37,7 @@ from engine.tp.stage import StageTP
 class StageSpec:
     """Everything a stage needs to start (picklable: it travels to the stage actor)."""
 
-    model: str
+    model: str  # the checkpoint directory (for a GGUF file: its config and tokenizer, EngineConfig.model_dir)
     index: int
     num_stages: int
     layers: tuple[int, int]  # [start, end) in the full model's numbering
@@ -63,6 +63,7 @@ class StageSpec:
     # worker is and where its group meets (filled in by the stage group, which opens the rendezvous).
     tensor_parallel_size: int = 1
     tp: object | None = None  # engine.tp.stage.StageTPSpec
+    gguf_file: str | None = None  # the weights come from this GGUF file (EngineConfig.gguf_file), not `model`
 
     @property
     def is_first(self) -> bool:
@@ -114,7 +115,8 @@ class StageWorker:
         self.tp = StageTP(spec.tp, self.model_spec) if spec.tp is not None else None
         build_spec = local_spec(self.model_spec, spec.tp.size) if self.tp else self.model_spec
         self.model = build_model(spec.model, hf_config, build_spec, spec.max_model_len, self.backend,
-                                 dtype, self.device, layers=spec.layers, tp=self.tp.shard if self.tp else None)
+                                 dtype, self.device, layers=spec.layers, tp=self.tp.shard if self.tp else None,
+                                 gguf_file=spec.gguf_file)
         self.num_kv_blocks = spec.num_kv_blocks or self.kv_capacity(kv_dtype)
         if self.tp is not None:
             self.num_kv_blocks = self.tp.agree(self.num_kv_blocks)
