@@ -350,8 +350,6 @@ def test_lora_over_a_gptq_checkpoint_matches_peft(gptq, tmp_path):
 def test_what_stays_refused_is_refused_by_name(tiny_gguf, gptq):
     path, tok, _ = tiny_gguf[False]
     qdir, _ = gptq
-    with pytest.raises(ValueError, match="a GGUF model .* is not supported with tensor_parallel_size > 1"):
-        EngineConfig(model=str(path), tokenizer=str(tok), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="LoRA adapters .* are not supported with pipeline_parallel_size > 1"):
         EngineConfig(model=str(path), tokenizer=str(tok), enable_lora=True, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="LoRA adapters .* over the Triton int4 GEMM"):
@@ -360,10 +358,3 @@ def test_what_stays_refused_is_refused_by_name(tiny_gguf, gptq):
         EngineConfig(model=str(qdir), fused_forward=True, enable_lora=True)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 on cuda"):
         EngineConfig(model=str(qdir), device="cuda", dtype="bfloat16", pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="a GGUF model is built without tensor parallelism"):
-        from engine.models.loader import build_model, load_hf_config, model_spec
-
-        model_dir = EngineConfig(model=str(path), tokenizer=str(tok)).model_dir
-        config = load_hf_config(model_dir)
-        build_model(model_dir, config, model_spec(config), 64, None, torch.float32, torch.device("cpu"),
-                    tp=object(), gguf_file=str(path))

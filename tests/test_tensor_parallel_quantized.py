@@ -32,7 +32,7 @@ from engine.models.gguf_loader import FileRows, _unpermute
 from engine.models.tp import TPShard, take_shard
 from test_correctness_hf import assert_matches_hf, make_prompts
 from test_pipeline_parallel import GREEDY, run_engine
-from test_tensor_parallel import local_engine
+from test_tensor_parallel import OPTS, local_engine
 
 T = gguf.GGMLQuantizationType
 
@@ -263,6 +263,26 @@ def test_tp2_gguf_greedy_equals_transformers_on_the_files_weights(tiny_gguf, tie
         assert stack.stack is None and (engine.runner.model.norm_kernel is None or "linear" in stack.reason)
     finally:
         engine.shutdown()
+
+
+def test_tp2_x_pp2_gguf_greedy_equals_transformers(tiny_gguf, exact):
+    """Each pipeline stage reads its own layers' blocks and shards them over its own group of 2 ranks (the last
+    stage its vocabulary rows of the head): the file's model as transformers reads it, token for token."""
+    from engine import EngineConfig
+    from engine.pipeline import LocalStageGroup, PipelineEngine
+
+    path, tok, ref = tiny_gguf(False)
+    config = EngineConfig(model=path, tokenizer=tok, **{**OPTS, "num_kv_blocks": 96}, pipeline_parallel_size=2)
+    engine = PipelineEngine(config, LocalStageGroup)
+    try:
+        assert "x tensor parallel 2" in engine.stats()["attention_backend"]
+        prompts = make_prompts(seed=37, lengths=(5, 19, 40))
+        for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
+            assert_matches_hf(ref, prompt, out.token_ids)
+    finally:
+        engine.shutdown()
+    steps = [f.result(timeout=10) for f in engine.runner.stages.followers]  # each stage's rank 1 ran every step
+    assert len(steps) == 2 and min(steps) > 0
 
 
 @pytest.mark.parametrize("family,method,sym", [("qwen2", "gptq", True), ("llama_mqa_rope_scaled", "awq", False)])

@@ -141,7 +141,8 @@ class GGUFTensors:
         t = self.tensors[self._need(name)]
         kind = t.tensor_type.name
         if kind not in FLOAT_TYPES:
-            raise ValueError(f"GGUF tensor {name!r} is {kind}; Tandem reads it only as a float ({', '.join(FLOAT_TYPES)})")
+            raise ValueError(f"GGUF tensor {name!r} is {kind}; Tandem reads it only as a float "
+                             f"({', '.join(FLOAT_TYPES)})")
         values = self._gguf.quants.dequantize(t.data, t.tensor_type)  # exact for float types
         return torch.from_numpy(values.copy()).float().reshape(*reversed([int(n) for n in t.shape]))
 
