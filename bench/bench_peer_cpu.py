@@ -319,10 +319,11 @@ def wait_port_free(port: int, timeout_s: float = 120) -> None:
 
 
 async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concurrency: int,
-                    params: dict, texts: list[str] | None = None) -> dict:
+                    params: dict, texts: list[str] | None = None, keepalive: bool = True) -> dict:
     """Streamed /v1/completions, `concurrency` at a time: TTFT (first text chunk), TPOT ((end - first) /
     (tokens - 1), per request), output tokens per second over the whole run. `texts`: filled with each
-    request's streamed text, in the order of `prompts` (to compare servers' outputs)."""
+    request's streamed text, in the order of `prompts` (to compare servers' outputs). `keepalive` False: a new
+    connection a request (llama-server closes a connection after a few requests, racing the client's reuse)."""
     sem = asyncio.Semaphore(concurrency)
     ttft, tpot, tokens = [], [], 0
     out = [""] * len(prompts)
@@ -351,7 +352,8 @@ async def http_load(port: int, prompts: list[list[int]], max_tokens: int, concur
             ttft.append((first - t0) * 1e3)
             tpot.append((end - first) / max(1, n - 1) * 1e3)
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=None if keepalive else 0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - t0
