@@ -397,19 +397,23 @@ def test_lora_over_fp8_linears_matches_peft(tiny_model_factory, tmp_path):
     llm.shutdown()
 
 
+def sim_cost_and_kv_blocks(model: str):
+    """(the cost model's ModelCost, the KV blocks planned) for `model` on the simulated H100."""
+    llm = LLM(model, device="sim", sim_gpu="h100", max_num_seqs=256, max_model_len=131072)
+    try:
+        r = llm.engine.core.runner
+        return r.cost.model, r.num_kv_blocks
+    finally:
+        llm.shutdown()
+
+
 def test_the_simulated_device_holds_a_byte_a_weight(tmp_path):
     """Llama-3.1-8B's config with an FP8 quantization_config on the simulated H100: its decoder linears are
     priced at 1 byte a weight plus fp32 row scales (the head and embedding stay bf16), and the KV cache gets
     the memory freed."""
     from engine.sim import SIM_MODELS
 
-    def runner(model: str):
-        llm = LLM(model, device="sim", sim_gpu="h100", max_num_seqs=256, max_model_len=131072)
-        try:
-            r = llm.engine.core.runner
-            return r.cost.model, r.num_kv_blocks
-        finally:
-            llm.shutdown()
+    runner = sim_cost_and_kv_blocks
 
     fp8 = tmp_path / "llama-fp8"
     shutil.copytree(SIM_MODELS / "llama-3.1-8b", fp8)

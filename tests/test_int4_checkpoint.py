@@ -262,14 +262,7 @@ def test_the_simulated_device_prices_int4_linears_at_the_triton_layouts_bytes(tm
     the head and embedding stay bf16, and the KV cache gets the memory freed."""
     from engine.models.int4_triton import pack
     from engine.sim import SIM_MODELS
-
-    def runner(model: str):
-        llm = LLM(model, device="sim", sim_gpu="h100", max_num_seqs=256, max_model_len=131072)
-        try:
-            r = llm.engine.core.runner
-            return r.cost.model, r.num_kv_blocks
-        finally:
-            llm.shutdown()
+    from test_fp8_checkpoint import sim_cost_and_kv_blocks as runner
 
     def packed_bytes(n: int, k: int) -> int:
         g = k if group == -1 else group

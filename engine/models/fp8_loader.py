@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.models.decoder import DecoderLM
 from engine.models.fp8_linear import Fp8Linear
-from engine.models.quantized_checkpoint import Checkpoint
+from engine.models.quantized_checkpoint import Checkpoint, in_stage
 from engine.models.tp import TPShard, take_shard
 
 FP8_METHODS = ("compressed-tensors", "fbgemm_fp8")
@@ -147,15 +147,9 @@ def place_fp8_linears(model: DecoderLM, model_dir: str, scheme: Fp8Scheme, dtype
             names = [f"{base}.{attr}"] if f"{base}.{attr}.weight" in ckpt else [f"{base}.{p}" for p in parts]
             placed.update(_place_linear(ckpt, scheme, getattr(layer, sub), attr, names, dtype, device, tp))
     unplaced = sorted(n for n, d in ckpt.dtypes.items() if d == E4M3_DTYPE and n not in placed
-                      and _in_stage(n, first, end))
+                      and in_stage(n, first, end))
     if unplaced:
         raise ValueError(f"checkpoint {model_dir!r} holds FP8 tensors Tandem runs only in float: {unplaced[:8]}")
-
-
-def _in_stage(name: str, first: int, end: int) -> bool:
-    """Whether tensor `name` is one of layers first..end-1 or outside the layers (embedding, head: every stage
-    refuses those in FP8)."""
-    return not name.startswith("model.layers.") or first <= int(name.split(".")[2]) < end
 
 
 def _place_linear(ckpt: Checkpoint, scheme: Fp8Scheme, owner: nn.Module, attr: str, names: list[str],
