@@ -28,7 +28,7 @@ import torch
 from engine.cpu.quant import BLOCK_BYTES, BLOCK_WEIGHTS, QuantWeight, quantized_bytes
 from engine.models import from_gguf
 from engine.models.decoder import ModelSpec
-from engine.models.gguf_loader import FileRows, _unpermute
+from engine.models.gguf_loader import FileRows, _unpermute, weight_bytes
 from engine.models.tp import TPShard, take_shard
 from test_correctness_hf import assert_matches_hf, make_prompts
 from test_pipeline_parallel import GREEDY, run_engine
@@ -240,14 +240,6 @@ def exact(monkeypatch):
     monkeypatch.setenv("TANDEM_QUANT_ACTIVATIONS", "fp32")
 
 
-def model_bytes(model) -> int:
-    """Weights a rank holds: parameters, quantized blocks, and an untied quantized LM head (not a module)."""
-    head = model.head_packed
-    extra = head.nbytes if isinstance(head, QuantWeight) and head is not getattr(model.embed_tokens, "qweight",
-                                                                                   None) else 0
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_bytes(model) + extra
-
-
 @pytest.mark.parametrize("tied,kquants", [(False, False), (True, False), (True, True)])
 def test_tp2_gguf_greedy_equals_transformers_on_the_files_weights(tiny_gguf, tied, kquants, exact):
     """Q4_1 / Q5_0 / Q8_0 (32-weight blocks), and with `kquants` ffn_down in Q4_K and Q6_K super-blocks split at
@@ -444,10 +436,15 @@ def test_each_rank_holds_about_half_the_quantized_bytes(tiny_gguf, tiny_model_fa
                         ("gptq", _ranks_and_whole(str(gptq))), ("fp8", _ranks_and_whole(str(fp8)))):
         whole, ranks = built
         q_whole, q_ranks = quantized_bytes(whole), [quantized_bytes(r) for r in ranks]
-        print(f"{what}: whole {model_bytes(whole)} bytes ({q_whole} quantized), ranks "
-              f"{[model_bytes(r) for r in ranks]} ({q_ranks} quantized)")
+        print(f"{what}: whole {weight_bytes(whole)} bytes ({q_whole} quantized), ranks "
+              f"{[weight_bytes(r) for r in ranks]} ({q_ranks} quantized)")
         assert all(0.45 * q_whole <= q <= 0.55 * q_whole for q in q_ranks), (what, q_whole, q_ranks)
-        assert all(model_bytes(r) <= 0.56 * model_bytes(whole) for r in ranks), what
+        assert all(weight_bytes(r) <= 0.56 * weight_bytes(whole) for r in ranks), what
+    # the untied file's quantized tensors, its head among them, are all counted in the whole model's bytes
+    quantized_in_file = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors
+                            if t.tensor_type not in (T.F32, T.F16, T.BF16))
+    whole = _ranks_and_whole(gguf_model_dir(path, tok), path)[0]
+    assert quantized_in_file <= weight_bytes(whole) - sum(p.numel() * 4 for p in whole.parameters())
     print(capsys.readouterr().out)
 
 

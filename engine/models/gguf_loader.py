@@ -355,5 +355,9 @@ def _pack_head(model: DecoderLM, head: QuantWeight | torch.Tensor | None) -> Non
 
 
 def weight_bytes(model: DecoderLM) -> int:
-    """Bytes of the model's weights as held: parameters plus quantized blocks (not the RoPE tables)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_bytes(model)
+    """Bytes of the model's weights as held: parameters plus quantized blocks (not the RoPE tables), an untied
+    quantized head included (a QuantWeight on the model, not a module; a tied one is the embedding's bytes)."""
+    head = model.head_packed
+    untied = isinstance(head, QuantWeight) and head is not getattr(model.embed_tokens, "qweight", None)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + quantized_bytes(model) + \
+        (head.nbytes if untied else 0)
