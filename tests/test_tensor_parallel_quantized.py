@@ -294,8 +294,8 @@ def test_tp2_int4_greedy_equals_hf_on_the_checkpoints_weights(tiny_model_factory
         attn = engine.runner.model.layers[0].self_attn
         kv_rows = 16  # one KV head a rank: split (2 over 2 ranks) or replicated (1 on both)
         assert attn.qkv_proj.parts[0].qtype == "Q4_1" and attn.qkv_proj.out_features == 32 + 2 * kv_rows
-        assert attn.qkv_proj.qbias.shape == (32 + 2 * kv_rows,)
-        assert (attn.o_proj.bias is not None) == (family != "qwen2") and attn.o_proj.linear.qbias is None
+        assert attn.qkv_proj.bias.shape == (32 + 2 * kv_rows,)
+        assert (attn.o_proj.bias is not None) == (family != "qwen2") and attn.o_proj.linear.bias is None
         for prompt, out in zip(prompts, run_engine(engine, prompts, GREEDY)):
             assert_matches_hf(reference, prompt, out.token_ids)
     finally:

@@ -26,7 +26,7 @@ def _linear(module, kernels) -> tuple | None:
     """(kind, weight, outputs, ggml type, bias) as DecodeStack takes a linear, or None where it cannot run it."""
     if type(module) is QuantLinear and len(module.parts) == 1 and module.parts[0].kernels is kernels:
         part = module.parts[0]
-        return 0 if part.packed else 1, part._store, part.rows, GGML_TYPE_IDS[part.qtype], module.qbias
+        return 0 if part.packed else 1, part._store, part.rows, GGML_TYPE_IDS[part.qtype], module.bias
     if type(module) is FusedGateUp and module.packed.kernels is kernels:
         return 3, module.packed.panels, module.packed.inter, 0, module.bias
     if type(module) is PackedLinear and type(module.packed) is Panels and module.packed.kernels is kernels:

@@ -242,17 +242,17 @@ class QuantLinear(nn.Module):
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"bias of shape {tuple(bias.shape)} for {self.out_features} outputs")
         int8_activations()  # a bad TANDEM_QUANT_ACTIVATIONS is refused at load, not at the first forward
-        self.qbias = None if bias is None else bias.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
-            return self.parts[0](x, self.qbias)
+            return self.parts[0](x, self.bias)
         y = torch.cat([p(x) for p in self.parts], dim=-1)
-        return y if self.qbias is None else y + self.qbias
+        return y if self.bias is None else y + self.bias
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts) + (0 if self.qbias is None else self.qbias.nbytes)
+        return sum(p.nbytes for p in self.parts) + (0 if self.bias is None else self.bias.nbytes)
 
     def extra_repr(self) -> str:
         kinds = "+".join(p.qtype for p in self.parts)

@@ -223,15 +223,15 @@ class Int4Linear(nn.Module):
             raise ValueError(f"bias of shape {tuple(bias.shape)} for {weight.out_features} outputs")
         self.weight4 = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
-        self.qbias = None if bias is None else bias.detach().float().to(weight.scales.device).contiguous()
+        self.bias = None if bias is None else bias.detach().float().to(weight.scales.device).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int4_matmul(x.reshape(-1, self.in_features), self.weight4, self.qbias)
+        y = int4_matmul(x.reshape(-1, self.in_features), self.weight4, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     @property
     def nbytes(self) -> int:
-        return self.weight4.nbytes + (0 if self.qbias is None else self.qbias.nbytes)
+        return self.weight4.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.weight4.group}"

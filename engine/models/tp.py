@@ -35,8 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu.quant import QuantEmbedding, QuantLinear, QuantWeight
+from engine.cpu.quant import QuantEmbedding, QuantWeight
 from engine.models.decoder import MLP, DecoderLM, ModelSpec
+
+
+WHOLE = -1  # shard index of a checkpoint tensor that fills a fused parameter entirely (Phi-3's qkv_proj)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +90,7 @@ def local_spec(spec: ModelSpec, size: int) -> ModelSpec:
 # ---- loading: each rank reads its slice of a checkpoint tensor -------------------------------------------------
 def read_shard(f, name: str, pname: str, shard: int, tp: TPShard) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name`, which loader._map_name mapped to parameter `pname`
-    (`shard`: 0/1/2 for q/k/v or gate/up inside the fused parameter, loader.WHOLE (-1) for one already fused
+    (`shard`: 0/1/2 for q/k/v or gate/up inside the fused parameter, WHOLE (-1) for one already fused
     in the checkpoint, as Phi-3's)."""
     return take_shard(f.get_slice(name), pname, shard, tp)
 
@@ -216,10 +219,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Module, comm):
         super().__init__()
-        attr = "qbias" if isinstance(linear, QuantLinear) else "bias"  # QuantLinear keeps its fp32 bias as qbias
-        bias = getattr(linear, attr)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        setattr(linear, attr, None)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        linear.bias = None
         self.linear = linear
         self.comm = comm
 
