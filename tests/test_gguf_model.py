@@ -276,7 +276,7 @@ def test_unsupported_architecture_and_tensor_types_are_refused_by_name(tmp_path)
     tensors = GGUFTensors(path)
     with pytest.raises(ValueError, match="'blk.0.attn_q.weight' is Q5_K; Tandem runs GGUF Q8_0, Q4_1, Q5_0, Q4_K, "
                                          "Q6_K quantized"):
-        tensors.quantized("blk.0.attn_q.weight")
+        tensors.blocks("blk.0.attn_q.weight")
     with pytest.raises(ValueError, match="'blk.0.attn_q.weight' is Q5_K; Tandem reads it only as a float"):
         tensors.float("blk.0.attn_q.weight")
     assert torch.equal(tensors.float("blk.0.attn_norm.weight"), torch.ones(256))

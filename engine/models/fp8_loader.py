@@ -32,10 +32,9 @@ from torch import nn
 from engine.models.decoder import DecoderLM
 from engine.models.fp8_linear import Fp8Linear
 from engine.models.quantized_checkpoint import Checkpoint, in_stage
-from engine.models.tp import TPShard, take_shard
+from engine.models.tp import WHOLE, TPShard, take_shard
 
 FP8_METHODS = ("compressed-tensors", "fbgemm_fp8")
-WHOLE = -1  # engine/models/loader.py's shard index of a fused checkpoint tensor
 E4M3_DTYPE = "F8_E4M3"  # safetensors' name for torch.float8_e4m3fn
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 # (decoder submodule, its fused linear, the checkpoint's linears stacked in it; Phi-3 holds the fused one)

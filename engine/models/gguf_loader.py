@@ -146,10 +146,6 @@ class GGUFTensors:
         values = self._gguf.quants.dequantize(t.data, t.tensor_type)  # exact for float types
         return torch.from_numpy(values.copy()).float().reshape(*reversed([int(n) for n in t.shape]))
 
-    def quantized(self, name: str) -> QuantWeight:
-        kind, rows, k = self.blocks(name)
-        return QuantWeight(kind, rows[:], k)
-
     def blocks(self, name: str) -> tuple[str, FileRows, int]:
         """(type, the block rows [N, K / QK * block bytes] read on demand, K) of quantized tensor `name`."""
         t = self.tensors[self._need(name)]
@@ -266,7 +262,10 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dt
     _place_layers(model, place, permuted=not gemma)
     if model.embed_tokens is not None:  # the first stage, and a last one whose head is the tied embedding
         place.embedding(model)
-    head = _read_head(model, place, gguf_file) if model.is_last else None
+    head = None
+    if model.is_last:
+        place.norm("norm.weight", "output_norm.weight")
+        head = _read_head(model, place, gguf_file)
     unused = tensors.unused(functools.partial(_in_stage, model))
     if unused:
         raise ValueError(f"GGUF file {gguf_file!r} holds tensors Tandem does not place: {unused[:8]}")
@@ -293,9 +292,8 @@ def build_gguf_model(gguf_file: str, spec: ModelSpec, rotary, local, backend, dt
 
 
 def _read_head(model: DecoderLM, place: _Placer, gguf_file: str) -> QuantWeight | torch.Tensor | None:
-    """The last stage's final norm (recorded) and untied head (this rank's vocabulary rows of it under tensor
-    parallelism); None for a tied head (the embedding, read back by _pack_head)."""
-    place.norm("norm.weight", "output_norm.weight")
+    """The last stage's untied head (this rank's vocabulary rows of it under tensor parallelism); None for a tied
+    head (the embedding, read back by _pack_head)."""
     if "output.weight" in place.t:
         return place.weight("output.weight", "lm_head.weight")
     if not model.spec.tie_word_embeddings:

@@ -22,6 +22,7 @@ from engine.models import fp8_loader, fused_forward, int4_loader, moe, tp as ten
 from engine.models.decoder import DecoderLM, ModelSpec, RotaryEmbedding
 from engine.models.gguf_loader import build_gguf_model
 from engine.models.quantized_checkpoint import checkpoint_scheme
+from engine.models.tp import WHOLE  # a fused checkpoint tensor's shard index (Phi-3's qkv_proj)
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3") + moe.MOE_FAMILIES
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding_window only counts with use_sliding_window
@@ -215,9 +216,6 @@ def load_weights(model: DecoderLM, model_dir: str, tp: tensor_parallel.TPShard |
     missing = sorted(expected - filled)
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks weights for {[m[0] for m in missing[:8]]}")
-
-
-WHOLE = -1  # shard index of a checkpoint tensor that fills a fused parameter entirely (Phi-3's qkv_proj)
 
 
 def _map_name(name: str, spec: ModelSpec, first_layer: int = 0) -> tuple[str, int] | None:
