@@ -139,6 +139,13 @@ class EngineConfig:
     # "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}, or a draft model:
     # {"model": DIR, "num_speculative_tokens": K} ("method": "draft_model" optional). None: off.
     speculative_config: dict | None = None
+    # The model's sampling defaults (engine/generation_config.py), vLLM's names and meanings: "auto" applies the
+    # temperature / top_p / top_k / min_p / repetition_penalty of the model's generation_config.json to requests
+    # that leave them unset, and its max_new_tokens as a cap on max_tokens; "vllm" applies none; a directory
+    # reads its generation_config.json instead. override_generation_config: keys merged over those, e.g.
+    # {"temperature": 0.5}.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def __post_init__(self) -> None:
         model = str(self.model) if self.model is not None else str(DEFAULT_MODEL_DIR)
@@ -225,6 +232,18 @@ class EngineConfig:
                              f"tokenizer files) or a .gguf file; {model!r} is not a directory")
         elif (scheme := self._quant_scheme()) is not None:
             self._check_quantized_checkpoint(scheme)
+        if not isinstance(self.generation_config, str):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r}")
+        self.sampling_defaults()  # a bad file or override fails here, naming itself
+
+    def sampling_defaults(self) -> dict:
+        """SamplingParams field -> the model's default for requests that leave it unset ("max_tokens": the cap on
+        every request's); engine/generation_config.py."""
+        from engine.generation_config import sampling_defaults
+
+        return sampling_defaults(self.model_dir, self.generation_config, self.override_generation_config)
 
     @property
     def gguf_file(self) -> str | None:

@@ -38,6 +38,8 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if params is None:
+            params = self.get_default_sampling_params()
         params_list = self._params_per_prompt(prompts, params)
         loras = _per_prompt(lora_request, len(prompts))
         self._compile(params_list)
@@ -63,10 +65,16 @@ class LLM:
                                                  return_dict=False)
         return self.generate([list(ids)], params)[0]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's defaults (its generation_config.json, EngineConfig.generation_config):
+        what `generate` uses when given no params, as vLLM's LLM does; change fields on the copy returned."""
+        defaults = self.config.sampling_defaults()
+        return SamplingParams(**defaults) if defaults else SamplingParams()
+
     @staticmethod
     def _params_per_prompt(prompts, params) -> list[SamplingParams]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * len(prompts)
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         return list(params)

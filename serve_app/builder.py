@@ -290,7 +290,7 @@ def build_app(args: dict | None = None) -> serve.Application:
     ingress_args = (engine_cfg.model_dir, cfg.served_model_name or _default_name(cfg.model), max_model_len,
                     cfg.api_keys, cfg.limits.model_dump())
     ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
-                          tool_parser=cfg.tool_parser)
+                          tool_parser=cfg.tool_parser, sampling_defaults=engine_cfg.sampling_defaults())
     colocated = cfg.is_colocated
     core_process = (core_process_by_default(device, colocated) if cfg.engine_core_process is None
                     else cfg.engine_core_process) and \

@@ -103,7 +103,8 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, model_dir: str, served_model_name: str, max_model_len: int,
                  api_keys: tuple[str, ...] = (), limits: dict | None = None,
                  engine_deployment: str = "EngineReplica", lora_modules: dict[str, str] | None = None,
-                 lora_dir: str | None = None, tool_parser: str | None = None, engine_transport: str = "grpc"):
+                 lora_dir: str | None = None, tool_parser: str | None = None, engine_transport: str = "grpc",
+                 sampling_defaults: dict | None = None):
         # _by_reference=False: Serve's gRPC transport (AppConfig.engine_transport)
         self.engine = engine.options(stream=True, _by_reference=engine_transport != "grpc")
         self.engine_unary = engine
@@ -115,6 +116,11 @@ class OpenAIIngress:
         self.engine_deployment = engine_deployment
         self.lora_modules, self.lora_dir = lora_modules, lora_dir  # LoRA adapters requests may name
         self.tool_parser = tool_parser and get_tool_parser(tool_parser).name  # validated: the name or None
+        # The model's sampling defaults for fields a request leaves unset (EngineConfig.sampling_defaults())
+        self.sampling_defaults = dict(sampling_defaults or {})
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation config, for requests that leave them unset "
+                        "(max_tokens: a cap): %s; generation_config=vllm turns them off", self.sampling_defaults)
         self.metrics = IngressMetrics()
         self._health: tuple[float, int] = (0.0, 0)  # (when asked, running engine replicas)
         api.state.tandem_metrics = self.metrics  # read by the error handlers, which see every failure
@@ -213,7 +219,7 @@ class OpenAIIngress:
     async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
                      timing: RequestTiming, lora: LoRARequest | None, echo: str = "", tool_parser=None):
         try:
-            params = body.sampling_params()
+            params = body.sampling_params(self.sampling_defaults)
         except ValueError as exc:
             message = structured_error(str(exc), body.structured_source)
             raise bad_request(message, param=param_of(message)) from None

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.generation_config import cap_max_tokens
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from serve_app.tools import ToolChoice, ToolDefinition, constraint as tool_constraint
 
@@ -56,14 +57,20 @@ class StructuredOutputsField(BaseModel):
     disable_any_whitespace: bool = False
 
 
+# The request fields that take the model's default when unset (engine/generation_config.py KEYS, less max_tokens).
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints: the OpenAI ones plus vLLM-style extras."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # Unset (None): the model's default (its generation_config.json, engine/generation_config.py), else the API's
+    # (SamplingParams'). So are top_k, min_p and repetition_penalty below.
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -73,9 +80,9 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extras
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -92,11 +99,18 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob (+ top-k), first None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the offending field."""
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None) -> SamplingParams:
+        """Raises ValueError naming the offending field. `defaults`: the model's sampling defaults
+        (EngineConfig.sampling_defaults()) for the fields this request leaves unset, and its cap on max_tokens."""
+        defaults, fields = defaults or {}, {}
+        for name in _MODEL_DEFAULTS:
+            value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:  # else SamplingParams' own default
+                fields[name] = value
         return SamplingParams(
-            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            max_tokens=cap_max_tokens(max_tokens, defaults), min_tokens=self.min_tokens, **fields,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
@@ -156,8 +170,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         return v
 
-    def sampling_params(self) -> SamplingParams:
-        params = self._sampling(self.max_tokens, self.logprobs)
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        params = self._sampling(self.max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:  # the echoed prompt's tokens need their logprobs too
             params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         if self.best_of is not None and self.best_of > self.n:  # ranking needs each token's logprob
@@ -198,10 +212,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's default)
     parallel_tool_calls: bool | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs)
+        return self._sampling(max_tokens, logprobs, defaults)
 
     def _structured(self) -> StructuredOutputsParams | None:
         """tool_choice "required" or a named function is a constraint of its own (checked not to clash)."""
