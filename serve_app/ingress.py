@@ -13,11 +13,12 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from ray import serve
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -33,8 +34,9 @@ from serve_app.errors import (APIError, bad_request, from_engine_failure, instal
 from serve_app.limits import Limits, check_context, check_request, check_tool_schemas
 from serve_app.logprobs_format import set_logprob_echo
 from serve_app.middleware import Guard, GuardMiddleware
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, structured_error
-from serve_app.responses import Accumulated, ResponseBuilder, best_of, sse
+from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                chat_template_args, structured_error)
+from serve_app.responses import Accumulated, ResponseBuilder, best_of, sse, usage
 from serve_app.tool_parsers import get_tool_parser
 from serve_app.tools import check_tools, output_parser, template_message, template_tools
 
@@ -180,19 +182,54 @@ class OpenAIIngress:
         check_request(body, self.limits)
         check_tool_schemas(body, self.limits)
         check_tools(body, self.tool_parser, self.tokenizer.chat_template)
+        prompt_ids = await self._render_chat(body, body.add_special_tokens)
+        return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request,
+                                 timing=timing, lora=lora, tool_parser=output_parser(body, self.tool_parser))
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
+        """vLLM's /tokenize: a prompt's token ids as /v1/completions encodes it, or chat messages' as
+        /v1/chat/completions renders them (template, its kwargs and tools included), with the context size."""
+        self._lora_of(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await _off_loop(len(body.prompt), self.tokenizer.encode, body.prompt, add_special_tokens=add)
+        else:
+            ids = await self._render_chat(body, bool(body.add_special_tokens))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                             "token_strs": strs})
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
+        """vLLM's /detokenize: token ids back to text (special tokens kept)."""
+        self._lora_of(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"tokens must be in [0, {self.vocab_size}); got {bad[:5]}", param="tokens")
+        text = await _off_loop(4 * len(body.tokens), self.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    # ---- request handling --------------------------------------------------------------------------------
+    async def _render_chat(self, body, add_special_tokens: bool) -> list[int]:
+        """Chat messages (and tools) through the model's chat template, then token ids: 400 naming the field
+        for bad template arguments, and naming messages for what the template refuses."""
+        try:
+            kwargs = chat_template_args(body)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=str(exc).split(":", 1)[0]) from None
         try:
             messages = [template_message(m) for m in body.messages]
             tools = template_tools(body)
             size = sum(len(m["content"]) for m in messages) + (len(str(tools)) if tools else 0)
-            text = await _off_loop(size, self.tokenizer.apply_chat_template, messages, tools=tools,
-                                   add_generation_prompt=body.add_generation_prompt, tokenize=False)
-        except ValueError as exc:
+            text = await _off_loop(size, self.tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
+                                   **kwargs)
+        except (ValueError, TemplateError) as exc:  # a template's raise_exception raises TemplateError
             raise bad_request(str(exc), param="messages") from None
-        prompt_ids = await _off_loop(len(text), self.tokenizer.encode, text, add_special_tokens=False)
-        return await self._serve(body, prompt_ids, chat=True, want_logprobs=body.logprobs, request=request,
-                                 timing=timing, lora=lora, tool_parser=output_parser(body, self.tool_parser))
+        return await _off_loop(len(text), self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
-    # ---- request handling --------------------------------------------------------------------------------
     def _lora_of(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter `model` names ("BASE:ADAPTER" or the adapter's own name); None for the base model;
         404 model_not_found naming it when there is no such model or adapter."""
@@ -250,7 +287,7 @@ class OpenAIIngress:
         timing.chunk(first)
         if body.stream:
             return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs,
-                                               timing, _endpoint(request)),
+                                               timing, _endpoint(request), body.continuous_usage),
                                      media_type="text/event-stream")
         accs = [Accumulated() for _ in range(params.n)]  # one per sample (best_of of them when set)
         try:
@@ -271,22 +308,31 @@ class OpenAIIngress:
         return builder.full(accs, want_logprobs)
 
     async def _sse(self, stream, first: GenerateChunk, builder: ResponseBuilder, include_usage: bool,
-                   want_logprobs: bool, timing: RequestTiming, endpoint: str) -> AsyncIterator[str]:
+                   want_logprobs: bool, timing: RequestTiming, endpoint: str,
+                   continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE events, one per engine commit. A client that goes away cancels this generator, which
-        cancels the replica call; the engine then aborts the request and frees its blocks."""
+        cancels the replica call; the engine then aborts the request and frees its blocks.
+        continuous_usage: every event carries the usage so far of its choice (vLLM's continuous_usage_stats)."""
         last = first
         status, reason = STATUS_CLIENT_CLOSED, "abort"  # unless the stream runs to its end
+
+        def events(payloads: list[dict], chunk: GenerateChunk | None) -> Iterator[str]:
+            for payload in payloads:
+                if continuous_usage:
+                    payload["usage"] = usage(first.num_prompt_tokens, chunk.num_output_tokens if chunk else 0)
+                yield sse(payload)
+
         try:
             if builder.chat:
-                for payload in builder.first_chat_chunks():
-                    yield sse(payload)
-            for payload in builder.chunks(first, want_logprobs):
-                yield sse(payload)
+                for event in events(builder.first_chat_chunks(), None):
+                    yield event
+            for event in events(builder.chunks(first, want_logprobs), first):
+                yield event
             async for chunk in stream:
                 timing.chunk(chunk)
                 last = chunk
-                for payload in builder.chunks(chunk, want_logprobs):
-                    yield sse(payload)
+                for event in events(builder.chunks(chunk, want_logprobs), chunk):
+                    yield event
             if include_usage:
                 yield sse(builder.usage_chunk(last.num_prompt_tokens))
             status, reason = 200, last.finish_reason

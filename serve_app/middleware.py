@@ -19,7 +19,9 @@ from ray.exceptions import TaskCancelledError
 
 from serve_app.errors import APIError
 
-KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize")
+# Outside /v1 but behind the API key too (vLLM leaves them open): they run the tokenizer on request bodies.
+KEYED_ROUTES = ("/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class GuardMiddleware:
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or ())
         route = path if path in KNOWN_ROUTES else "other"
-        if path.startswith("/v1") and not guard.authorized(headers):
+        if (path.startswith("/v1") or path in KEYED_ROUTES) and not guard.authorized(headers):
             return await self._reject(send, guard, route, APIError(
                 401, "Incorrect or missing API key: send the header `Authorization: Bearer <key>`",
                 code="invalid_api_key"), {"www-authenticate": "Bearer"})

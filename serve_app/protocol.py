@@ -26,6 +26,8 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's extra: with include_usage, every chunk also carries the usage so far (its choice's tokens)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -149,6 +151,11 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM's stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -208,6 +215,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    # vLLM's chat extras: continue the final (assistant) message instead of opening a new one (a response
+    # prefill; add_generation_prompt must then be false), special tokens such as BOS added on top of the
+    # template's, and keyword arguments the chat template reads (e.g. Qwen3's enable_thinking).
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's default)
     parallel_tool_calls: bool | None = None
@@ -241,3 +254,60 @@ def structured_error(message: str, source: str | None) -> str:
         return message
     field = "response_format.json_schema.schema" if source == "response_format" else source
     return re.sub(r"^structured_outputs(\.\w+)?", field, message)
+
+
+# Arguments of transformers' apply_chat_template that the server sets itself: a request's chat_template_kwargs
+# may not name them (they would change what is rendered or returned, not only what the template reads).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def chat_template_args(body) -> dict[str, Any]:
+    """apply_chat_template's keyword arguments for a chat or tokenize request (ValueError naming the field):
+    add_generation_prompt, continue_final_message and the request's chat_template_kwargs."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise ValueError("continue_final_message: cannot set both continue_final_message and add_generation_prompt "
+                         "to true (continuing the final message opens no new one)")
+    extra = dict(body.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(extra))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} set by the server, not by the request")
+    return {**extra, "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message}
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a completion prompt, or chat messages rendered through the chat template as
+    /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: true for a prompt (as /v1/completions encodes it), false for messages (the template adds them)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    return_token_strs: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, v: Any) -> Any:
+        if v is not None and not v:
+            raise ValueError("messages must not be empty")
+        return v
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]

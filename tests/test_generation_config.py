@@ -4,16 +4,13 @@ cap on every request's max_tokens; `generation_config="vllm"` reads none, a dire
 `override_generation_config` merges over what was read.
 
 Expected values are written out from the files each test writes, never read back from the code under test.
-Over HTTP (one colocated app on a copy of the embedded model whose generation config says top_k 1): requests
-that leave top_k unset decode greedily whatever their seed and temperature, which the explicitly greedy
-request (temperature 0) gives independently of any default."""
+Over HTTP: tests/test_openai_extras_serve.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
-import openai
 import pytest
 
 from engine import LLM, SamplingParams
@@ -131,32 +128,3 @@ def test_offline_generate_without_params_uses_the_models_defaults(tmp_path):
         assert plain.get_default_sampling_params() == SamplingParams()
     finally:
         plain.shutdown()
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from serve_cluster import serve_cluster
-
-    d = checkpoint(tmp_path_factory.mktemp("gen"), "m", {"top_k": 1, "temperature": 1.5, "max_new_tokens": 64})
-    # the override arrives as `serve run` passes it (a JSON string) and caps at 6 over the file's 64
-    with serve_cluster({"model": d, "override_generation_config": '{"max_new_tokens": 6}'}) as c:
-        yield openai.OpenAI(base_url=c.api_url, api_key="unused", max_retries=0, timeout=60)
-
-
-def test_http_requests_get_the_models_defaults(served):
-    model = served.models.list().data[0].id
-    extra = {"ignore_eos": True}
-    greedy = served.completions.create(model=model, prompt="Return the", max_tokens=6, temperature=0,
-                                       extra_body=extra).choices[0].text
-    # top_k unset -> the model's 1: greedy whatever the seed (and temperature); max_tokens over the cap -> 6
-    for seed in (1, 2, 3):
-        r = served.completions.create(model=model, prompt="Return the", max_tokens=100, seed=seed,
-                                      extra_body=extra)
-        assert r.choices[0].text == greedy and r.usage.completion_tokens == 6
-    chat = served.chat.completions.create(model=model, messages=[{"role": "user", "content": "Return the"}],
-                                          seed=4, extra_body=extra)
-    assert chat.usage.completion_tokens == 6  # no max_tokens: the cap, not the context left
-    # an explicit top_k wins: sampled at temperature 1.5 with top-k off, the seeds no longer agree
-    texts = {served.completions.create(model=model, prompt="Return the", seed=seed,
-                                       extra_body={**extra, "top_k": -1}).choices[0].text for seed in range(4)}
-    assert len(texts) > 1

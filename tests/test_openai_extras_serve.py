@@ -1,0 +1,165 @@
+"""vLLM's extras over HTTP, on one colocated app with an API key: the model's sampling defaults
+(engine/generation_config.py), POST /tokenize and /detokenize, and the chat fields chat_template_kwargs,
+continue_final_message and add_special_tokens.
+
+The model is a copy of the embedded one with a generation_config.json that says top_k 1 (so requests that leave
+top_k unset decode greedily whatever their seed and temperature; the explicitly greedy request, temperature 0,
+gives that independently of any default) and a chat template that reads a `shout` keyword. Oracle for every
+prompt: transformers' own tokenizer on the same files (apply_chat_template, encode, decode)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config import DEFAULT_MODEL_DIR
+
+KEY = "sk-extras"
+TEMPLATE = ("{% if shout %}{{ '<|im_start|>system\\nSHOUT<|im_end|>\\n' }}{% endif %}"
+            "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+            "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+            "{% endif %}")
+MESSAGES = [{"role": "user", "content": "Return the sum"}, {"role": "assistant", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("extras") / "m"
+    shutil.copytree(DEFAULT_MODEL_DIR, out)
+    (out / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 1.5, "max_new_tokens": 64}))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    from serve_cluster import serve_cluster
+
+    # the override arrives as `serve run` passes it (a JSON string) and caps at 6 over the file's 64
+    with serve_cluster({"model": model_dir, "override_generation_config": '{"max_new_tokens": 6}',
+                        "api_key": KEY}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.api_url, api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def post(served, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{served.base_url}{path}", json=body, headers=headers, timeout=60)
+
+
+def chat_ids(tok, messages, **kwargs) -> list[int]:
+    return tok.encode(tok.apply_chat_template(messages, tokenize=False, **kwargs), add_special_tokens=False)
+
+
+def test_requests_get_the_models_sampling_defaults(client):
+    model = client.models.list().data[0].id
+    extra = {"ignore_eos": True}
+    greedy = client.completions.create(model=model, prompt="Return the", max_tokens=6, temperature=0,
+                                       extra_body=extra).choices[0].text
+    # top_k unset -> the model's 1: greedy whatever the seed (and temperature); max_tokens over the cap -> 6
+    for seed in (1, 2, 3):
+        r = client.completions.create(model=model, prompt="Return the", max_tokens=100, seed=seed, extra_body=extra)
+        assert r.choices[0].text == greedy and r.usage.completion_tokens == 6
+    chat = client.chat.completions.create(model=model, messages=MESSAGES[:1], seed=4, extra_body=extra)
+    assert chat.usage.completion_tokens == 6  # no max_tokens: the cap, not the context left
+    # an explicit top_k wins: sampled at temperature 1.5 with top-k off, the seeds no longer agree
+    texts = {client.completions.create(model=model, prompt="Return the", seed=seed,
+                                       extra_body={**extra, "top_k": -1}).choices[0].text for seed in range(4)}
+    assert len(texts) > 1
+
+
+def test_tokenize_and_detokenize_match_transformers(served, tok):
+    prompt = "def read_config(path):"
+    r = post(served, "/tokenize", {"prompt": prompt, "return_token_strs": True}).json()
+    ids = tok.encode(prompt, add_special_tokens=True)
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["token_strs"] == tok.convert_ids_to_tokens(ids)
+    assert r["max_model_len"] == json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
+    assert post(served, "/detokenize", {"tokens": ids}).json() == {"prompt": tok.decode(ids)}
+    r = post(served, "/tokenize", {"messages": MESSAGES[:1]}).json()
+    assert r["tokens"] == chat_ids(tok, MESSAGES[:1], add_generation_prompt=True) and r["token_strs"] is None
+
+
+def test_chat_fields_render_as_transformers_renders_them(served, client, tok):
+    model = client.models.list().data[0].id
+    cases = [
+        ({"chat_template_kwargs": {"shout": True}}, dict(add_generation_prompt=True, shout=True)),
+        ({"add_generation_prompt": False, "continue_final_message": True},
+         dict(add_generation_prompt=False, continue_final_message=True)),
+    ]
+    plain = chat_ids(tok, MESSAGES, add_generation_prompt=True)
+    for fields, hf_kwargs in cases:
+        want = chat_ids(tok, MESSAGES, **hf_kwargs)
+        assert want != plain  # the field changes what is rendered
+        assert post(served, "/tokenize", {"messages": MESSAGES, **fields}).json()["tokens"] == want
+        r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body=fields)
+        assert r.usage.prompt_tokens == len(want)
+    # add_special_tokens puts the tokenizer's own specials on top of the template's (none for this tokenizer,
+    # whose encode adds nothing: the same ids, as transformers gives them)
+    r = post(served, "/tokenize", {"messages": MESSAGES, "add_special_tokens": True}).json()
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                                     add_special_tokens=True)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+    ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/detokenize", {"tokens": [0, 10**9]}, "tokens"),
+    ("/tokenize", {"prompt": "a", "model": "no-such-model"}, "model"),
+])
+def test_bad_extras_are_400s_naming_the_field(served, path, body, param):
+    r = post(served, path, body)
+    assert r.status_code == (404 if param == "model" else 400), r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_tokenize_routes_need_the_api_key(served):
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+        assert post(served, path, body, key=None).status_code == 401
+        assert post(served, path, body, key="wrong").status_code == 401
+        assert post(served, path, body).status_code == 200
+    assert httpx.get(f"{served.base_url}/health", timeout=30).status_code == 200
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    model = client.models.list().data[0].id
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    stream = client.chat.completions.create(model=model, messages=MESSAGES[:1], max_tokens=5, n=2, seed=1,
+                                            temperature=1.0, stream=True, stream_options=opts,
+                                            extra_body={"ignore_eos": True, "top_k": -1})
+    chunks = list(stream)
+    final = chunks[-1]
+    assert not final.choices and final.usage.completion_tokens == 10  # both choices' tokens, once
+    prompt = final.usage.prompt_tokens
+    seen = {0: 0, 1: 0}  # each choice's tokens so far, from its content deltas' usage
+    for c in chunks[:-1]:
+        assert c.usage is not None and c.usage.prompt_tokens == prompt
+        assert c.usage.total_tokens == prompt + c.usage.completion_tokens
+        i = c.choices[0].index
+        assert c.usage.completion_tokens >= seen[i]  # never goes back
+        seen[i] = c.usage.completion_tokens
+    assert seen == {0: 5, 1: 5}
+    plain = list(client.completions.create(model=model, prompt="Return the", max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
