@@ -29,9 +29,10 @@ from cluster.protocol import GenerateChunk, GenerateRequest
 from dashboards.metrics import STATUS_CLIENT_CLOSED
 from engine.lora.request import LoRARequest, find_adapter, list_adapters, split_model_name
 from engine.models import load_hf_config
+from engine.sampling_params import SamplingParams
 from serve_app.errors import (APIError, bad_request, from_engine_failure, install_handlers, param_of,
                                replica_lost)
-from serve_app.limits import Limits, check_context, check_request, check_tool_schemas
+from serve_app.limits import Limits, check_context, check_prompts, check_request, check_tool_schemas
 from serve_app.logprobs_format import set_logprob_echo
 from serve_app.middleware import Guard, GuardMiddleware
 from serve_app.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -169,11 +170,48 @@ class OpenAIIngress:
         timing = RequestTiming()
         lora = self._lora_of(body.model)  # 404 for an unknown model or adapter, before any work
         check_request(body, self.limits)
-        prompt_ids = await self._encode_prompt(body.prompt)
-        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else \
-            await _off_loop(4 * len(prompt_ids), self.tokenizer.decode, prompt_ids)
+        check_prompts(body, self.limits)
+        prompts = body.prompts
+        if len(prompts) > 1:
+            return await self._completions_batch(body, prompts, request, lora)
+        prompt_ids = await self._encode_prompt(prompts[0])
         return await self._serve(body, prompt_ids, chat=False, want_logprobs=body.logprobs is not None,
-                                 request=request, timing=timing, lora=lora, echo=echo)
+                                 request=request, timing=timing, lora=lora,
+                                 echo=await self._echo(body, prompts[0], prompt_ids))
+
+    async def _completions_batch(self, body: CompletionRequest, prompts: list, request: Request,
+                                 lora: LoRARequest | None) -> dict:
+        """OpenAI's prompt array, not streamed: each prompt runs as an engine request of its own, all at once,
+        and the response lists prompt i's n choices at indices i*n .. i*n + n - 1 (vLLM's order), with the usage
+        summed. Every prompt is checked before any runs; one that fails cancels the others."""
+        max_tokens = self._params(body).max_tokens  # (a bad field is a 400 here, before anything runs)
+        encoded = [await self._encode_prompt(p) for p in prompts]
+        for ids in encoded:
+            check_context(len(ids), max_tokens, self.max_model_len, chat=False)
+        echoes = [await self._echo(body, p, ids) for p, ids in zip(prompts, encoded)]
+        tasks = [asyncio.ensure_future(self._serve(body, ids, chat=False, want_logprobs=body.logprobs is not None,
+                                                   request=request, timing=RequestTiming(), lora=lora, echo=echo))
+                 for ids, echo in zip(encoded, echoes)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # a failed prompt, or the client gone: nothing else keeps running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        merged = results[0]
+        merged["choices"] = [{**c, "index": i * body.n + c["index"]} for i, r in enumerate(results)
+                             for c in r["choices"]]
+        merged["usage"] = usage(sum(r["usage"]["prompt_tokens"] for r in results),
+                                sum(r["usage"]["completion_tokens"] for r in results))
+        return merged
+
+    async def _echo(self, body: CompletionRequest, prompt: str | list[int], prompt_ids: list[int]) -> str:
+        """The text `echo` puts before a completion: the prompt as sent, or its token ids decoded."""
+        if not body.echo:
+            return ""
+        return prompt if isinstance(prompt, str) else \
+            await _off_loop(4 * len(prompt_ids), self.tokenizer.decode, prompt_ids)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -253,13 +291,17 @@ class OpenAIIngress:
                               param="prompt")
         return prompt
 
-    async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
-                     timing: RequestTiming, lora: LoRARequest | None, echo: str = "", tool_parser=None):
+    def _params(self, body) -> SamplingParams:
+        """The request's SamplingParams over the model's defaults; a 400 naming the field it cannot take."""
         try:
-            params = body.sampling_params(self.sampling_defaults)
+            return body.sampling_params(self.sampling_defaults)
         except ValueError as exc:
             message = structured_error(str(exc), body.structured_source)
             raise bad_request(message, param=param_of(message)) from None
+
+    async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
+                     timing: RequestTiming, lora: LoRARequest | None, echo: str = "", tool_parser=None):
+        params = self._params(body)
         if tool_parser is not None and tool_parser.keep_special_tokens:  # its call marker is a special token
             params.skip_special_tokens = False
         check_context(len(prompt_ids), params.max_tokens, self.max_model_len, chat)

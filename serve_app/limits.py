@@ -43,6 +43,8 @@ class Limits(BaseModel):
     # Samples per request (n, and best_of): each is a running sequence with its own KV past the shared prompt.
     # Engines also cap them at max_num_seqs.
     max_n: int = Field(default=16, ge=1)
+    # Prompts in one /v1/completions request (OpenAI's prompt array); each runs as its own engine request.
+    max_prompts: int = Field(default=64, ge=1)
 
 
 def check_request(body, limits: Limits) -> None:
@@ -71,6 +73,16 @@ def check_request(body, limits: Limits) -> None:
     for field, schema in schemas:
         if schema is not None:
             _check_schema(field, schema, limits)
+
+
+def check_prompts(body, limits: Limits) -> None:
+    """A batch of completion prompts: at most max_prompts, and not streamed (one stream per prompt)."""
+    count = len(body.prompts)
+    if count == 1:
+        return
+    _at_most("prompt", count, limits.max_prompts, "prompts per request")
+    if body.stream:
+        raise bad_request(f"prompt: stream takes one prompt per request; got {count}", param="prompt")
 
 
 def _check_samples(body, limits: Limits) -> None:

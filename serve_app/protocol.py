@@ -168,14 +168,22 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v: Any) -> str | list[int]:
+    def _nonempty_prompts(cls, v: Any) -> Any:
+        """One prompt (a string or token ids), or a batch of them; a batch of one is that prompt."""
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
+            if any(len(p) == 0 for p in v):
+                raise ValueError("prompt must not be empty (nor any prompt of the batch)")
+            return v[0] if len(v) == 1 else v
         if isinstance(v, (str, list)) and len(v) == 0:
             raise ValueError("prompt must not be empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: [prompt], or the batch OpenAI's `prompt` array gives (strings or token-id
+        lists), answered as prompt i's n choices at indices i*n .. i*n + n - 1."""
+        v = self.prompt
+        return v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
 
     def sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         params = self._sampling(self.max_tokens, self.logprobs, defaults)

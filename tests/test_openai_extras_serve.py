@@ -163,3 +163,35 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     plain = list(client.completions.create(model=model, prompt="Return the", max_tokens=3, stream=True,
                                            stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
+def test_a_prompt_array_answers_each_prompt_in_order(client, tok):
+    """OpenAI's prompt array: prompt i's n choices at i*n .., each what that prompt alone gives; usage summed."""
+    model = client.models.list().data[0].id
+    prompts = ["Return the", "def add(a, b):", "import os"]
+    kw = dict(model=model, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, echo=True, **kw) for p in prompts]
+    r = client.completions.create(prompt=prompts, n=2, echo=True, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    for i, single in enumerate(alone):
+        assert [c.text for c in r.choices[2 * i:2 * i + 2]] == [single.choices[0].text] * 2
+        assert single.choices[0].text.startswith(prompts[i])
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in alone)
+    assert r.usage.completion_tokens == 6 * 4
+    ids = [tok.encode(p) for p in prompts[:2]]  # token-id prompts: the same answers
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert [c.text for c in by_ids.choices] == [alone[0].choices[0].text[len(prompts[0]):],
+                                               alone[1].choices[0].text[len(prompts[1]):]]
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"prompt": ["a", "b"], "stream": True}, None),
+    ({"prompt": ["a"] * 65}, "limit_exceeded"),
+    ({"prompt": ["a", ""]}, None),
+    ({"prompt": ["a", "b " * 5000], "max_tokens": 4}, "context_length_exceeded"),
+])
+def test_bad_prompt_arrays_are_400s_naming_prompt(served, body, code):
+    r = post(served, "/v1/completions", {"max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["code"] == code, err
