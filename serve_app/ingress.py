@@ -10,6 +10,7 @@ keys; request limits (serve_app/limits.py) are checked before a request reaches 
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 import uuid
@@ -91,6 +92,53 @@ async def _start(engine: DeploymentHandle, request: GenerateRequest):
     if first.rejected:  # the engine refused the request: a 400 naming the field its message starts with
         raise bad_request(first.error, param=param_of(first.error))
     return stream, first
+
+
+async def _interleave(gens: list[AsyncIterator[str]], n: int, include_usage: bool) -> AsyncIterator[str]:
+    """The events of a streamed prompt array: each prompt's SSE events (OpenAIIngress._sse) as they come, every
+    choice's index moved to i*n + j (prompt i's choice j, vLLM's order) and every event under the first
+    prompt's id; their usage summed into one event at the end when asked for, and one [DONE]. An error event
+    ends the whole stream, and the other prompts' requests with it (as does a client that leaves)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[str]) -> None:
+        try:
+            async for event in gen:
+                await queue.put((i, event))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
+    done, running, head = sse("[DONE]"), len(tasks), None
+    prompt_tokens = completion_tokens = 0
+    try:
+        while running:
+            i, event = await queue.get()
+            if event is None:
+                running -= 1
+                continue
+            if event == done:
+                continue
+            payload = json.loads(event[len("data: "):])
+            if "error" in payload:
+                yield event
+                break
+            if not payload["choices"]:  # the prompt's usage
+                prompt_tokens += payload["usage"]["prompt_tokens"]
+                completion_tokens += payload["usage"]["completion_tokens"]
+                continue
+            head = head or {k: payload[k] for k in ("id", "object", "created", "model")}
+            payload["id"] = head["id"]
+            for choice in payload["choices"]:
+                choice["index"] += i * n
+            yield sse(payload)
+        else:
+            if include_usage and head is not None:
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    finally:
+        for task in tasks:
+            task.cancel()
+    yield done
 
 
 async def _off_loop(size: int, fn, *args, **kwargs):
@@ -189,6 +237,8 @@ class OpenAIIngress:
         for ids in encoded:
             check_context(len(ids), max_tokens, self.max_model_len, chat=False)
         echoes = [await self._echo(body, p, ids) for p, ids in zip(prompts, encoded)]
+        if body.stream:
+            return await self._stream_batch(body, encoded, echoes, request, lora)
         tasks = [asyncio.ensure_future(self._serve(body, ids, chat=False, want_logprobs=body.logprobs is not None,
                                                    request=request, timing=RequestTiming(), lora=lora, echo=echo))
                  for ids, echo in zip(encoded, echoes)]
@@ -205,6 +255,28 @@ class OpenAIIngress:
         merged["usage"] = usage(sum(r["usage"]["prompt_tokens"] for r in results),
                                 sum(r["usage"]["completion_tokens"] for r in results))
         return merged
+
+    async def _stream_batch(self, body: CompletionRequest, encoded: list[list[int]], echoes: list[str],
+                            request: Request, lora: LoRARequest | None) -> StreamingResponse:
+        """A streamed prompt array: every prompt's request started at once (all or none: one that fails to start
+        cancels those that did), then their events interleaved as they come (_interleave)."""
+        timings = [RequestTiming() for _ in encoded]
+        tasks = [asyncio.ensure_future(self._open(body, ids, False, request, timing, lora, echo, None))
+                 for ids, echo, timing in zip(encoded, echoes, timings)]
+        try:
+            opened = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, tuple):  # started: its replica call goes, and the engine frees its KV
+                    result[0].cancel()
+            raise
+        endpoint, want_logprobs = _endpoint(request), body.logprobs is not None
+        # each prompt's own stream with its usage at the end, which _interleave sums into the batch's
+        gens = [self._sse(stream, first, builder, True, want_logprobs, timing, endpoint, body.continuous_usage)
+                for (stream, first, builder, _), timing in zip(opened, timings)]
+        return StreamingResponse(_interleave(gens, body.n, body.include_usage), media_type="text/event-stream")
 
     async def _echo(self, body: CompletionRequest, prompt: str | list[int], prompt_ids: list[int]) -> str:
         """The text `echo` puts before a completion: the prompt as sent, or its token ids decoded."""
@@ -301,6 +373,34 @@ class OpenAIIngress:
 
     async def _serve(self, body, prompt_ids: list[int], chat: bool, want_logprobs: bool, request: Request,
                      timing: RequestTiming, lora: LoRARequest | None, echo: str = "", tool_parser=None):
+        stream, first, builder, params = await self._open(body, prompt_ids, chat, request, timing, lora, echo,
+                                                          tool_parser)
+        if body.stream:
+            return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs,
+                                               timing, _endpoint(request), body.continuous_usage),
+                                     media_type="text/event-stream")
+        accs = [Accumulated() for _ in range(params.n)]  # one per sample (best_of of them when set)
+        try:
+            accs[first.index].add(first)
+            async for chunk in stream:
+                timing.chunk(chunk)
+                accs[chunk.index].add(chunk)
+        except (asyncio.CancelledError, RequestCancelledError):  # the client went away: 499, not an error
+            self.metrics.count(_endpoint(request), STATUS_CLIENT_CLOSED, "abort")
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
+            raise from_engine_failure(exc) from None
+        finally:
+            stream.cancel()
+        self._finished(timing, _endpoint(request), accs[0].finish_reason)
+        if params.n > body.n:  # best_of: usage counts every sample generated
+            return builder.full(best_of(accs, body.n), want_logprobs, sum(a.num_output_tokens for a in accs))
+        return builder.full(accs, want_logprobs)
+
+    async def _open(self, body, prompt_ids: list[int], chat: bool, request: Request, timing: RequestTiming,
+                    lora: LoRARequest | None, echo: str, tool_parser):
+        """Check a request against the model and start it on an engine: (stream, first chunk, ResponseBuilder,
+        SamplingParams). Errors before its first output are HTTP statuses."""
         params = self._params(body)
         if tool_parser is not None and tool_parser.keep_special_tokens:  # its call marker is a special token
             params.skip_special_tokens = False
@@ -327,27 +427,7 @@ class OpenAIIngress:
                 err.param = param_of(err.message)
             raise
         timing.chunk(first)
-        if body.stream:
-            return StreamingResponse(self._sse(stream, first, builder, body.include_usage, want_logprobs,
-                                               timing, _endpoint(request), body.continuous_usage),
-                                     media_type="text/event-stream")
-        accs = [Accumulated() for _ in range(params.n)]  # one per sample (best_of of them when set)
-        try:
-            accs[first.index].add(first)
-            async for chunk in stream:
-                timing.chunk(chunk)
-                accs[chunk.index].add(chunk)
-        except (asyncio.CancelledError, RequestCancelledError):  # the client went away: 499, not an error
-            self.metrics.count(_endpoint(request), STATUS_CLIENT_CLOSED, "abort")
-            raise
-        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI error
-            raise from_engine_failure(exc) from None
-        finally:
-            stream.cancel()
-        self._finished(timing, _endpoint(request), accs[0].finish_reason)
-        if params.n > body.n:  # best_of: usage counts every sample generated
-            return builder.full(best_of(accs, body.n), want_logprobs, sum(a.num_output_tokens for a in accs))
-        return builder.full(accs, want_logprobs)
+        return stream, first, builder, params
 
     async def _sse(self, stream, first: GenerateChunk, builder: ResponseBuilder, include_usage: bool,
                    want_logprobs: bool, timing: RequestTiming, endpoint: str,

@@ -76,13 +76,8 @@ def check_request(body, limits: Limits) -> None:
 
 
 def check_prompts(body, limits: Limits) -> None:
-    """A batch of completion prompts: at most max_prompts, and not streamed (one stream per prompt)."""
-    count = len(body.prompts)
-    if count == 1:
-        return
-    _at_most("prompt", count, limits.max_prompts, "prompts per request")
-    if body.stream:
-        raise bad_request(f"prompt: stream takes one prompt per request; got {count}", param="prompt")
+    """A batch of completion prompts (OpenAI's prompt array): at most max_prompts."""
+    _at_most("prompt", len(body.prompts), limits.max_prompts, "prompts per request")
 
 
 def _check_samples(body, limits: Limits) -> None:

@@ -178,6 +178,16 @@ def test_a_prompt_array_answers_each_prompt_in_order(client, tok):
         assert single.choices[0].text.startswith(prompts[i])
     assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in alone)
     assert r.usage.completion_tokens == 6 * 4
+    # streamed: the same choices, interleaved, under one id, with the usage summed once at the end
+    chunks = list(client.completions.create(prompt=prompts, n=2, echo=True, stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    texts = {}
+    for c in chunks[:-1]:
+        assert len(c.choices) == 1 and c.usage is None
+        texts[c.choices[0].index] = texts.get(c.choices[0].index, "") + c.choices[0].text
+    assert texts == {c.index: c.text for c in r.choices}
+    assert len({c.id for c in chunks}) == 1
+    assert not chunks[-1].choices and chunks[-1].usage == r.usage
     ids = [tok.encode(p) for p in prompts[:2]]  # token-id prompts: the same answers
     by_ids = client.completions.create(prompt=ids, **kw)
     assert [c.text for c in by_ids.choices] == [alone[0].choices[0].text[len(prompts[0]):],
@@ -185,12 +195,12 @@ def test_a_prompt_array_answers_each_prompt_in_order(client, tok):
 
 
 @pytest.mark.parametrize("body, code", [
-    ({"prompt": ["a", "b"], "stream": True}, None),
     ({"prompt": ["a"] * 65}, "limit_exceeded"),
     ({"prompt": ["a", ""]}, None),
     ({"prompt": ["a", "b " * 5000], "max_tokens": 4}, "context_length_exceeded"),
 ])
 def test_bad_prompt_arrays_are_400s_naming_prompt(served, body, code):
+    """Refused before any prompt runs (each is checked first)."""
     r = post(served, "/v1/completions", {"max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
