@@ -25,6 +25,7 @@ from engine.models import load_hf_config, model_spec
 from serve_app.ingress import OpenAIIngress
 from serve_app.limits import Limits
 from serve_app.tool_parsers import get_tool_parser
+from serve_app.tools import load_chat_template
 
 INGRESS_MAX_ONGOING = 4096  # per ingress replica: the engines' limits apply behind it
 COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deployment, ingress and engine
@@ -157,6 +158,16 @@ class AppConfig(BaseModel):
     # Tool calling (serve_app/tool_parsers.py): the format this model writes its calls in ("hermes" for
     # Qwen2.5/Qwen3, "llama3_json", "mistral"). None: requests with tools get a 400.
     tool_parser: str | None = None
+    # vLLM's --chat-template: a Jinja chat template file, or the template itself, used instead of the tokenizer's
+    # (for a model that has none, or to replace it). Checked for Jinja syntax when the app is built.
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _loadable_template(cls, v: str | None) -> str | None:
+        if v is not None:
+            load_chat_template(v)  # ValueError naming the field
+        return v
 
     @field_validator("tool_parser")
     @classmethod
@@ -290,7 +301,8 @@ def build_app(args: dict | None = None) -> serve.Application:
     ingress_args = (engine_cfg.model_dir, cfg.served_model_name or _default_name(cfg.model), max_model_len,
                     cfg.api_keys, cfg.limits.model_dump())
     ingress_kwargs = dict(lora_modules=engine_cfg.lora_modules, lora_dir=engine_cfg.lora_dir,
-                          tool_parser=cfg.tool_parser, sampling_defaults=engine_cfg.sampling_defaults())
+                          tool_parser=cfg.tool_parser, sampling_defaults=engine_cfg.sampling_defaults(),
+                          chat_template=cfg.chat_template and load_chat_template(cfg.chat_template))
     colocated = cfg.is_colocated
     core_process = (core_process_by_default(device, colocated) if cfg.engine_core_process is None
                     else cfg.engine_core_process) and \

@@ -155,12 +155,14 @@ class OpenAIIngress:
                  api_keys: tuple[str, ...] = (), limits: dict | None = None,
                  engine_deployment: str = "EngineReplica", lora_modules: dict[str, str] | None = None,
                  lora_dir: str | None = None, tool_parser: str | None = None, engine_transport: str = "grpc",
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, chat_template: str | None = None):
         # _by_reference=False: Serve's gRPC transport (AppConfig.engine_transport)
         self.engine = engine.options(stream=True, _by_reference=engine_transport != "grpc")
         self.engine_unary = engine
         self.model_name = served_model_name
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        if chat_template is not None:  # AppConfig.chat_template, loaded and checked: instead of the tokenizer's
+            self.tokenizer.chat_template = chat_template
         self.vocab_size = load_hf_config(model_dir).vocab_size
         self.max_model_len = max_model_len
         self.limits = Limits(**(limits or {}))

@@ -12,6 +12,7 @@ structured output (xgrammar), so such a call is always valid JSON for the tool's
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -148,3 +149,22 @@ def output_parser(body, parser_name: str | None) -> ToolParser | None:
     if body.tool_choice == "required":
         return RequiredParser()
     return get_tool_parser(parser_name)
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's --chat-template takes it: a file's path, or the template itself (text
+    with Jinja markup). ValueError naming chat_template for anything else, or for a template whose Jinja does
+    not parse (checked in the sandbox transformers renders chat templates in)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value)
+    if "{" not in value and "\n" not in value:
+        if not path.is_file():
+            raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+        value = path.read_text()
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template: not a valid Jinja template: {exc}") from None
+    return value

@@ -4,7 +4,8 @@ continue_final_message and add_special_tokens.
 
 The model is a copy of the embedded one with a generation_config.json that says top_k 1 (so requests that leave
 top_k unset decode greedily whatever their seed and temperature; the explicitly greedy request, temperature 0,
-gives that independently of any default) and a chat template that reads a `shout` keyword. Oracle for every
+gives that independently of any default); the app's `chat_template` (a file) replaces its template with one
+that reads a `shout` keyword. Oracle for every
 prompt: transformers' own tokenizer on the same files (apply_chat_template, encode, decode)."""
 
 from __future__ import annotations
@@ -32,20 +33,24 @@ def model_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("extras") / "m"
     shutil.copytree(DEFAULT_MODEL_DIR, out)
     (out / "generation_config.json").write_text(json.dumps({"top_k": 1, "temperature": 1.5, "max_new_tokens": 64}))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    (out / "chat_template.jinja").unlink(missing_ok=True)
     return str(out)
 
 
 @pytest.fixture(scope="module")
-def served(model_dir):
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "shout.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, template_file):
     from serve_cluster import serve_cluster
 
-    # the override arrives as `serve run` passes it (a JSON string) and caps at 6 over the file's 64
+    # the override arrives as `serve run` passes it (a JSON string) and caps at 6 over the file's 64; the chat
+    # template (read from its file) replaces the model's own
     with serve_cluster({"model": model_dir, "override_generation_config": '{"max_new_tokens": 6}',
-                        "api_key": KEY}) as c:
+                        "api_key": KEY, "chat_template": template_file}) as c:
         yield c
 
 
@@ -56,7 +61,10 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    assert "SHOUT" not in tok.chat_template  # the model's own; the server was given TEMPLATE
+    tok.chat_template = TEMPLATE
+    return tok
 
 
 def post(served, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
@@ -205,3 +213,15 @@ def test_bad_prompt_arrays_are_400s_naming_prompt(served, body, code):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "prompt" and err["code"] == code, err
+
+
+def test_chat_template_argument_takes_a_file_or_the_template_and_checks_it(tmp_path, template_file):
+    from serve_app.builder import AppConfig
+    from serve_app.tools import load_chat_template
+
+    assert load_chat_template(template_file) == TEMPLATE
+    assert load_chat_template(TEMPLATE) == TEMPLATE
+    with pytest.raises(ValueError, match="chat_template: .* is neither a file nor a Jinja template"):
+        AppConfig(chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="chat_template: not a valid Jinja template"):
+        AppConfig(chat_template="{% for m in messages %}{{ m['content'] }}")  # no endfor
