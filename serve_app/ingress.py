@@ -99,14 +99,17 @@ async def _interleave(gens: list[AsyncIterator[str]], n: int, include_usage: boo
     choice's index moved to i*n + j (prompt i's choice j, vLLM's order) and every event under the first
     prompt's id; their usage summed into one event at the end when asked for, and one [DONE]. An error event
     ends the whole stream, and the other prompts' requests with it (as does a client that leaves)."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a prompt's stream is pulled only as the client takes events (the backpressure, and the coalescing
+    # of commits, a single stream has), and a slow client does not pile a whole batch's events up here.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(gens))
 
     async def pump(i: int, gen: AsyncIterator[str]) -> None:
         try:
             async for event in gen:
                 await queue.put((i, event))
-        finally:
-            queue.put_nowait((i, None))
+        except Exception:  # noqa: BLE001 - not expected (_sse reports failures in-band): this prompt ends here
+            logger.exception("streamed prompt %d failed outside its stream", i)
+        await queue.put((i, None))  # (a cancelled pump puts nothing: only the consumer cancels, and it has left)
 
     tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
     done, running, head = sse("[DONE]"), len(tasks), None

@@ -21,7 +21,9 @@ from transformers import AutoTokenizer
 from engine.config import DEFAULT_MODEL_DIR
 
 KEY = "sk-extras"
-TEMPLATE = ("{% if shout %}{{ '<|im_start|>system\\nSHOUT<|im_end|>\\n' }}{% endif %}"
+TEMPLATE = ("{% if messages|length == 1 and messages[0]['role'] == 'system' %}"
+            "{{ raise_exception('a system message alone is not a conversation') }}{% endif %}"
+            "{% if shout %}{{ '<|im_start|>system\\nSHOUT<|im_end|>\\n' }}{% endif %}"
             "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
             "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
             "{% endif %}")
@@ -135,6 +137,8 @@ def test_chat_fields_render_as_transformers_renders_them(served, client, tok):
     ("/tokenize", {"messages": []}, "messages"),
     ("/detokenize", {"tokens": [0, 10**9]}, "tokens"),
     ("/tokenize", {"prompt": "a", "model": "no-such-model"}, "model"),
+    # the template's raise_exception (a jinja2 TemplateError, not a ValueError: a 500 before)
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}, "messages"),
 ])
 def test_bad_extras_are_400s_naming_the_field(served, path, body, param):
     r = post(served, path, body)
