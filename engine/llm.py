@@ -25,6 +25,7 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = create_engine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._sampling_defaults = self.config.sampling_defaults()  # read once (checked in EngineConfig)
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -68,8 +69,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's defaults (its generation_config.json, EngineConfig.generation_config):
         what `generate` uses when given no params, as vLLM's LLM does; change fields on the copy returned."""
-        defaults = self.config.sampling_defaults()
-        return SamplingParams(**defaults) if defaults else SamplingParams()
+        return SamplingParams(**self._sampling_defaults)
 
     @staticmethod
     def _params_per_prompt(prompts, params) -> list[SamplingParams]:

@@ -40,7 +40,8 @@ PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "mi
                 "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "stop", "logprobs",
                 "prompt_logprobs", "prompt",
                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                "structured_outputs", "logit_bias", "allowed_token_ids", "tools", "best_of", "n")
+                "structured_outputs", "logit_bias", "allowed_token_ids", "tools", "best_of", "n",
+                "continue_final_message", "chat_template_kwargs")
 
 
 def param_of(message: str, fields: tuple[str, ...] = PARAM_FIELDS) -> str | None:

@@ -334,7 +334,7 @@ class OpenAIIngress:
         try:
             kwargs = chat_template_args(body)
         except ValueError as exc:
-            raise bad_request(str(exc), param=str(exc).split(":", 1)[0]) from None
+            raise bad_request(str(exc), param=param_of(str(exc))) from None
         try:
             messages = [template_message(m) for m in body.messages]
             tools = template_tools(body)

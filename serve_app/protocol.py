@@ -294,7 +294,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     # None: true for a prompt (as /v1/completions encodes it), false for messages (the template adds them)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -303,13 +303,6 @@ class TokenizeRequest(BaseModel):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     return_token_strs: bool = False
-
-    @field_validator("messages")
-    @classmethod
-    def _some_messages(cls, v: Any) -> Any:
-        if v is not None and not v:
-            raise ValueError("messages must not be empty")
-        return v
 
 
 class DetokenizeRequest(BaseModel):
