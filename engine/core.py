@@ -392,14 +392,15 @@ class EngineCore:
             self.host_time["commit"] += time.perf_counter() - t1
 
     def _outputs(self, changed: list[Sequence]) -> list[CoreOutput]:
-        """Each changed sequence's delta (new tokens, or its finish); finished ones leave the engine."""
+        """Each changed sequence's delta (new tokens, or its finish; only the finish for a final-only one);
+        finished ones leave the engine."""
         outputs, interval, requests = [], self._stream_interval, self.requests
         for seq in changed:
             if requests.get(seq.key) is not seq or seq.finalized:
                 continue  # a zombie, or a sample the frontend ended meanwhile
             if seq.finish_reason is not None:
                 outputs.append(self._finish(seq, seq.finish_reason))
-            else:
+            elif not seq.final_only:
                 new = seq.num_output_tokens - seq.num_emitted_tokens
                 if new and (new >= interval or not seq.num_emitted_tokens):
                     outputs.append(self._output(seq))

@@ -133,6 +133,23 @@ class IncrementalDetokenizer:
             self._tail = self._tail[cut:]
         return False
 
+    def extend(self, token_ids: list[int]) -> None:
+        """Append tokens of a request without stop strings: the text add() would build one token at a time, in
+        one pass over the decoded-text table when every token decodes on its own (the usual case)."""
+        texts = self._texts
+        if texts is not None and not self._stops and not self._in_char:
+            n = len(texts)
+            pieces = [texts[t] if t < n else None for t in token_ids]
+            if None not in pieces:
+                text = "".join(pieces)
+                self._context.extend(token_ids[-_PROMPT_CONTEXT:])
+                if text:
+                    self._parts.append(text)
+                    self._fixed_len += len(text)
+                return
+        for t in token_ids:
+            self.add(t)
+
     def _stream_step(self, token_id: int) -> str | None:
         """A token that does not decode on its own: through a DecodeStream primed with the whole-character
         context before it, kept until the stream emits (the character is complete)."""

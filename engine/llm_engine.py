@@ -65,6 +65,9 @@ class LLMEngine:
 
     def add_sequence(self, seq: Sequence, stream: bool = False) -> None:
         samples = [seq, *(seq.forks or ())]
+        if not stream and not seq.params.stop_strings:  # nothing reads its tokens before the end
+            for s in samples:
+                s.final_only = True
         self.processor.add(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.params, seq.arrival_time,
                            stream, [s.params for s in samples])
         try:

@@ -102,16 +102,20 @@ class OutputProcessor:
         """Add the new tokens' text; True when a stop string completed (later tokens are dropped)."""
         ids, detok, new = state.token_ids, state.detok, co.new_token_ids
         last = len(new) - 1 if co.stop_token else len(new)  # an EOS / stop token id adds no text
-        min_tokens = state.params.min_tokens
         stopped = False
-        for i, token in enumerate(new):
-            ids.append(token)
-            if i < last and detok.add(token, check_stops=not min_tokens or len(ids) >= min_tokens):
-                del new[i + 1:]  # (the list is this report's own)
-                if co.new_logprobs is not None:
-                    del co.new_logprobs[i + 1:]
-                stopped = True
-                break
+        if not state.params.stop_strings:  # nothing to look for: every token's text at once
+            ids += new
+            detok.extend(new[:last] if last < len(new) else new)
+        else:
+            min_tokens = state.params.min_tokens
+            for i, token in enumerate(new):
+                ids.append(token)
+                if i < last and detok.add(token, check_stops=not min_tokens or len(ids) >= min_tokens):
+                    del new[i + 1:]  # (the list is this report's own)
+                    if co.new_logprobs is not None:
+                        del co.new_logprobs[i + 1:]
+                    stopped = True
+                    break
         if state.logprobs is not None and co.new_logprobs:
             state.logprobs += co.new_logprobs
         return stopped

@@ -53,7 +53,7 @@ class Sequence:
                  "logprobs", "stop_token", "eos_token_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
-                 "lora", "lora_slot", "hash_root",
+                 "lora", "lora_slot", "hash_root", "final_only",
                  "prompt_logprobs", "prompt_logprobs_sent", "index", "key", "forks", "cow")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -108,6 +108,9 @@ class Sequence:
         self.max_total_len = min(budget, max_model_len)
         self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token
         self.num_emitted_tokens = 0  # output tokens already reported (CoreOutput.new_token_ids)
+        # Reported only when it finishes: its frontend reads no token before the end (a request that is not
+        # streamed and has no stop strings), so the core builds no output for it at every commit.
+        self.final_only = False
         self.preempted = False  # offload / soft reset requested; applied when inflight_refs drains
         # While swapped: the host block holding each block-table entry (engine/cpu/block_pool.py).
         self.cpu_blocks: list[int] | None = None

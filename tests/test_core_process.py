@@ -155,6 +155,32 @@ def test_the_core_reports_only_new_tokens_at_every_step():
     engine.shutdown()
 
 
+def test_a_request_nothing_reads_before_its_end_is_reported_once():
+    """A request that is not streamed and has no stop strings is final-only: the core reports it once, at its
+    finish, with every token (no output built at every commit); with stop strings the frontend reads each
+    commit's tokens, so the core reports every step. The tokens and text are those of the streamed request
+    (test_core_process_matches_the_in_process_engine compares LLM.generate with streams the same way)."""
+    engine = LLMEngine(EngineConfig(max_model_len=512))
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
+    engine.add_request("Tell me", params, request_id="final")
+    engine.add_request("Tell me", params, request_id="streamed", stream=True)
+    engine.add_request("Tell me", SamplingParams(max_tokens=40, ignore_eos=True, temperature=0, stop=["never seen"]),
+                       request_id="stops")
+    reports, finals = {}, {}
+    while engine.core.has_unfinished():
+        outs = engine.core.step()
+        for out in outs:
+            reports.setdefault(out.request_id, []).append(len(out.new_token_ids))
+        for out in engine.processor.process(outs)[0]:
+            if out.finished:
+                finals[out.request_id] = out
+    engine.shutdown()
+    assert reports["final"] == [40]
+    assert len(reports["streamed"]) == len(reports["stops"]) == 40
+    assert finals["final"].token_ids == finals["streamed"].token_ids == finals["stops"].token_ids
+    assert finals["final"].text == finals["streamed"].text == finals["stops"].text != ""
+
+
 def test_a_killed_core_fails_its_streams_and_the_engine_reports_unhealthy():
     llm = AsyncLLM(EngineConfig(max_model_len=512), core_process=True)
     pid = llm._core.proc.pid

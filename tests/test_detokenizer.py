@@ -208,30 +208,37 @@ def test_prompt_ending_inside_a_character_does_not_leak_into_the_output():
 
 
 
+def random_ids(seed: int, n: int = 120) -> list[int]:
+    """Words of the test texts (characters split over tokens), special tokens and arbitrary ids (possibly
+    invalid UTF-8)."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = tokenizer().backend_tokenizer.get_vocab_size(with_added_tokens=True)
+    ids: list[int] = []
+    while len(ids) < n:
+        kind = rng.random()
+        if kind < 0.6:
+            words = ids_of(rng.choice(TEXTS))
+            a = rng.randrange(len(words))
+            ids += words[a:a + rng.randint(1, 12)]
+        elif kind < 0.75:
+            ids.append(rng.randrange(3))  # the special tokens (tiny_models: ids 0-2)
+        else:
+            ids.append(rng.randrange(vocab))
+    return ids
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_table_fast_path_adds_what_decode_stream_adds_at_every_step(seed, skip_special_tokens):
     """Byte-level tokenizers take each whole-character token's text from a table (engine.detokenizer
     token_texts): step by step, the text added must be exactly what tokenizers' DecodeStream adds, through
     characters split over several tokens, special tokens and arbitrary ids (possibly invalid UTF-8)."""
-    import random
-
     from tokenizers.decoders import DecodeStream
 
     tok = tokenizer().backend_tokenizer
-    rng = random.Random(seed)
-    ids: list[int] = []
-    while len(ids) < 120:
-        kind = rng.random()
-        if kind < 0.6:
-            text = rng.choice(TEXTS)
-            words = ids_of(text)
-            a = rng.randrange(len(words))
-            ids += words[a:a + rng.randint(1, 12)]
-        elif kind < 0.75:
-            ids.append(rng.randrange(3))  # the special tokens (tiny_models: ids 0-2)
-        else:
-            ids.append(rng.randrange(tok.get_vocab_size(with_added_tokens=True)))
+    ids = random_ids(seed)
     prompt = ids_of("The quick brown fox")  # ends on a whole character: the oracle primes with the same tail
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     fast = IncrementalDetokenizer(tok, prompt, params)
@@ -241,6 +248,34 @@ def test_table_fast_path_adds_what_decode_stream_adds_at_every_step(seed, skip_s
         before = len(fast.text)
         fast.add(t)
         assert fast.text[before:] == (oracle.step(tok, t) or ""), (t, ids)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_extend_adds_what_decode_stream_adds_over_the_run(seed, skip_special_tokens):
+    """extend() (a request without stop strings: a report's tokens at once, engine/output_processor.py) must
+    leave the text tokenizers' DecodeStream builds from the same tokens, after every run of tokens, whether the
+    run decodes on its own (one join) or holds part of a character (one token at a time)."""
+    import random
+
+    from tokenizers.decoders import DecodeStream
+
+    tok = tokenizer().backend_tokenizer
+    rng = random.Random(seed)
+    ids = random_ids(seed, 400)
+    prompt = ids_of("The quick brown fox")
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    fast = IncrementalDetokenizer(tok, prompt, params)
+    oracle = DecodeStream(ids=prompt[-4:], skip_special_tokens=skip_special_tokens)
+    expected, joined, i = "", 0, 0
+    while i < len(ids):
+        run = ids[i:i + rng.randint(1, 8)]
+        joined += all(fast._texts[t] is not None for t in run) and not fast._in_char
+        fast.extend(run)
+        expected += "".join(oracle.step(tok, t) or "" for t in run)
+        assert fast.text == expected, (run, ids)
+        i += len(run)
+    assert joined >= 3  # guard: the one-join path really ran, not only the token-at-a-time fallback
 
 
 def test_non_byte_level_tokenizers_keep_the_stream():
