@@ -63,6 +63,16 @@ class BlockTables:
             self.width[r] = new
         return r
 
+    def rows(self, seqs: list[Sequence]) -> list[int]:
+        """row() of each sequence, in order; the common case (a row already current) checked inline."""
+        owner, lists, width, out = self._owner, self._lists, self.width, []
+        for seq in seqs:
+            r, table = seq.table_row, seq.block_table
+            if r is None or owner[r] is not seq or lists[r] is not table or width[r] != len(table):
+                r = self.row(seq)
+            out.append(r)
+        return out
+
     def take_deltas(self, idx: np.ndarray, val: np.ndarray) -> int:
         """Write the pending deltas as flat indices into the table and their block ids; return how many."""
         k = 0

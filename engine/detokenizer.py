@@ -134,21 +134,34 @@ class IncrementalDetokenizer:
         return False
 
     def extend(self, token_ids: list[int]) -> None:
-        """Append tokens of a request without stop strings: the text add() would build one token at a time, in
-        one pass over the decoded-text table when every token decodes on its own (the usual case)."""
+        """Append tokens of a request without stop strings: the text add() would build one token at a time, as
+        one join over the decoded-text table for each run of tokens that decode on their own; only a token that
+        does not (part of a character) and those finishing its character go through add()."""
         texts = self._texts
-        if texts is not None and not self._stops and not self._in_char:
-            n = len(texts)
-            pieces = [texts[t] if t < n else None for t in token_ids]
-            if None not in pieces:
-                text = "".join(pieces)
-                self._context.extend(token_ids[-_PROMPT_CONTEXT:])
+        if texts is None or self._stops:
+            for t in token_ids:
+                self.add(t)
+            return
+        size, n = len(texts), len(token_ids)
+        pieces = [texts[t] if t < size else None for t in token_ids]
+        i = 0
+        while i < n:
+            while self._in_char and i < n:  # a character still being finished: through the stream
+                self.add(token_ids[i])
+                i += 1
+            try:
+                j = pieces.index(None, i)
+            except ValueError:
+                j = n
+            if j > i:
+                text = "".join(pieces[i:j])
+                self._context.extend(token_ids[max(i, j - _PROMPT_CONTEXT):j])
                 if text:
                     self._parts.append(text)
                     self._fixed_len += len(text)
-                return
-        for t in token_ids:
-            self.add(t)
+            if j < n:
+                self.add(token_ids[j])
+            i = j + 1
 
     def _stream_step(self, token_id: int) -> str | None:
         """A token that does not decode on its own: through a DecodeStream primed with the whole-character

@@ -281,11 +281,12 @@ class Scheduler:
             k = seq.params.logprobs
             top = list(zip(result.top_ids[row][:k], result.top_logprobs[row][:k])) if k else []
             seq.logprobs.append(TokenLogprob(token, result.logprobs[row], top))
-        bs = self.bm.block_size
-        if self._caching and min(seq.num_computed, n) // bs > len(seq.block_hashes):
-            self.bm.cache_full_blocks(seq, min(seq.num_computed, n))  # a block just filled up
-        p = seq.params
-        if token in seq.eos_token_ids or (p.stop_token_ids and token in p.stop_token_ids):
+        if self._caching:
+            known = seq.num_computed if seq.num_computed < n else n
+            if known // self.bm.block_size > len(seq.block_hashes):
+                self.bm.cache_full_blocks(seq, known)  # a block just filled up
+        if token in seq.stop_ids:  # an EOS or one of stop_token_ids
+            p = seq.params
             if not p.min_tokens or n - len(seq.prompt_token_ids) >= p.min_tokens:
                 seq.finish_reason, seq.stop_token = "stop", True
                 return True
@@ -418,11 +419,11 @@ class Scheduler:
         """_schedule_running for one-token chunks, with the common case inlined: a sequence whose last block
         has room needs no allocation, and hashes a block only when one just filled up."""
         bs, chunks, caching = self.bm.block_size, out.chunks, self.bm.enable_prefix_caching
-        taken, limit = 0, budget[0]
+        taken, limit, running = 0, budget[0], SeqStatus.RUNNING  # (an enum member read once, not per row)
         for seq in seqs:
             if taken == limit:
                 break
-            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this same pass
+            if seq.status is not running:  # preempted earlier in this same pass
                 continue
             start = seq.num_computed
             if (start >= len(seq.block_table) * bs or seq.cow) and not self._fit(seq, 1):
@@ -432,9 +433,12 @@ class Scheduler:
             seq.inflight_refs += 1
             seq.num_pending += 1
             taken += 1
-            known = min(start + 1, len(seq.token_ids))
-            if caching and known // bs > len(seq.block_hashes):
-                self.bm.cache_full_blocks(seq, known)
+            if caching:  # positions up to start whose tokens are known: a block that just filled up is hashed
+                known = len(seq.token_ids)
+                if known > start:
+                    known = start + 1
+                if known // bs > len(seq.block_hashes):
+                    self.bm.cache_full_blocks(seq, known)
         budget[0] -= taken
         out.num_tokens += taken
 

@@ -50,7 +50,7 @@ class Sequence:
                  "num_computed", "num_cached", "num_draft_computed", "block_table", "block_hashes", "window_table", "window_base",
                  "cpu_window", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
-                 "logprobs", "stop_token", "eos_token_ids", "max_total_len", "pending_src", "released",
+                 "logprobs", "stop_token", "eos_token_ids", "stop_ids", "max_total_len", "pending_src", "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
                  "lora", "lora_slot", "hash_root", "final_only",
@@ -104,6 +104,7 @@ class Sequence:
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.stop_token = False  # finished on an EOS / stop token id (its text is not part of the output)
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())  # a token that ends it
         budget = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         self.max_total_len = min(budget, max_model_len)
         self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token

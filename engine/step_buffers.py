@@ -163,12 +163,12 @@ class StepBuffers:
         reads the logits of its parent chunk's last position, after the chunks' own rows."""
         n, lim = self.np, self.limits
         s = len(chunks)
-        rows, starts, lens, ids, gdst, gsrc, logits = [], [], [], [], [], [], []
+        rows = tables.rows([c.seq for c in chunks])
+        starts, lens, ids, gdst, gsrc, logits = [], [], [], [], [], []
         t = 0
         parent_rows = {}  # id(chunk) -> its logits row, for forks
         for c in chunks:
             seq, start, k = c.seq, c.start, c.num_tokens
-            rows.append(tables.row(seq))
             starts.append(start)
             lens.append(k)
             known = len(seq.token_ids)

@@ -254,8 +254,8 @@ def test_table_fast_path_adds_what_decode_stream_adds_at_every_step(seed, skip_s
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_extend_adds_what_decode_stream_adds_over_the_run(seed, skip_special_tokens):
     """extend() (a request without stop strings: a report's tokens at once, engine/output_processor.py) must
-    leave the text tokenizers' DecodeStream builds from the same tokens, after every run of tokens, whether the
-    run decodes on its own (one join) or holds part of a character (one token at a time)."""
+    leave the text tokenizers' DecodeStream builds from the same tokens after every run of tokens, the runs mixing
+    tokens that decode on their own (joined) with parts of characters and ids past the vocabulary (add())."""
     import random
 
     from tokenizers.decoders import DecodeStream
@@ -267,15 +267,13 @@ def test_extend_adds_what_decode_stream_adds_over_the_run(seed, skip_special_tok
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     fast = IncrementalDetokenizer(tok, prompt, params)
     oracle = DecodeStream(ids=prompt[-4:], skip_special_tokens=skip_special_tokens)
-    expected, joined, i = "", 0, 0
+    expected, i = "", 0
     while i < len(ids):
-        run = ids[i:i + rng.randint(1, 8)]
-        joined += all(fast._texts[t] is not None for t in run) and not fast._in_char
+        run = ids[i:i + rng.randint(1, 40)]
         fast.extend(run)
         expected += "".join(oracle.step(tok, t) or "" for t in run)
         assert fast.text == expected, (run, ids)
         i += len(run)
-    assert joined >= 3  # guard: the one-join path really ran, not only the token-at-a-time fallback
 
 
 def test_non_byte_level_tokenizers_keep_the_stream():
