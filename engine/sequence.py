@@ -107,7 +107,7 @@ class Sequence:
         self.stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())  # a token that ends it
         budget = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         self.max_total_len = min(budget, max_model_len)
-        self.pending_src: tuple[int, int] | None = None  # (step id, row) that sampled the pending token
+        self.pending_src: int | None = None  # the row of the launched step that sampled the pending token
         self.num_emitted_tokens = 0  # output tokens already reported (CoreOutput.new_token_ids)
         # Reported only when it finishes: its frontend reads no token before the end (a request that is not
         # streamed and has no stop strings), so the core builds no output for it at every commit.

@@ -155,7 +155,7 @@ class StepBuffers:
         """Stage a step's chunks (engine.scheduler.ScheduledChunk): one pass of Python over the chunks for
         what only the sequences know (their table rows, known token ids, pending tokens), numpy for the
         rest. A chunk's last position may be a token the previous step sampled that is still on the device:
-        it is gathered there (gather_dst/src) from the sequence's `pending_src` (step id, row).
+        it is gathered there (gather_dst/src) from the sequence's `pending_src` (the previous step's row).
 
         pad_to: a CUDA-graph batch size; the rows past the real ones become empty sequences (slot -1,
         seq_len 0) that write no KV and attend to nothing.
@@ -163,40 +163,14 @@ class StepBuffers:
         reads the logits of its parent chunk's last position, after the chunks' own rows."""
         n, lim = self.np, self.limits
         s = len(chunks)
-        rows = tables.rows([c.seq for c in chunks])
-        starts, lens, ids, gdst, gsrc, logits = [], [], [], [], [], []
-        t = 0
-        parent_rows = {}  # id(chunk) -> its logits row, for forks
-        for c in chunks:
-            seq, start, k = c.seq, c.start, c.num_tokens
-            starts.append(start)
-            lens.append(k)
-            known = len(seq.token_ids)
-            end = start + k
-            if c.draft:  # its committed last token, then the drafts; every position is a sampling row
-                ids.append(seq.token_ids[start])
-                ids.extend(c.draft)
-                logits.extend(range(t, t + k))
-                t += k
-                continue
-            if end <= known:
-                if k == 1:
-                    ids.append(seq.token_ids[start])
-                else:
-                    ids.extend(seq.token_ids[start:end])
-            else:  # the last position is the token sampled by the previous step, still on the device
-                if k > 1:
-                    ids.extend(seq.token_ids[start:known])
-                ids.append(0)
-                gdst.append(t + known - start)
-                gsrc.append(seq.pending_src[1])
-            t += k
-            if c.samples:
-                if forks:
-                    parent_rows[id(c)] = len(logits)
-                logits.append(t - 1)
-        if forks:
-            logits += [logits[parent_rows[id(f.parent)]] for f in forks]
+        seqs = [c.seq for c in chunks]
+        rows = tables.rows(seqs)
+        lens = [c.num_tokens for c in chunks]
+        t = sum(lens)
+        if t == s and not forks and False not in [c.samples for c in chunks]:  # decodes only: numpy per field
+            starts, ids, logits, gdst, gsrc = self._decode_rows(chunks, seqs)
+        else:
+            starts, ids, logits, gdst, gsrc = self._chunk_rows(chunks, forks)
         if t > lim.max_tokens or len(logits) > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
             raise ValueError(f"step of {t} tokens / {s} sequences exceeds the slot buffers {lim}")
         if self.lora:
@@ -235,6 +209,58 @@ class StepBuffers:
         self.query_lens_host, self.seq_lens_host = lens, seq_lens.tolist()  # host memory
         if pad_to is not None and pad_to > s:
             self._pad(t, s, pad_to)
+
+    @staticmethod
+    def _decode_rows(chunks, seqs) -> tuple:
+        """(starts, input ids, logits rows, gather dst, gather src) of a step of one-token sampling chunks: a
+        few list comprehensions and numpy instead of a Python loop body per row. A row's token is known on the
+        host, or still on the device (sampled by the previous step: gathered there)."""
+        starts = np.array([c.start for c in chunks], dtype=np.int64)
+        on_device = starts >= np.array([len(q.token_ids) for q in seqs], dtype=np.int64)
+        gdst = np.flatnonzero(on_device)
+        ids = np.zeros(len(chunks), dtype=np.int64)
+        if len(gdst) < len(chunks):
+            known = np.flatnonzero(~on_device).tolist()  # host memory
+            ids[known] = [seqs[i].token_ids[chunks[i].start] for i in known]
+        gsrc = [seqs[i].pending_src for i in gdst.tolist()]  # host memory
+        return starts, ids, np.arange(len(chunks)), gdst, gsrc
+
+    @staticmethod
+    def _chunk_rows(chunks, forks) -> tuple:
+        """_decode_rows for any step: prompt chunks, chunks verifying drafts, n > 1 forks."""
+        starts, ids, gdst, gsrc, logits = [], [], [], [], []
+        t = 0
+        parent_rows = {}  # id(chunk) -> its logits row, for forks
+        for c in chunks:
+            seq, start, k = c.seq, c.start, c.num_tokens
+            starts.append(start)
+            known = len(seq.token_ids)
+            end = start + k
+            if c.draft:  # its committed last token, then the drafts; every position is a sampling row
+                ids.append(seq.token_ids[start])
+                ids.extend(c.draft)
+                logits.extend(range(t, t + k))
+                t += k
+                continue
+            if end <= known:
+                if k == 1:
+                    ids.append(seq.token_ids[start])
+                else:
+                    ids.extend(seq.token_ids[start:end])
+            else:  # the last position is the token sampled by the previous step, still on the device
+                if k > 1:
+                    ids.extend(seq.token_ids[start:known])
+                ids.append(0)
+                gdst.append(t + known - start)
+                gsrc.append(seq.pending_src)
+            t += k
+            if c.samples:
+                if forks:
+                    parent_rows[id(c)] = len(logits)
+                logits.append(t - 1)
+        if forks:
+            logits += [logits[parent_rows[id(f.parent)]] for f in forks]
+        return starts, ids, logits, gdst, gsrc
 
     def stage_dummy(self, num_tokens: int, num_seqs: int, block_size: int) -> None:
         """A synthetic step for the memory profiling pass (engine/memory.py): `num_seqs` sequences sharing

@@ -101,7 +101,7 @@ class StepRunner:
         """Stage `step` into its slot (engine/step_buffers.py); its sampling rows' tokens will be pending there."""
         step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks)
         for row, c in enumerate(step.sample_chunks):
-            c.seq.pending_src = (step.id, row)
+            c.seq.pending_src = row
 
     # ---- finalize (sampling) and wait ---------------------------------------------------------------------
     def finalize(self, step: Step) -> None:

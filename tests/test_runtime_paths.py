@@ -83,9 +83,9 @@ def test_capture_sizes():
         capture_sizes(0)
 
 
-def staged_seq(token_ids: list[int], table: list[int], pending: tuple[int, int] | None = None) -> Sequence:
+def staged_seq(token_ids: list[int], table: list[int], pending: int | None = None) -> Sequence:
     """A sequence as the runner sees it at staging: its token ids, block table and (when its last token is
-    still on the device) the (step, row) that sampled it."""
+    still on the device) the row of the previous step that sampled it."""
     seq = Sequence("r", None, token_ids, SamplingParams(), frozenset(), 64, 512)
     seq.block_table = table
     if pending is not None:
@@ -100,7 +100,7 @@ def test_step_buffers_stage_pad_upload_and_gather():
     bufs.block_tables.fill_(-7)  # stale rows from an earlier step must not matter
     # two decodes, the second with its token pending on the device (row 1 of the previous slot's samples)
     a = staged_seq([3, 1, 4, 1, 5, 9, 2, 11], [5, 6])
-    b = staged_seq(list(range(20, 29)), [9, 10, 11], pending=(7, 1))
+    b = staged_seq(list(range(20, 29)), [9, 10, 11], pending=1)
     bufs.stage_step([ScheduledChunk(a, 7, 1, True), ScheduledChunk(b, 9, 1, True)], tables, 4, pad_to=4)
     assert bufs.num_deltas == 5  # both rows are new: every entry goes over
     bufs.upload()
@@ -118,7 +118,7 @@ def test_step_buffers_stage_pad_upload_and_gather():
     # The next step: `a` (its token from the last step pending) gained a block, one delta; `b` left; `c`
     # prefills 3 tokens in a new row.
     a.block_table.append(7)
-    a.num_pending, a.pending_src = 1, (8, 0)
+    a.num_pending, a.pending_src = 1, 0
     c = staged_seq([1, 2, 3], [0])
     bufs.stage_step([ScheduledChunk(a, 8, 1, True), ScheduledChunk(c, 0, 3, True)], tables, 4)
     assert bufs.num_deltas == 2
