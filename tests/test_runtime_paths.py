@@ -151,6 +151,26 @@ def test_block_table_rows_are_reused_only_once_nothing_can_read_them():
     assert tables.take_deltas(idx, val) == 2 and val[:2].tolist() == [8, 9] and idx[0] == rb * 4
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_rows_stage_what_the_general_loop_stages(seed):
+    """A step of one-token sampling chunks (every decode step) is staged with numpy (StepBuffers._decode_rows);
+    the general loop (_chunk_rows) is the oracle: the same positions, input ids, logits rows and gathers for
+    any mix of rows whose token is known on the host and rows whose token is still on the device."""
+    import random
+
+    rng = random.Random(seed)
+    seqs, chunks = [], []
+    for i in range(rng.randint(1, 64)):
+        n = rng.randint(1, 40)
+        pending = rng.random() < 0.7
+        seq = staged_seq([rng.randrange(1000) for _ in range(n)], [i], pending=rng.randrange(64) if pending else None)
+        seqs.append(seq)
+        chunks.append(ScheduledChunk(seq, n if pending else rng.randrange(n), 1, True))
+    fast = StepBuffers._decode_rows(chunks, seqs)
+    general = StepBuffers._chunk_rows(chunks, ())
+    assert [np.asarray(x).tolist() for x in fast] == [list(x) for x in general]
+
+
 def test_step_buffers_reject_oversized_steps():
     limits = BufferLimits(max_tokens=2, max_seqs=2, max_blocks=1)
     bufs = StepBuffers(limits, torch.device("cpu"))
