@@ -15,20 +15,27 @@ length  one request of 16,000 output tokens, streamed (an output per commit), th
         the context (KV block tables, the device model's attention) apart from what grows with the output. Flat means a request's per-step cost does not
         grow with its length.
 
+compare busy's variants run alternately from this checkout and from --base DIR (another checkout: a git
+        worktree of the commit before a change), each run a fresh process, --repeats pairs: the busy fraction and
+        host time per step of both, pair by pair, with the host's speed probe at each run. On the project's VMs
+        the host's speed moves by 2x within minutes, so only runs side by side compare.
+
 Writes core_<name>.json and .md under --out, with the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+CODE = Path(os.environ.get("TANDEM_BENCH_CODE", ROOT))  # compare's child: the checkout whose engine runs
+sys.path.insert(0, str(CODE))
+sys.path.insert(0, str(CODE / "bench"))
 
 import bench_sim  # noqa: E402
 from engine import EngineConfig, SamplingParams  # noqa: E402
@@ -94,17 +101,62 @@ def length(args) -> list[dict]:
     return rows
 
 
+HOST_KEYS = ("schedule_us", "prepare_us", "commit_us", "finalize_us", "stream_us")
+
+
+def compare(args) -> list[dict]:
+    import json
+    import subprocess
+
+    if args.base is None:
+        raise SystemExit("compare needs --base DIR (a checkout of the revision to compare with)")
+    trees = {"base": Path(args.base).resolve(), "this": ROOT}
+    revs = {name: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
+                                 text=True).stdout.strip() for name, tree in trees.items()}
+    variants = [v for v in BUSY_VARIANTS if not args.variants or f"{v[0]}/{v[1]}/{v[2]}" in args.variants]
+    rows = []
+    for kernels, path, n in variants:
+        for pair in range(args.repeats):
+            for name in (("base", "this") if pair % 2 == 0 else ("this", "base")):  # who goes first alternates
+                cmd = [sys.executable, __file__, "one", "--variant", f"{kernels}/{path}/{n}"]
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name],
+                                     env=os.environ | {"TANDEM_BENCH_CODE": str(trees[name])})
+                lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+                if out.returncode or not lines:
+                    raise SystemExit(f"{name} run failed:\n{out.stderr[-2000:]}")
+                r = json.loads(lines[-1])
+                row = {"tree": name, "git": revs[name], "pair": pair, "kernels": kernels, "path": path,
+                       "streams": n, "busy": r["busy"], "host_mops": r["host_mops"], "tok_s": r["tok_s"],
+                       "host_us": round(sum(r.get(k, 0) for k in HOST_KEYS), 1)}
+                rows.append(row)
+                print(f"{kernels:7} {path:6} {n:4} pair {pair} {name:4} ({revs[name]}): busy {row['busy']:.3f} "
+                      f"host {row['host_us']:7.1f} us/step  probe {row['host_mops']} Mops", flush=True)
+    return rows
+
+
+def one(args) -> None:
+    import json
+
+    kernels, path, n = args.variant.split("/")
+    print(json.dumps(bench_sim.stream_run(MODEL, kernels, 2, int(n), False, path, "steady")), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["busy", "length", "all"])
+    ap.add_argument("what", choices=["busy", "length", "all", "compare", "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--base", help="compare: the other checkout")
+    ap.add_argument("--variants", nargs="*", help="compare: kernels/path/streams of busy's variants (default all)")
+    ap.add_argument("--variant", help=argparse.SUPPRESS)  # one: a single run, as JSON (compare's child)
     args = ap.parse_args()
+    if args.what == "one":
+        return one(args)
     info = machine("cpu") | {"device": "simulated h100 (host: " + machine("cpu")["device"] + ")",
                              "git": git_rev()}
     print(info, flush=True)
-    for name, fn in (("length", length), ("busy", busy)):
-        if args.what in (name, "all"):
+    for name, fn in (("length", length), ("busy", busy), ("compare", compare)):
+        if args.what == name or (args.what == "all" and name != "compare"):
             rows = fn(args)
             write_results(args.out / f"core_{name}", f"engine core: {name} (SIMULATED h100)", rows, info)
 

@@ -7,15 +7,16 @@ Serve placed it with; a child shares both with no second placement, starts witho
 Ray scheduler, and dies with its replica (PR_SET_PDEATHSIG) so none outlives it.
 
 Transport: two ZeroMQ sockets over ipc:// (PUSH/PULL each way). Requests in are pickled (they carry
-SamplingParams and LoRA requests, a few per step at most); each tick's outputs go out as one message of
-plain tuples encoded with msgspec's msgpack (docs/engine.md#the-engine-core-process says what was measured).
+SamplingParams and LoRA requests, a few per step at most); each tick's outputs go out as one message, the
+CoreOutputs in it msgspec Structs encoded as msgpack arrays and decoded straight back into Structs
+(docs/engine.md#the-engine-core-process says what was measured).
 
 Messages in: ("add", (request_id, prompt_token_ids, params, lora_request, arrival_time)), ("abort",
 request_id), ("finish", [keys]) for stop strings the frontend found, ("shutdown", None).
-Messages out (msgpack): [OUT, outputs, stats_or_none, step_records, prefix_hashes_or_none, health_error],
-where `stats` is a pickled EngineStats and health_error the core's (None while it can serve); [READY, limits(pickled), eos ids,
-stats]; [FAILED, pickled exception, text]; [DEAD, text] when
-the loop died.
+Messages out (msgpack): [OUT, outputs_or_none (encode_outputs' bytes), stats_or_none, step_records,
+prefix_hashes_or_none, health_error], where `stats` is a pickled EngineStats and health_error the core's (None
+while it can serve); [READY, limits(pickled), eos ids, stats]; [FAILED, pickled exception, text]; [DEAD, text]
+when the loop died.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import msgspec
 import zmq
 
 from engine.core import create_core
-from engine.outputs import CoreOutput, StepRecord, TokenLogprob
+from engine.outputs import CoreOutput, StepRecord
 
 logger = logging.getLogger("tandem.core")
 
@@ -47,41 +48,17 @@ LOADING_POLL_MS = 5  # while only adapter loads are pending: how often the loop 
 HEARTBEAT_S = 0.25  # a busy core whose step produced nothing still reports this often (progress, stats)
 
 
-def encode_outputs(outputs: list[CoreOutput]) -> list:
-    """CoreOutputs as plain tuples (msgpack arrays): the common row is (id, index, [token])."""
-    rows = []
-    for o in outputs:
-        if (o.finish_reason is None and o.new_logprobs is None and o.prompt_logprobs is None
-                and o.first_token_time is None and o.first_scheduled_time is None):
-            rows.append((o.request_id, o.index, o.new_token_ids))
-            continue
-        rows.append((o.request_id, o.index, o.new_token_ids, o.finish_reason, o.stop_token,
-                     _lps(o.new_logprobs), o.error, o.rejected, o.num_cached_tokens, o.first_scheduled_time,
-                     o.first_token_time, _lps(o.prompt_logprobs)))
-    return rows
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(list[CoreOutput])
 
 
-def decode_outputs(rows: list) -> list[CoreOutput]:
-    outputs = []
-    for r in rows:
-        if len(r) == 3:
-            outputs.append(CoreOutput(r[0], r[1], r[2]))
-            continue
-        outputs.append(CoreOutput(r[0], r[1], r[2], r[3], r[4], _from_lps(r[5]), r[6], r[7], r[8], r[9], r[10],
-                                  _from_lps(r[11])))
-    return outputs
+def encode_outputs(outputs: list[CoreOutput]) -> bytes:
+    """A step's outputs as one msgpack array of arrays (CoreOutput is an array-like msgspec Struct)."""
+    return _ENCODER.encode(outputs)
 
 
-def _lps(logprobs):
-    if logprobs is None:
-        return None
-    return [None if lp is None else (lp.token_id, lp.logprob, lp.top, lp.rank) for lp in logprobs]
-
-
-def _from_lps(rows):
-    if rows is None:
-        return None
-    return [None if r is None else TokenLogprob(r[0], r[1], [tuple(t) for t in r[2]], r[3]) for r in rows]
+def decode_outputs(data: bytes) -> list[CoreOutput]:
+    return _DECODER.decode(data)
 
 
 def _die_with_parent() -> None:
@@ -188,7 +165,7 @@ class CoreLoop:
         if not (outputs or stats or summary or records) and now - self._sent_time < HEARTBEAT_S:
             return
         self._sent_time = now
-        msg = (OUT, encode_outputs(outputs), stats,
+        msg = (OUT, encode_outputs(outputs) if outputs else None, stats,
                [(r.num_seqs, r.num_tokens, r.forward_s, r.sample_s, r.period_s) for r in records], summary, health)
         self.out.send(self.encoder.encode(msg), copy=False)
 

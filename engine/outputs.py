@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -16,11 +18,12 @@ class TokenLogprob:
     rank: int | None = None  # prompt logprobs: 1 + tokens the model found strictly more likely
 
 
-@dataclass(slots=True)
-class CoreOutput:
+class CoreOutput(msgspec.Struct, array_like=True):
     """What one commit adds to one sample of a request, as the engine core reports it: the token ids (and
     their logprobs) committed since its previous output, and the finish. Costs O(new tokens), never the
-    request's length.
+    request's length. A msgspec Struct: built faster than a dataclass, and a core process sends a step's
+    outputs as one msgpack array that the frontend decodes straight back into CoreOutputs
+    (engine/core_proc.py encode_outputs), with no per-row Python either side.
 
     finish_reason: set once, on the sample's last output; stop_token: it ended on an EOS or stop token id,
     whose text is not part of the output. rejected: the request never ran (a grammar that does not compile,
