@@ -12,13 +12,18 @@ busy    Qwen2.5-0.5B shape, the "streams" workload of bench_sim.py (n requests o
 length  one request of 16,000 output tokens, streamed (an output per commit), through the in-process engine:
         host time per step (the loop thread's CPU time) over its first and last 1,000 steps, and the same
         for a request whose 15,000-token prompt gives it that context from its first step: what grows with
-        the context (KV block tables, the device model's attention) apart from what grows with the output. Flat means a request's per-step cost does not
-        grow with its length.
+        the context (KV block tables, the device model's attention) apart from what grows with the output.
+        Flat means a request's per-step cost does not grow with its length.
 
 compare busy's variants run alternately from this checkout and from --base DIR (another checkout: a git
         worktree of the commit before a change), each run a fresh process, --repeats pairs: the busy fraction and
         host time per step of both, pair by pair, with the host's speed probe at each run. On the project's VMs
         the host's speed moves by 2x within minutes, so only runs side by side compare.
+
+instructions  the same pair of checkouts (--base DIR), counted instead of timed: CPU instructions per step of
+        `LLM.generate` at 256 streams under valgrind's cachegrind (the whole run, less a run that only builds the
+        engine, over its steps). Independent of the host's speed, so a small change shows on a noisy VM; about
+        25 minutes (valgrind runs Python some 50x slower).
 
 Writes core_<name>.json and .md under --out, with the machine.
 """
@@ -134,29 +139,82 @@ def compare(args) -> list[dict]:
     return rows
 
 
+def instructions(args) -> list[dict]:
+    import re
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    if args.base is None:
+        raise SystemExit("instructions needs --base DIR (a checkout of the revision to compare with)")
+    trees = {"base": Path(args.base).resolve(), "this": ROOT}
+
+    def count(name: str, runs: int) -> tuple[int, int]:
+        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+               sys.executable, __file__, "one", "--variant", "engine/engine/256", "--runs", str(runs)]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name],
+                             env=os.environ | {"TANDEM_BENCH_CODE": str(trees[name]), "PYTHONHASHSEED": "0"})
+        refs = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
+        steps = re.search(r"^steps (\d+)$", out.stdout, re.M)
+        if out.returncode or refs is None or steps is None:
+            raise SystemExit(f"{name} under valgrind failed:\n{out.stderr[-2000:]}")
+        return int(refs.group(1).replace(",", "")), int(steps.group(1))
+
+    rows = []
+    with ThreadPoolExecutor(2) as pool:  # both checkouts at once: the counts do not depend on the load
+        for runs in (0, 2):
+            done = dict(zip(trees, pool.map(lambda name: count(name, runs), trees)))
+            rows += [{"tree": name, "runs": runs, "instructions": ir, "steps": st} for name, (ir, st) in done.items()]
+    for name in trees:
+        empty, full = (next(r for r in rows if r["tree"] == name and r["runs"] == k) for k in (0, 2))
+        per_step = (full["instructions"] - empty["instructions"]) / full["steps"]
+        full["instructions_per_step"] = round(per_step)
+        print(f"{name}: {per_step / 1e6:.2f} M instructions per step over {full['steps']} steps", flush=True)
+    return rows
+
+
 def one(args) -> None:
     import json
 
     kernels, path, n = args.variant.split("/")
-    print(json.dumps(bench_sim.stream_run(MODEL, kernels, 2, int(n), False, path, "steady")), flush=True)
+    if args.runs is None:
+        print(json.dumps(bench_sim.stream_run(MODEL, kernels, 2, int(n), False, path, "steady")), flush=True)
+        return
+    # instructions' child: build the engine, then --runs runs of the workload (no warm-up: it counts, not times)
+    import dataclasses
+
+    from engine import LLM
+
+    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=2,
+                       max_num_seqs=int(n), max_model_len=2048, max_num_batched_tokens=max(2048, int(n)),
+                       sim_kernels_per_layer=bench_sim.KERNELS[kernels])
+    reqs = bench_sim.stream_requests(int(n), False, "steady")
+    llm = LLM(**dataclasses.asdict(cfg))
+    steps = 0
+    for _ in range(args.runs):
+        before = llm.engine.stats().steps
+        llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+        steps += llm.engine.stats().steps - before
+    print(f"steps {steps}", flush=True)
+    llm.shutdown()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["busy", "length", "all", "compare", "one"])
+    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", help="compare: the other checkout")
     ap.add_argument("--variants", nargs="*", help="compare: kernels/path/streams of busy's variants (default all)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # one: a single run, as JSON (compare's child)
+    ap.add_argument("--runs", type=int, help=argparse.SUPPRESS)  # one: instructions' child
     args = ap.parse_args()
     if args.what == "one":
         return one(args)
     info = machine("cpu") | {"device": "simulated h100 (host: " + machine("cpu")["device"] + ")",
                              "git": git_rev()}
     print(info, flush=True)
-    for name, fn in (("length", length), ("busy", busy), ("compare", compare)):
-        if args.what == name or (args.what == "all" and name != "compare"):
+    for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("instructions", instructions)):
+        if args.what == name or (args.what == "all" and name in ("length", "busy")):
             rows = fn(args)
             write_results(args.out / f"core_{name}", f"engine core: {name} (SIMULATED h100)", rows, info)
 
