@@ -152,10 +152,11 @@ class StepBuffers:
     # ---- host side (engine thread) ----------------------------------------------------------------------
     def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None,
                    forks=()) -> None:
-        """Stage a step's chunks (engine.scheduler.ScheduledChunk): one pass of Python over the chunks for
-        what only the sequences know (their table rows, known token ids, pending tokens), numpy for the
-        rest. A chunk's last position may be a token the previous step sampled that is still on the device:
-        it is gathered there (gather_dst/src) from the sequence's `pending_src` (the previous step's row).
+        """Stage a step's chunks (engine.scheduler.ScheduledChunk): what only the sequences know (their table
+        rows, known token ids, pending tokens) gathered in Python (list comprehensions for a decode step, a loop
+        over the chunks for any other), numpy for the rest. A chunk's last position may be a token the previous
+        step sampled that is still on the device: it is gathered there (gather_dst/src) from the sequence's
+        `pending_src` (the previous step's row).
 
         pad_to: a CUDA-graph batch size; the rows past the real ones become empty sequences (slot -1,
         seq_len 0) that write no KV and attend to nothing.
