@@ -1,7 +1,9 @@
 """OpenAI request schemas (pydantic v2) and their mapping onto engine SamplingParams.
 
-Unknown fields are accepted and ignored, as the OpenAI API does; known fields are type-checked here and
-range-checked by SamplingParams, whose ValueError names the field.
+Unknown fields are accepted and ignored, as the OpenAI API does, and named in a warning in the log (vLLM's
+"The following fields were present in the request but ignored"), so a misspelt or unsupported field is not
+ignored silently; known fields are type-checked here and range-checked by SamplingParams, whose ValueError names
+the field.
 
 Structured output comes from OpenAI's `response_format` or one of the vLLM extras (`guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`, or the `structured_outputs` object); at most one per
@@ -12,15 +14,17 @@ field it came from, so an error about it names that field.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.generation_config import cap_max_tokens
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from serve_app.tools import ToolChoice, ToolDefinition, constraint as tool_constraint
 
+logger = logging.getLogger("ray.serve")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -67,6 +71,13 @@ class _SamplingFields(BaseModel):
     """Fields shared by both endpoints: the OpenAI ones plus vLLM-style extras."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self):
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(self.model_extra))
+        return self
 
     model: str | None = None
     # Unset (None): the model's default (its generation_config.json, engine/generation_config.py), else the API's

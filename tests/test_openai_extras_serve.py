@@ -229,3 +229,25 @@ def test_chat_template_argument_takes_a_file_or_the_template_and_checks_it(tmp_p
         AppConfig(chat_template=str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="chat_template: not a valid Jinja template"):
         AppConfig(chat_template="{% for m in messages %}{{ m['content'] }}")  # no endfor
+
+
+def test_unknown_request_fields_are_named_in_a_warning():
+    """Unknown fields are accepted (as OpenAI's API does) but named in the log, as vLLM does, so a misspelt
+    field is not ignored silently; declared fields and a request without extras log nothing."""
+    import logging
+
+    from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("ray.serve")  # (Ray's logger does not propagate to pytest's capture)
+    log.addHandler(handler)
+    try:
+        CompletionRequest.model_validate({"prompt": "x", "max_tokns": 5, "temperature": 0.5, "metadata": {}})
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi", "extra": 1}],
+                                              "top_k": 3})
+    finally:
+        log.removeHandler(handler)
+    warned = [r.getMessage() for r in records if "ignored" in r.getMessage()]
+    assert warned == ["The following fields were present in the request but ignored: ['max_tokns', 'metadata']"]
