@@ -21,6 +21,7 @@ leading space depends on its position) always use the stream.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from collections import deque
@@ -144,24 +145,31 @@ class IncrementalDetokenizer:
             return
         size, n = len(texts), len(token_ids)
         pieces = [texts[t] if t < size else None for t in token_ids]
+        if not self._in_char and None not in pieces:  # the usual case: every token decodes on its own
+            self._join(token_ids, pieces, 0, n)
+            return
+        nones = [k for k, piece in enumerate(pieces) if piece is None] + [n]
         i = 0
         while i < n:
             while self._in_char and i < n:  # a character still being finished: through the stream
                 self.add(token_ids[i])
                 i += 1
-            try:
-                j = pieces.index(None, i)
-            except ValueError:
-                j = n
-            if j > i:
-                text = "".join(pieces[i:j])
-                self._context.extend(token_ids[max(i, j - _PROMPT_CONTEXT):j])
-                if text:
-                    self._parts.append(text)
-                    self._fixed_len += len(text)
+            if i == n:
+                break
+            j = nones[bisect.bisect_left(nones, i)]  # the next token that does not decode on its own
+            self._join(token_ids, pieces, i, j)
             if j < n:
                 self.add(token_ids[j])
             i = j + 1
+
+    def _join(self, token_ids: list[int], pieces: list[str], i: int, j: int) -> None:
+        """Append tokens i..j-1, each of which decodes on its own, as one piece of text."""
+        if j > i:
+            text = "".join(pieces[i:j])
+            self._context.extend(token_ids[max(i, j - _PROMPT_CONTEXT):j])
+            if text:
+                self._parts.append(text)
+                self._fixed_len += len(text)
 
     def _stream_step(self, token_id: int) -> str | None:
         """A token that does not decode on its own: through a DecodeStream primed with the whole-character

@@ -276,6 +276,29 @@ def test_extend_adds_what_decode_stream_adds_over_the_run(seed, skip_special_tok
         i += len(run)
 
 
+def test_extend_finishes_a_character_a_previous_report_left_open():
+    """A report that ends inside a character (its last token's bytes are not whole) leaves the stream open; the
+    next report's tokens go through the stream until the character ends, even tokens that decode on their own
+    (DecodeStream is the oracle), so no text is taken from the table while bytes wait there."""
+    from tokenizers.decoders import DecodeStream
+
+    tok = tokenizer().backend_tokenizer
+    params = SamplingParams()
+    prompt = ids_of("The quick brown fox")
+    fast = IncrementalDetokenizer(tok, prompt, params)
+    split = next(ids for ids in map(ids_of, TEXTS) if any(fast._texts[t] is None for t in ids))
+    k = next(i for i, t in enumerate(split) if fast._texts[t] is None)
+    whole = ids_of(" and")  # decodes on its own
+    runs = [split[:k + 1], whole, split[k + 1:], whole]
+    oracle = DecodeStream(ids=prompt[-4:], skip_special_tokens=True)
+    expected = ""
+    for run in runs:
+        fast.extend(run)
+        expected += "".join(oracle.step(tok, t) or "" for t in run)
+        assert fast.text == expected, run
+    assert fast._texts is not None and all(fast._texts[t] is not None for t in whole)
+
+
 def test_non_byte_level_tokenizers_keep_the_stream():
     detok = IncrementalDetokenizer(metaspace_tokenizer(), [], SamplingParams())
     assert detok._texts is None
