@@ -23,7 +23,7 @@ compare busy's variants run alternately from this checkout and from --base DIR (
 instructions  the same pair of checkouts (--base DIR), counted instead of timed: CPU instructions per step of
         `LLM.generate` at 256 streams under valgrind's cachegrind (the whole run, less a run that only builds the
         engine, over its steps). Independent of the host's speed, so a small change shows on a noisy VM; about
-        25 minutes (valgrind runs Python some 50x slower).
+        12 minutes on 2 cores (valgrind runs Python some 20-50x slower).
 
 Writes core_<name>.json and .md under --out, with the machine.
 """
