@@ -10,6 +10,7 @@ keys; request limits (serve_app/limits.py) are checked before a request reaches 
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import json
 import logging
 import time
@@ -43,6 +44,10 @@ from serve_app.tool_parsers import get_tool_parser
 from serve_app.tools import check_tools, output_parser, template_message, template_tools
 
 logger = logging.getLogger("ray.serve")
+try:
+    _VERSION = importlib.metadata.version("tandem")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
 
 api = FastAPI(title="Tandem", description="OpenAI-compatible LLM serving on Ray Serve")
 
@@ -208,6 +213,11 @@ class OpenAIIngress:
             running = 0
         self._health = (time.monotonic(), running)
         return running
+
+    @api.get("/version")
+    async def version(self) -> dict:
+        """vLLM's /version: the server's version (the installed tandem package's), open like /health."""
+        return {"version": _VERSION}
 
     @api.get("/v1/models")
     async def models(self) -> dict:

@@ -154,6 +154,14 @@ def test_tokenize_routes_need_the_api_key(served):
     assert httpx.get(f"{served.base_url}/health", timeout=30).status_code == 200
 
 
+def test_version_route_reports_the_installed_package_open_like_health(served):
+    """vLLM's GET /version: the installed tandem package's version, without the API key (as /health)."""
+    import importlib.metadata
+
+    r = httpx.get(f"{served.base_url}/version", timeout=30)
+    assert r.status_code == 200 and r.json() == {"version": importlib.metadata.version("tandem")}
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     model = client.models.list().data[0].id
     opts = {"include_usage": True, "continuous_usage_stats": True}
