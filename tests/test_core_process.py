@@ -155,6 +155,51 @@ def test_the_core_reports_only_new_tokens_at_every_step():
     engine.shutdown()
 
 
+def test_outputs_with_logprobs_cross_the_process_boundary_unchanged():
+    """What a core process sends (encode_outputs) decodes back into the same CoreOutputs: token ids, each
+    token's logprob and its top alternatives, prompt logprobs with their ranks (and the first position's None),
+    the first report's times, finishes, errors. The oracle is the in-process core's own outputs, before
+    encoding; the frontend then builds the same RequestOutputs from either."""
+    from engine.core_proc import decode_outputs, encode_outputs
+    from engine.outputs import CoreOutput
+
+    engine = LLMEngine(EngineConfig(max_model_len=512))
+    engine.add_request("Tell me", SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+                       request_id="lp", stream=True)
+    engine.add_request("Hello", SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=1, logprobs=0),
+                       request_id="chosen", stream=True)
+    steps = []
+    while engine.core.has_unfinished():
+        outs = engine.core.step()
+        if outs:
+            steps.append(outs)
+    steps.append([CoreOutput("bad", 0, [], "abort", error="grammar does not compile", rejected=True)])
+    twin = _twin_processor(engine)
+    seen = {"top": 0, "prompt": 0}
+    for outs in steps:
+        back = decode_outputs(encode_outputs(outs))
+        assert [type(o) for o in back] == [CoreOutput] * len(outs)
+        for a, b in zip(outs, back):
+            assert b == a  # every field (TokenLogprob's top pairs decode as tuples, as the core builds them)
+            seen["top"] += sum(len(lp.top) for lp in a.new_logprobs or [])
+            seen["prompt"] += a.prompt_logprobs is not None
+        mine, theirs = engine.processor.process(outs)[0], twin.process(back)[0]
+        assert [(o.request_id, o.delta_token_ids, o.delta_text, o.delta_logprobs, o.prompt_logprobs, o.finished)
+                for o in mine] == [(o.request_id, o.delta_token_ids, o.delta_text, o.delta_logprobs,
+                                    o.prompt_logprobs, o.finished) for o in theirs]
+    engine.shutdown()
+    assert seen["top"] == 6 * 3 and seen["prompt"] == 1  # the test saw what it checks
+
+
+def _twin_processor(engine: LLMEngine):
+    """A second frontend holding the same requests as `engine`'s (a copy of its request states)."""
+    import copy
+
+    twin = copy.copy(engine.processor)
+    twin.states = copy.deepcopy(engine.processor.states)
+    return twin
+
+
 def test_a_request_nothing_reads_before_its_end_is_reported_once():
     """A request that is not streamed and has no stop strings is final-only: the core reports it once, at its
     finish, with every token (no output built at every commit); with stop strings the frontend reads each
