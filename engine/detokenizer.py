@@ -144,6 +144,15 @@ class IncrementalDetokenizer:
                 self.add(t)
             return
         size, n = len(texts), len(token_ids)
+        if n == 1 and not self._in_char:  # a streamed report's usual one token: no lists built
+            t = token_ids[0]
+            piece = texts[t] if t < size else None
+            if piece is not None:
+                self._context.append(t)
+                if piece:
+                    self._parts.append(piece)
+                    self._fixed_len += len(piece)
+                return
         pieces = [texts[t] if t < size else None for t in token_ids]
         if not self._in_char and None not in pieces:  # the usual case: every token decodes on its own
             self._join(token_ids, pieces, 0, n)

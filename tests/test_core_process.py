@@ -356,3 +356,43 @@ def test_paced_streams_merge_commits_and_never_hold_the_first_output_or_the_fini
     telling = [(would, did) for would, did in held_finishes if would > 0.04]
     assert telling, f"no finish fell early in its interval: {held_finishes}"
     assert all(did < 0.03 for _, did in telling), held_finishes  # handed out when made, not held
+
+
+def test_the_frontend_fills_every_output_field_from_the_core_reports():
+    """OutputProcessor turns a sample's CoreOutputs into RequestOutputs field by field: the expected values are
+    written from the reports and the request as added, not read back from the processor's own state."""
+    from tokenizers import Tokenizer
+
+    from engine.output_processor import OutputProcessor
+    from engine.outputs import CoreOutput, TokenLogprob
+
+    model = os.path.join(os.path.dirname(__file__), "..", "engine", "sim", "models", "qwen2.5-0.5b")
+    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+    proc = OutputProcessor(tok)
+    params = SamplingParams(max_tokens=10, logprobs=1)
+    proc.add("req", "a prompt", [5, 6, 7], params, 3.5, True, [params])
+    ids = [tok.encode(w, add_special_tokens=False).ids[0] for w in ("Hello", " world")]
+    lp = [TokenLogprob(ids[0], -0.5, [(ids[0], -0.5)]), TokenLogprob(ids[1], -1.5, [(ids[1], -1.5)])]
+    prompt_lp = [None, TokenLogprob(6, -2.0, [], 1), TokenLogprob(7, -3.0, [], 2)]
+    first = CoreOutput("req", 0, [ids[0]], new_logprobs=[lp[0]], num_cached_tokens=16, first_scheduled_time=4.0,
+                       first_token_time=4.25, prompt_logprobs=prompt_lp)
+    last = CoreOutput("req", 0, [ids[1]], "length", new_logprobs=[lp[1]], error=None)
+    (a,), stopped = proc.process([first])
+    (b,), _ = proc.process([last])
+    assert stopped == []
+    text0, text1 = tok.decode([ids[0]]), tok.decode(ids)[len(tok.decode([ids[0]])):]
+    assert (a.request_id, a.index, a.prompt, a.prompt_token_ids) == ("req", 0, "a prompt", [5, 6, 7])
+    assert (a.finished, a.finish_reason, a.finish_time, a.error, a.rejected) == (False, None, None, None, False)
+    assert (a.delta_token_ids, a.delta_text, a.delta_logprobs) == ([ids[0]], text0, [lp[0]])
+    assert (a.token_ids, a.text, a.logprobs, a.num_output_tokens) == ([ids[0]], text0, [lp[0]], 1)
+    assert (a.num_cached_tokens, a.arrival_time, a.first_scheduled_time, a.first_token_time) == (16, 3.5, 4.0, 4.25)
+    assert a.prompt_logprobs == prompt_lp and b.prompt_logprobs is None  # sent once
+    assert (b.finished, b.finish_reason, b.error, b.rejected) == (True, "length", None, False)
+    assert b.finish_time == b.output_time >= a.output_time > 0
+    assert (b.delta_token_ids, b.delta_text, b.delta_logprobs) == ([ids[1]], text1, [lp[1]])
+    assert (b.token_ids, b.text, b.logprobs, b.num_output_tokens) == (ids, tok.decode(ids), lp, 2)
+    assert (b.num_cached_tokens, b.first_scheduled_time, b.first_token_time) == (16, 4.0, 4.25)
+    rejected = CoreOutput("bad", 0, [], "abort", error="no such adapter", rejected=True)
+    proc.add("bad", None, [1], params, 0.0, True, [params])
+    (r,), _ = proc.process([rejected])
+    assert (r.finished, r.finish_reason, r.error, r.rejected, r.prompt) == (True, "abort", "no such adapter", True, None)
