@@ -17,8 +17,9 @@ length  one request of 16,000 output tokens, streamed (an output per commit), th
 
 compare busy's variants run alternately from this checkout and from --base DIR (another checkout: a git
         worktree of the commit before a change), each run a fresh process, --repeats pairs: the busy fraction and
-        host time per step of both, pair by pair, with the host's speed probe at each run. On the project's VMs
-        the host's speed moves by 2x within minutes, so only runs side by side compare.
+        host time per step of both, and CPU per 1,000 tokens of the caller's process and of a core process, pair
+        by pair, with the host's speed probe at each run. On the project's VMs the host's speed moves by 2x within
+        minutes, so only runs side by side compare. (The harness, bench_sim.py, is each checkout's own.)
 
 instructions  the same pair of checkouts (--base DIR), counted instead of timed: CPU instructions per step of
         `LLM.generate` at 256 streams under valgrind's cachegrind (the whole run, less a run that only builds the
@@ -132,10 +133,12 @@ def compare(args) -> list[dict]:
                 r = json.loads(lines[-1])
                 row = {"tree": name, "git": revs[name], "pair": pair, "kernels": kernels, "path": path,
                        "streams": n, "busy": r["busy"], "host_mops": r["host_mops"], "tok_s": r["tok_s"],
-                       "host_us": round(sum(r.get(k, 0) for k in HOST_KEYS), 1)}
+                       "host_us": round(sum(r.get(k, 0) for k in HOST_KEYS), 1),
+                       "cpu_ms_per_1k": r.get("cpu_ms_per_1k"), "core_cpu_ms_per_1k": r.get("core_cpu_ms_per_1k")}
                 rows.append(row)
                 print(f"{kernels:7} {path:6} {n:4} pair {pair} {name:4} ({revs[name]}): busy {row['busy']:.3f} "
-                      f"host {row['host_us']:7.1f} us/step  probe {row['host_mops']} Mops", flush=True)
+                      f"host {row['host_us']:7.1f} us/step  CPU ms/1k tokens {row['cpu_ms_per_1k']} (core process "
+                      f"{row['core_cpu_ms_per_1k']})  probe {row['host_mops']} Mops", flush=True)
     return rows
 
 

@@ -189,11 +189,11 @@ def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: 
         try:
             warm(llm)
             settle()
-            before = llm.engine.stats()
+            before, cpu = llm.engine.stats(), _CpuClock()
             t0 = time.perf_counter()
             outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
             wall = time.perf_counter() - t0
-            return sum(len(o.token_ids) for o in outs), wall, delta(llm.engine.stats(), before)
+            return sum(len(o.token_ids) for o in outs), wall, delta(llm.engine.stats(), before), cpu.read()
         finally:
             llm.shutdown()
 
@@ -203,23 +203,50 @@ def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: 
             await closed_loop(llm, [([1, 2, 3, 4] * 8, SamplingParams(max_tokens=8))] * 2, 2)  # warm-up
             settle()
             await asyncio.sleep(0.2)  # (a core process sends its idle snapshot when it goes idle)
-            before = llm.stats()
+            before, cpu = llm.stats(), _CpuClock()
             t0 = time.perf_counter()
             tokens = await closed_loop(llm, reqs, n)
             wall = time.perf_counter() - t0
+            used = cpu.read()
             await asyncio.sleep(0.2)
-            return tokens, wall, delta(llm.stats(), before)
+            return tokens, wall, delta(llm.stats(), before), used
         finally:
             llm.shutdown()
 
     speed = host_speed()
-    tokens, wall, d = asyncio.run(go()) if path in ("async", "proc") else offline()
+    tokens, wall, d, (cpu_self, cpu_core) = asyncio.run(go()) if path in ("async", "proc") else offline()
     return {"host_mops": speed, "device": "simulated h100", "model": model, "kernels": kernels, "depth": depth,
             "path": path, "workload": workload, "streams": n,
             "requests": len(reqs), "busy": round(busy_fraction(d), 4), "tok_s": round(tokens / wall),
             "ceiling_tok_s": round(tokens / d["device_busy_s"]), "steps": d["steps"],
             "step_ms": round(1e3 * d["device_busy_s"] / max(1, d["steps"]), 3), **host_per_step(d),
+            # CPU of this process (the caller: frontend, and the core too unless it has a process of its own) and
+            # of the core process, per 1,000 output tokens
+            "cpu_ms_per_1k": round(1e6 * cpu_self / tokens, 1),
+            "core_cpu_ms_per_1k": round(1e6 * cpu_core / tokens, 1) if path == "proc" else None,
             "target": TARGETS.get(model) if depth == 2 else None}
+
+
+class _CpuClock:
+    """CPU time (user + system) of this process and of its child processes (a core process) since creation."""
+
+    def __init__(self):
+        import psutil
+
+        self.me = psutil.Process()
+        self.children = self.me.children(recursive=True)
+        self.start = self._now()
+
+    def _now(self) -> tuple[float, float]:
+        def cpu(p) -> float:
+            t = p.cpu_times()
+            return t.user + t.system
+
+        return cpu(self.me), sum(cpu(c) for c in self.children)
+
+    def read(self) -> tuple[float, float]:
+        now = self._now()
+        return now[0] - self.start[0], now[1] - self.start[1]
 
 
 async def closed_loop(llm: AsyncLLM, reqs, concurrency: int) -> int:
