@@ -395,4 +395,5 @@ def test_the_frontend_fills_every_output_field_from_the_core_reports():
     rejected = CoreOutput("bad", 0, [], "abort", error="no such adapter", rejected=True)
     proc.add("bad", None, [1], params, 0.0, True, [params])
     (r,), _ = proc.process([rejected])
-    assert (r.finished, r.finish_reason, r.error, r.rejected, r.prompt) == (True, "abort", "no such adapter", True, None)
+    assert (r.finished, r.finish_reason, r.error, r.rejected, r.prompt) == \
+        (True, "abort", "no such adapter", True, None)
