@@ -13,8 +13,7 @@
 // caches alike. The cache may be bf16 under fp32 queries (kv_cache_dtype="bfloat16" with a float32 model):
 // its rows are widened to fp32 as they are read, and everything else is the fp32 path.
 
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "ops.h"
 
 #include "simd.h"
 
@@ -23,22 +22,6 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-
-namespace tandem_fused {  // fused.cpp
-void rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads, int64_t head_dim);
-std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                     const at::Tensor& w, double eps, int64_t lanes);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-}  // namespace tandem_fused
-namespace tandem_gemm {  // gemm.cpp
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n);
-at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                           int64_t n);
-}  // namespace tandem_gemm
-namespace tandem_quant {  // gemm_quant.cpp
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, const c10::optional<at::Tensor>& bias,
-                  int64_t n, bool packed, bool int8_x);
-}  // namespace tandem_quant
 
 namespace {
 
@@ -423,116 +406,6 @@ at::Tensor decode_attend(const at::Tensor& qkv, const c10::optional<at::Tensor>&
   return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap).view({tokens, heads * d});
 }
 
-// A pre-norm decoder's layers for a decode-only step, each layer the calls DecoderLayer.forward_fused makes, in its
-// order, from C++: residual add + RMSNorm, the qkv linear, decode_attend, o, residual add + RMSNorm, gate/up with
-// SiLU * up, down. The same kernels on the same tensors, so the same bits; what goes is the Python between them
-// (about 30 us a layer at one row). engine/models/decoder.py's CpuDecodeStack builds it once per model and kv cache.
-struct Linear {
-  int64_t kind;  // 0: quantized, packed layout; 1: quantized, file layout; 2: gemm.cpp's panels; 3: gate/up panels
-                 // with the SiLU * up epilogue (gemm_silu_mul)
-  at::Tensor weight;
-  int64_t n, qtype;  // outputs (3: the intermediate width); ggml type (0, 1)
-  c10::optional<at::Tensor> bias;
-};
-using LinearArgs = std::tuple<int64_t, at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>>;
-
-at::Tensor run_linear(const Linear& l, const at::Tensor& x, bool int8_x) {
-  if (l.kind <= 1) return tandem_quant::linear(x, l.weight, l.qtype, l.bias, l.n, l.kind == 0, int8_x);
-  if (l.kind == 2) return tandem_gemm::linear(x, l.weight, l.bias, l.n);
-  return tandem_gemm::linear_silu_mul(x, l.weight, l.bias, l.n);
-}
-
-class DecodeStack {
- public:
-  // norms: 2 a layer (input, post-attention); linears: 4 a layer (qkv, o, gate_up, down); per layer its KV group,
-  // window (0: none) and soft-cap (0: none), its K and V caches; lanes: the fp32 norm's (0: the bf16 norm).
-  DecodeStack(std::vector<at::Tensor> norms, const std::vector<LinearArgs>& linears, std::vector<int64_t> groups,
-              std::vector<int64_t> windows, std::vector<double> softcaps, std::vector<at::Tensor> k_caches,
-              std::vector<at::Tensor> v_caches, double eps, int64_t lanes, int64_t heads, int64_t kv_heads,
-              double scale)
-      : norms_(std::move(norms)), groups_(std::move(groups)), windows_(std::move(windows)),
-        softcaps_(std::move(softcaps)), k_(std::move(k_caches)), v_(std::move(v_caches)), eps_(eps), lanes_(lanes),
-        heads_(heads), kv_heads_(kv_heads), scale_(scale) {
-    const size_t layers = groups_.size();
-    TORCH_CHECK(norms_.size() == 2 * layers && linears.size() == 4 * layers && windows_.size() == layers &&
-                    softcaps_.size() == layers && k_.size() == layers && v_.size() == layers,
-                "DecodeStack: 2 norms, 4 linears, a group, window, soft-cap and K/V caches a layer");
-    for (const auto& [kind, weight, n, qtype, bias] : linears) {
-      TORCH_CHECK(kind >= 0 && kind <= 3, "DecodeStack: linear kind ", kind, " is not 0-3");
-      linears_.push_back(Linear{kind, weight, n, qtype, bias});
-    }
-  }
-
-  // h [T, hidden] (the embedding, or the previous stage's), every row a decode; per KV group (slots [T] int64,
-  // block tables [T, W] int32, lengths [T] int32); cos / sin [T, 1, half] or None. Returns {h, residual}, what the
-  // last layer's forward_fused returns.
-  std::vector<at::Tensor> run(const at::Tensor& h, const std::vector<std::vector<at::Tensor>>& group_args,
-                              const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& sin,
-                              bool int8_x) const {
-    at::Tensor x = h;
-    c10::optional<at::Tensor> residual;
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      const Linear* l = &linears_[4 * i];
-      std::vector<at::Tensor> nr = tandem_fused::add_rms_norm(x.contiguous(), residual, norms_[2 * i], eps_, lanes_);
-      residual = residual.has_value() ? nr[1] : x;
-      const at::Tensor qkv = run_linear(l[0], nr[0], int8_x);
-      const auto& g = group_args.at(groups_[i]);
-      TORCH_CHECK(g.size() == 3, "DecodeStack: a KV group's slots, block tables and lengths");
-      const at::Tensor a = decode_attend(qkv, cos, sin, k_[i], v_[i], g[0], g[1], g[2], heads_, kv_heads_, scale_,
-                                         windows_[i], softcaps_[i]);
-      nr = tandem_fused::add_rms_norm(run_linear(l[1], a, int8_x).contiguous(), residual, norms_[2 * i + 1], eps_,
-                                      lanes_);
-      residual = nr[1];
-      const at::Tensor act = l[2].kind == 3 ? run_linear(l[2], nr[0], int8_x)
-                                            : tandem_fused::silu_and_mul(run_linear(l[2], nr[0], int8_x).contiguous());
-      x = run_linear(l[3], act, int8_x);
-    }
-    return {x, residual.value_or(x)};
-  }
-
-  size_t layers() const { return groups_.size(); }
-
- private:
-  std::vector<at::Tensor> norms_;
-  std::vector<Linear> linears_;
-  std::vector<int64_t> groups_, windows_;
-  std::vector<double> softcaps_;
-  std::vector<at::Tensor> k_, v_;
-  double eps_;
-  int64_t lanes_, heads_, kv_heads_;
-  double scale_;
-};
-
 }  // namespace
 
-void register_fused(pybind11::module& m);  // engine/cpu/fused.cpp, built into the same module
-void register_prefill(pybind11::module& m);  // prefill_attention.cpp
-void register_gemm(pybind11::module& m);  // engine/cpu/gemm.cpp
-void register_gemm_quant(pybind11::module& m);  // engine/cpu/gemm_quant.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_fused(m);
-  register_prefill(m);
-  register_gemm(m);
-  register_gemm_quant(m);
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", pybind11::arg("q"), pybind11::arg("k_cache"),
-        pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
-        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0,
-        // Without the GIL, as PyTorch's own ops run: the replica's Serve thread ships chunks meanwhile.
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<std::vector<at::Tensor>, const std::vector<LinearArgs>&, std::vector<int64_t>,
-                          std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          double, int64_t, int64_t, int64_t, double>(),
-           pybind11::arg("norms"), pybind11::arg("linears"), pybind11::arg("groups"), pybind11::arg("windows"),
-           pybind11::arg("softcaps"), pybind11::arg("k_caches"), pybind11::arg("v_caches"), pybind11::arg("eps"),
-           pybind11::arg("lanes"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("scale"))
-      .def("run", &DecodeStack::run, pybind11::arg("h"), pybind11::arg("group_args"), pybind11::arg("cos"),
-           pybind11::arg("sin"), pybind11::arg("int8_x"), pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_property_readonly("layers", &DecodeStack::layers);
-  m.def("decode_attend", &decode_attend, "a decode-only step's attention for one layer from its qkv (CPU)",
-        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"),
-        pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
-        pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("scale"), pybind11::arg("window"),
-        pybind11::arg("softcap"), pybind11::call_guard<pybind11::gil_scoped_release>());
-}
+const tandem_ops::DecodeOps tandem_ops::kDecode{&paged_decode, &decode_attend};

@@ -1,4 +1,4 @@
-"""A pre-norm decoder's layers run for a CPU decode-only step in one call (decode_attention.cpp's DecodeStack).
+"""A pre-norm decoder's layers run for a CPU decode-only step in one call (bindings.cpp's DecodeStack).
 
 At one stream a small model's decode step on CPU is as much Python as kernels: each layer makes some fifteen
 Python calls around its eight kernel calls (norms, linears, attention, SiLU * up). DecodeStack makes the same

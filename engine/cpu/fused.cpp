@@ -25,7 +25,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/native/cpu/utils.h>  // CeilLog2: the cascade's level step, as PyTorch's sum computes it
-#include <torch/extension.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -505,16 +505,4 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at
 at::Tensor silu_and_mul(const at::Tensor& gate_up) { return silu_mul(gate_up); }
 }  // namespace tandem_fused
 
-void register_fused(pybind11::module& m) {
-  // Without the GIL, as PyTorch's own ops and the GEMM and attention kernels run: a served replica's Serve thread
-  // ships chunks while the engine thread is in here (a norm over a long prefill chunk takes long enough to matter).
-  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm (CPU)", pybind11::arg("x"), pybind11::arg("residual"),
-        pybind11::arg("weight"), pybind11::arg("eps"), nogil());
-  m.def("rms_norm_f32", &rms_norm_f32, "[residual add +] RMSNorm, fp32, PyTorch's arithmetic (CPU)",
-        pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("weight"), pybind11::arg("eps"),
-        pybind11::arg("lanes"), nogil());
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)", pybind11::arg("gate_up"), nogil());
-  m.def("rope_", &rope_, "rotary embedding in place (CPU)", pybind11::arg("x"), pybind11::arg("cos"),
-        pybind11::arg("sin"), pybind11::arg("heads"), pybind11::arg("head_dim"), nogil());
-}
+const tandem_ops::FusedOps tandem_ops::kFused{&rms_norm, &rms_norm_f32, &silu_mul, &rope_};

@@ -31,7 +31,7 @@
 // as a scalar tail at the avx2 and default levels: the same bits).
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "ops.h"
 
 #include "simd.h"
 
@@ -436,22 +436,14 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& packed, const 
 }
 }  // namespace tandem_gemm
 
-void register_gemm(pybind11::module& m) {
-  m.def("gemm_pack", &gemm_pack, "a weight [N, K] into gemm_linear's panels", pybind11::arg("weight"));
-  m.def("gemm_linear", &gemm_linear, "x @ W^T (+ bias) with W packed by gemm_pack (CPU)", pybind11::arg("x"),
-        pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("n"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("gemm_silu_mul", &gemm_silu_mul, "SiLU(x @ Wg^T) * (x @ Wu^T) with gate/up packed interleaved (CPU)",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), pybind11::arg("n"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
 #ifdef TANDEM_GEMM_SILU
-  m.attr("gemm_silu") = true;
+constexpr bool kSilu = true;
 #else
-  m.attr("gemm_silu") = false;
+constexpr bool kSilu = false;
 #endif
-#if defined(TANDEM_GEMM_BF16)
-  m.attr("gemm_dtypes") = pybind11::make_tuple("float32", "bfloat16");
+#ifdef TANDEM_GEMM_BF16
+constexpr bool kBf16 = true;
 #else  // AVX-512 without AVX512-BF16
-  m.attr("gemm_dtypes") = pybind11::make_tuple("float32");
+constexpr bool kBf16 = false;
 #endif
-}
+const tandem_ops::GemmOps tandem_ops::kGemm{&gemm_pack, &gemm_linear, &gemm_silu_mul, kSilu, kBf16};

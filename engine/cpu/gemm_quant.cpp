@@ -20,7 +20,7 @@
 // at a time (its chunk stays in L2 while every tile passes over it) and the tiles are split over the threads.
 // Every output is the same chain of sums whatever M, the chunking or the thread count.
 
-#include <torch/extension.h>
+#include "ops.h"
 
 #include "quant_blocks.h"
 
@@ -406,20 +406,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t qtype, 
 }
 }  // namespace tandem_quant
 
-void register_gemm_quant(pybind11::module& m) {
-  m.def("gemm_q_linear", &gemm_q_linear, "x @ W^T (+ bias) with W in GGUF blocks of gemm_q_types (CPU)",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("qtype"), pybind11::arg("bias"),
-        pybind11::arg("int8_x"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("gemm_q_packed", &gemm_q_packed, "x @ W^T (+ bias), W in the packed layout of gemm_q_packed_types (CPU)",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("qtype"), pybind11::arg("bias"),
-        pybind11::arg("out_features"), pybind11::arg("int8_x"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("packed_rows", &packed_rows, "rows of a packed weight in the file's block layout (CPU)",
-        pybind11::arg("packed"), pybind11::arg("qtype"), pybind11::arg("rows"),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("quantize_q8_0", &quantize_q8_0, "x's Q8_0 blocks as gemm_q_linear's int8 path quantizes it (CPU)",
-        pybind11::arg("x"), pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::tuple names(std::size(kQTypes));
-  for (size_t i = 0; i < std::size(kQTypes); ++i) names[i] = kQTypes[i].name;
-  m.attr("gemm_q_types") = names;
-  m.attr("gemm_q_packed_types") = kPackedKernels ? pybind11::make_tuple("Q8_0", "Q4_1") : pybind11::tuple();
-}
+const tandem_ops::QuantOps tandem_ops::kQuant{
+    &gemm_q_linear, &gemm_q_packed, &packed_rows, &quantize_q8_0,
+    [] {
+      std::vector<const char*> names;
+      for (const QType& t : kQTypes) names.push_back(t.name);
+      return names;
+    }(),
+    kPackedKernels};

@@ -24,8 +24,7 @@
 // fp32 path's: tiles of weight rows by rows of x, x 64 rows at a time, the tiles split over the threads; every
 // output is the same chain of sums whatever M, the chunking or the thread count.
 
-#include <ATen/ATen.h>
-
+#include "ops.h"
 #include "quant_pairs.h"
 
 namespace tandem_quant {

@@ -1,7 +1,8 @@
 """The CPU kernels, compiled at first use and cached: paged decode and prefill attention (decode_attention.cpp,
 prefill_attention.cpp), the decoder's fused elementwise ops (fused.cpp: residual add + RMSNorm, SiLU * up, RoPE)
 and the GEMM of its linears (gemm.cpp; gemm_quant.cpp and gemm_quant_int8.cpp for GGUF-quantized weights), all
-in engine/cpu/ and built into one module.
+in engine/cpu/ and built into one module (bindings.cpp binds them: the one source that includes PyTorch's Python
+headers, see ops.h).
 
 Every kernel has three builds of the same sources, one per instruction-set level, as PyTorch's own CPU kernels
 do (`torch.backends.cpu.get_cpu_capability()`):
@@ -41,10 +42,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = tuple(_HERE / name for name in ("decode_attention.cpp", "prefill_attention.cpp", "fused.cpp", "gemm.cpp",
-                                             "gemm_quant.cpp", "gemm_quant_int8.cpp"))
+_SOURCES = tuple(_HERE / name for name in ("bindings.cpp", "decode_attention.cpp", "prefill_attention.cpp", "fused.cpp",
+                                             "gemm.cpp", "gemm_quant.cpp", "gemm_quant_int8.cpp"))
 # In the digest: they are compiled into the sources.
-_HEADERS = tuple(_HERE / name for name in ("simd.h", "quant_blocks.h", "quant_ints.h", "quant_pairs.h"))
+_HEADERS = tuple(_HERE / name for name in ("ops.h", "simd.h", "quant_blocks.h", "quant_ints.h", "quant_pairs.h"))
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build (without it the kernel runs on one thread);
 # -fno-math-errno lets `omp simd` call glibc's vector expf; the reassociation flags let GCC vectorize the
 # dot products' sums (a tree of vector adds instead of one scalar chain) without -ffast-math's

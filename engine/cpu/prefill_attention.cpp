@@ -37,8 +37,7 @@
 // packing repeated a sequence's early keys in each of its items. Chunks are packed in groups of at most
 // k_pack_bytes; a chunk whose K alone is larger is packed per item, KC keys at a time.
 
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -777,18 +776,8 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   }
 }
 
-void register_prefill(pybind11::module& m) {
-  m.def("paged_prefill", &paged_prefill, "paged prefill attention (CPU)", pybind11::arg("q"),
-        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"), pybind11::arg("q_start"),
-        pybind11::arg("q_len"), pybind11::arg("seq_len"), pybind11::arg("scale"), pybind11::arg("window"),
-        pybind11::arg("softcap"), pybind11::arg("out"), pybind11::arg("k_pack_bytes") = int64_t(8) << 20,
-        pybind11::call_guard<pybind11::gil_scoped_release>());  // as paged_decode (decode_attention.cpp)
-  m.attr("prefill_dtypes") = pybind11::make_tuple("float32", "bfloat16");  // at every level
-  m.attr("prefill_head_sizes") = pybind11::make_tuple(64, 128, 256);        // at every level, in both dtypes
-  // Whether bf16 prefill multiplies bf16-rounded probabilities (the AVX512-BF16 path) rather than fp32 ones.
 #ifdef TANDEM_PREFILL_BF16_PROBS
-  m.attr("prefill_bf16_probs") = true;
+const tandem_ops::PrefillOps tandem_ops::kPrefill{&paged_prefill, true};
 #else
-  m.attr("prefill_bf16_probs") = false;
+const tandem_ops::PrefillOps tandem_ops::kPrefill{&paged_prefill, false};
 #endif
-}
