@@ -104,16 +104,6 @@ def test_decode_step_launches_per_layer(family, monkeypatch):
         assert eager > BOUND[family], f"eager decoder: {eager} kernels a layer"
 
 
-@interpreted
-def test_launch_counts_for_the_docs(monkeypatch, capsys):
-    """Prints the per-layer counts docs/gpu.md quotes (pytest -s shows them)."""
-    monkeypatch.setattr(triton_paged, "_auto_splits", h200_splits)
-    with capsys.disabled():
-        for family in ("llama", "qwen2", "qwen3", "gemma3_text"):
-            print(f"\n{family}: eager {per_layer(family, False)}, fused {per_layer(family, True)} "
-                  "(kernels, of them Triton, views) per layer")
-
-
 # ---- the fused forward inside the engine, against Hugging Face -------------------------------------------------
 
 NEW_TOKENS = 8  # the interpreter is slow
