@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from engine import LLM, SamplingParams, memory
 from engine.sampling_params import StructuredOutputsParams
 from engine.sim import PROFILES, SIM_MODELS, CostModel, StepShape
-from engine.sim.calibrate import fit, predicted
+from engine.sim.calibrate import H200_RUN, fit, fit_h200, h200_forward, predicted
 from engine.sim.cost_model import PHOTON_TABLE
 from engine.sim.device import SimDevice, SimEvent
 from engine.models import load_hf_config, model_spec
@@ -168,6 +169,28 @@ def test_photon_profile_predicts_a_row_it_was_not_fitted_to(profile):
     fwd, smp = (t * 1e3 for t in predicted(fitted, 8))
     assert fwd == pytest.approx(fwd_ms, rel=0.15), (fwd, fwd_ms)
     assert smp == pytest.approx(smp_ms, rel=0.20), (smp, smp_ms)
+
+
+def test_shipped_h200_profile_is_the_fit_to_the_gpu_run():
+    """A consistency check: the h200 profile's per-kernel time in a graph is what engine/sim/calibrate.py fits to the
+    one GPU run's 1-stream Qwen2.5-0.5B step (bench/results/h200_b7c3c6d)."""
+    assert PROFILES["h200"] == fit_h200("qwen2.5-0.5b")
+
+
+def test_h200_profile_predicts_the_other_models_step():
+    """Out of sample: fitted to Qwen2.5-0.5B's 1-stream step, the h200 profile prices Llama-3.2-1B's (0.4x the
+    layers' launches, 2.5x the weight bytes) within 5% of the measured 1.78 ms (+3.2%); the datasheet profile before
+    the fit missed it by -8%. More rows are not modelled: at 8 and 32 streams both models' steps came out 8-16% low
+    (docs/simulated-device.md), so only a loose bound holds there, which the unfitted profile (-19 to -26%)
+    fails."""
+    fitted, old = fit_h200("qwen2.5-0.5b"), replace(PROFILES["h200"], kernel_gap_graph_s=1.5e-6)
+    measured = H200_RUN["llama-3.2-1b"][1][0]
+    assert 1e3 * h200_forward(fitted, "llama-3.2-1b", 1) == pytest.approx(measured, rel=0.05)
+    assert 1e3 * h200_forward(old, "llama-3.2-1b", 1) != pytest.approx(measured, rel=0.05)
+    for model, rows in H200_RUN.items():
+        for n in (8, 32):
+            assert 1e3 * h200_forward(fitted, model, n) == pytest.approx(rows[n][0], rel=0.18), (model, n)
+            assert 1e3 * h200_forward(old, model, n) != pytest.approx(rows[n][0], rel=0.18), (model, n)
 
 
 def test_tensor_parallel_step_is_one_ranks_share_plus_the_link_collectives():

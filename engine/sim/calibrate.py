@@ -68,7 +68,49 @@ def _least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
+# The first GPU run (bench/results/h200_b7c3c6d/photon_cuda.json, docs/gpu.md "First run on a GPU"): random-weight
+# bf16 checkpoints decoding on one H200 under CUDA graphs, with the eager decoder of then (40 launches a layer: 38
+# PyTorch kernels and 2 Triton ones), prompts of H200_PROMPT tokens; per model, streams -> (forward ms, sampling ms,
+# mean generated length L), medians of the steady decode steps. A step's mean context is H200_PROMPT + L / 2.
+H200_RUN = {
+    "qwen2.5-0.5b": {1: (2.026, 0.083, 188.1), 8: (2.199, 0.347, 90.7), 32: (2.375, 0.528, 122.9)},
+    "llama-3.2-1b": {1: (1.780, 0.077, 140.7), 8: (2.032, 0.304, 121.1), 32: (2.225, 0.469, 100.5)},
+}
+H200_PROMPT, H200_LAYER_KERNELS = 64, 40
+
+
+def h200_forward(profile: GpuProfile, model: str, streams: int) -> float:
+    """Seconds the cost model gives a decode step of the H200 run (`model`, `streams` rows at the run's context)."""
+    spec = model_spec(load_hf_config(str(_sim_model(model))))
+    context = H200_PROMPT + H200_RUN[model][streams][2] / 2
+    cost = CostModel(spec, 2, profile, kernels_per_layer=H200_LAYER_KERNELS)
+    return cost.forward_s(StepShape([1] * streams, [context] * streams, streams), graph=True)
+
+
+def fit_h200(model: str = "qwen2.5-0.5b") -> GpuProfile:
+    """The h200 profile with its per-kernel time inside a graph fitted to `model`'s 1-stream forward: at one row a
+    step is its weights over the bandwidth plus one graph's launches, so what the measured step leaves after the
+    first is the kernels' share. The other model's row checks it out of sample."""
+    unit = replace(PROFILES["h200"], kernel_gap_graph_s=0.0)
+    spec = model_spec(load_hf_config(str(_sim_model(model))))
+    kernels = CostModel(spec, 2, unit, kernels_per_layer=H200_LAYER_KERNELS).model.kernels_per_forward
+    gap = (H200_RUN[model][1][0] / 1e3 - h200_forward(unit, model, 1)) / kernels
+    return replace(PROFILES["h200"], kernel_gap_graph_s=round(gap, 9))
+
+
+def _sim_model(name: str):
+    from engine.sim import SIM_MODELS
+
+    return SIM_MODELS / name
+
+
 def main() -> None:
+    p = fit_h200()
+    print(f"h200: kernel_gap_graph_s={p.kernel_gap_graph_s:.2e} (fitted to qwen2.5-0.5b at 1 stream)")
+    for model, rows in H200_RUN.items():
+        for n, (fwd_ms, _, _) in rows.items():
+            f = 1e3 * h200_forward(p, model, n)
+            print(f"  {model} {n:2d} streams: forward {f:.3f} ms (measured {fwd_ms}, {100 * (f / fwd_ms - 1):+.1f}%)")
     for name in PHOTON_TABLE:
         p = fit(name)
         print(f"{name}: bw_fraction={p.bw_fraction}, forward_fixed_s={p.forward_fixed_s:.6f}, "

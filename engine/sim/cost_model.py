@@ -106,8 +106,9 @@ _GEN5, _GEN4 = 50 * GB, 25 * GB
 PROFILES: dict[str, GpuProfile] = {p.name: p for p in (
     GpuProfile("h100", memory_bytes=80 * GB, hbm_bytes_per_s=3.35e12, bf16_flops=989e12, num_sms=132,
                pcie_bytes_per_s=_GEN5),
+    # kernel_gap_graph_s fitted to the one GPU run's 1-stream Qwen2.5-0.5B step (engine/sim/calibrate.fit_h200)
     GpuProfile("h200", memory_bytes=141 * GB, hbm_bytes_per_s=4.8e12, bf16_flops=989e12, num_sms=132,
-               pcie_bytes_per_s=_GEN5),
+               pcie_bytes_per_s=_GEN5, kernel_gap_graph_s=1.806e-6),
     GpuProfile("b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
                pcie_bytes_per_s=_GEN5, link_bytes_per_s=720 * GB),
     GpuProfile("a100", memory_bytes=80 * GB, hbm_bytes_per_s=2.039e12, bf16_flops=312e12, num_sms=108,

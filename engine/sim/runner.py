@@ -253,7 +253,7 @@ def sampling_work(batch: SamplingBatch) -> tuple[int, float]:
             (2 if batch.bitmask_rows else 0)
         passes += 3
     if not batch.all_greedy:
-        kernels += 7 + len(batch.generators)  # a seeded row draws its own noise: one kernel each
+        kernels += 7 + 2 * len(batch.generators)  # a seeded row draws its own noise: rand, and its copy into u
         passes += 6
         if batch.top_k is not None:
             kernels, passes = kernels + 4, passes + 3  # topk of the largest k, gather, mask
