@@ -154,7 +154,8 @@ class EngineConfig:
         _choice("device", self.device, _DEVICES)
         from engine import kv_dtype
 
-        kv_dtype.check_name(self.kv_cache_dtype, self.device, self.attention_backend)  # fp8 under device "auto": when the engine resolves it
+        # fp8 under device "auto": checked when the engine resolves it
+        kv_dtype.check_name(self.kv_cache_dtype, self.device, self.attention_backend)
         _choice("scheduler", self.scheduler, SCHEDULER_POLICIES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive("block_size", self.block_size)

@@ -65,7 +65,8 @@ class ModelRunner(StepRunner):
         super().__init__(config, spec, device, self.buffer_limits(config, max_model_len, self.kv_layout),
                          make_executor(device, threaded))
         self.forward_overlaps_loop = device.type == "cuda" or threaded
-        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, config.attention_backend)  # the KV cache's (engine/kv_dtype.py)
+        # the KV cache's (engine/kv_dtype.py)
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, config.attention_backend)
         self.backend_name = resolve_backend(config.attention_backend, device, config.block_size,
                                             softcap=spec.attn_softcap is not None, kv_cast=kv_dtype != dtype)
         self.backend = get_backend(self.backend_name, sliding_window=spec.sliding_window)
@@ -122,8 +123,9 @@ class ModelRunner(StepRunner):
         expensive way; on CUDA with graphs also a decode forward at the largest graph batch (the graphs'
         private pool holds its activations)."""
         spec, lim, cuda = self.model.spec, self.limits, self.device.type == "cuda"
+        # one block: every dummy position uses it
         scratch = torch.zeros((self.kv_layout.layers_per_page, 2, 1, self.block_size, spec.num_kv_heads,
-                               spec.head_dim), dtype=kv_dtype, device=self.device)  # one block: every dummy position uses it
+                               spec.head_dim), dtype=kv_dtype, device=self.device)
         self.kv_caches = self._layer_caches(scratch)
         meter = CudaMeter(self.device) if cuda else HostMeter()
         with meter:

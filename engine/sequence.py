@@ -47,7 +47,8 @@ class Sequence:
     """
 
     __slots__ = ("request_id", "params", "prompt", "prompt_token_ids", "token_ids", "num_pending",
-                 "num_computed", "num_cached", "num_draft_computed", "block_table", "block_hashes", "window_table", "window_base",
+                 "num_computed", "num_cached", "num_draft_computed", "block_table", "block_hashes", "window_table",
+                 "window_base",
                  "cpu_window", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
                  "logprobs", "stop_token", "eos_token_ids", "stop_ids", "max_total_len", "pending_src", "released",

@@ -117,8 +117,9 @@ def test_bad_requests_raise_value_errors_naming_the_problem(proc_llm):
         asyncio.run(first(list(range(1, 600)), SamplingParams(max_tokens=2)))
     with pytest.raises(ValueError, match="no LoRA adapters"):  # refused by the core, raised here
         asyncio.run(first("hi", SamplingParams(max_tokens=2), lora_request="nope"))
+    bad = StructuredOutputsParams(regex="(unclosed")
     with pytest.raises(ValueError, match="regex"):  # a grammar that does not compile, refused by the core
-        asyncio.run(first("hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="(unclosed"))))
+        asyncio.run(first("hi", SamplingParams(max_tokens=2, structured_outputs=bad)))
     outs = asyncio.run(_collect(proc_llm, "still serving", SamplingParams(max_tokens=3, ignore_eos=True)))
     assert outs[-1].finished and outs[-1].num_output_tokens == 3
     proc_llm.check_health()

@@ -69,7 +69,8 @@ def decode_launches(family: str, num_layers: int, fused: bool) -> launch_count.L
     bs, blocks = 4, 8
     kv = [(torch.randn(blocks, bs, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16),
            torch.randn(blocks, bs, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16)) for _ in range(num_layers)]
-    meta = AttentionMetadata(slot_mapping=torch.tensor([5, 20]), query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+    meta = AttentionMetadata(slot_mapping=torch.tensor([5, 20]),
+                             query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
                              seq_lens=torch.tensor([6, 10], dtype=torch.int32),
                              block_tables=torch.tensor([[1, 0, 0], [3, 4, 5]], dtype=torch.int32), block_size=bs,
                              query_lens_host=[1, 1], seq_lens_host=[6, 10])
@@ -191,7 +192,8 @@ def test_simulated_device_prices_the_fused_plan():
     assert (cost.layer_kernels, cost.layer_triton, cost.layer_views) == (plan.aten, plan.triton, plan.views)
     assert cost.kernels_per_forward == plan.kernels * spec.num_layers + FIXED_KERNELS
     assert cost.kernels_per_forward < (LAYER_KERNELS + 2) * spec.num_layers
-    assert ModelCost.from_spec(spec, 2, kernels_per_layer=40).kernels_per_forward == 40 * spec.num_layers + FIXED_KERNELS
+    assert ModelCost.from_spec(spec, 2, kernels_per_layer=40).kernels_per_forward == \
+        40 * spec.num_layers + FIXED_KERNELS
 
 
 # ---- on a GPU (skipped without CUDA; scripts/gpu_check.sh runs them and prints the counts) ---------------------
@@ -204,7 +206,8 @@ def cuda_decode_kernels(family: str, num_layers: int) -> int:
     kv = [(torch.randn(8, 4, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda"),
            torch.randn(8, 4, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda"))
           for _ in range(num_layers)]
-    meta = AttentionMetadata(torch.tensor([5, 20], device="cuda"), torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"),
+    meta = AttentionMetadata(torch.tensor([5, 20], device="cuda"),
+                             torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda"),
                              torch.tensor([6, 10], dtype=torch.int32, device="cuda"),
                              torch.tensor([[1, 0, 0], [3, 4, 5]], dtype=torch.int32, device="cuda"), 4, [1, 1], [6, 10])
     ids, positions = torch.tensor([7, 11], device="cuda"), torch.tensor([5, 9], device="cuda")

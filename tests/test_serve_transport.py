@@ -33,7 +33,8 @@ def test_the_transport_is_an_app_option_grpc_on_cpu_and_ray_elsewhere_by_default
     def transport(args: dict) -> str:
         return build_app(args)._bound_deployment.init_kwargs["engine_transport"]
 
-    assert transport({"device": "cpu", "colocated": False}) == "grpc" and transport({"device": "sim", "colocated": False}) == "ray"
+    assert transport({"device": "cpu", "colocated": False}) == "grpc"
+    assert transport({"device": "sim", "colocated": False}) == "ray"
     assert transport({"device": "cpu", "engine_transport": "ray"}) == "ray"
     assert transport({"device": "sim", "engine_transport": "grpc"}) == "grpc"
     with pytest.raises(ValueError, match="engine_transport"):

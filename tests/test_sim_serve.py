@@ -54,8 +54,9 @@ def test_replica_reports_simulated_device_time(cluster, client):
 
 def test_coalesced_streams_reassemble_exactly(cluster):
     """32 streams at simulated-H100 speed: a stream's event carries whatever was committed since its last one
-    (paced streams, and a consumer slower than the engine), so events carry several tokens. Reassembled, each stream is exactly the offline engine's output:
-    text, every token's logprob and top logprobs in order, usage and finish_reason."""
+    (paced streams, and a consumer slower than the engine), so events carry several tokens. Reassembled, each stream
+    is exactly the offline engine's output: text, every token's logprob and top logprobs in order, usage and
+    finish_reason."""
     import asyncio
     import json
 

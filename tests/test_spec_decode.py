@@ -261,8 +261,8 @@ def async_tokens(config, prompt, params):
 @pytest.mark.parametrize("rate", [0.0, 0.6, 1.0])
 def test_simulated_device_accepts_drafts_at_the_modelled_rate(rate):
     """On the simulated device each draft is accepted with probability sim_spec_acceptance (up to the first
-    rejection): the accepted share follows it, and so does the device time a token costs (a verification step of 1 + K tokens is priced as one
-    forward over them)."""
+    rejection): the accepted share follows it, and so does the device time a token costs (a verification step of
+    1 + K tokens is priced as one forward over them)."""
     from engine.sim import SIM_MODELS
 
     prompt = list(range(1, 4096))  # every token the simulated device emits occurs in it: a draft every step

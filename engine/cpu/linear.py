@@ -88,7 +88,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor | Panels | QuantWeight,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T (+ bias) with W packed by `pack_weight`, or a GGUF model's QuantWeight
     (engine/cpu/quant.py: its LM head)."""
     if isinstance(packed, (Panels, QuantWeight)):
