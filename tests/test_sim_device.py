@@ -179,7 +179,7 @@ def test_shipped_h200_profile_is_the_fit_to_the_gpu_run():
 
 def test_h200_profile_predicts_the_other_models_step():
     """Out of sample: fitted to Qwen2.5-0.5B's 1-stream step, the h200 profile prices Llama-3.2-1B's (0.4x the
-    layers' launches, 2.5x the weight bytes) within 5% of the measured 1.78 ms (+3.2%); the datasheet profile before
+    layers' launches, 2.5x the weight bytes) within 5% of the measured 1.78 ms (+3.1%); the datasheet profile before
     the fit missed it by -8%. More rows are not modelled: at 8 and 32 streams both models' steps came out 8-16% low
     (docs/simulated-device.md), so only a loose bound holds there, which the unfitted profile (-19 to -26%)
     fails."""

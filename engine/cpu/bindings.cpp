@@ -22,7 +22,7 @@ struct Linear {
 };
 using LinearArgs = std::tuple<int64_t, at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>>;
 
-inline at::Tensor run_linear(const Linear& l, const at::Tensor& x, bool int8_x) {
+at::Tensor run_linear(const Linear& l, const at::Tensor& x, bool int8_x) {
   if (l.kind <= 1) return tandem_quant::linear(x, l.weight, l.qtype, l.bias, l.n, l.kind == 0, int8_x);
   if (l.kind == 2) return tandem_gemm::linear(x, l.weight, l.bias, l.n);
   return tandem_gemm::linear_silu_mul(x, l.weight, l.bias, l.n);

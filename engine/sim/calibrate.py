@@ -17,16 +17,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.models import load_hf_config, model_spec
+from engine.sim import SIM_MODELS
 from engine.sim.cost_model import PHOTON_TABLE, PHOTON_WORKLOAD, PROFILES, CostModel, GpuProfile, StepShape
 
 # Kernels and logits passes of temperature sampling (engine/sim/runner.py sampling_work, no seeds).
 PHOTON_SAMPLING = (9, 7.0)
 
 
-def photon_spec():
-    from engine.sim import SIM_MODELS
+def sim_spec(name: str):
+    """The spec of one of engine/sim/models' config-only model directories."""
+    return model_spec(load_hf_config(str(SIM_MODELS / name)))
 
-    return model_spec(load_hf_config(str(SIM_MODELS / "moondream2-text")))
+
+def photon_spec():
+    return sim_spec("moondream2-text")
 
 
 def photon_shape(streams: int) -> StepShape:
@@ -79,12 +83,16 @@ H200_RUN = {
 H200_PROMPT, H200_LAYER_KERNELS = 64, 40
 
 
+def _h200_cost(profile: GpuProfile, model: str) -> CostModel:
+    """`model` in bf16 with the launches of the H200 run's decoder."""
+    return CostModel(sim_spec(model), 2, profile, kernels_per_layer=H200_LAYER_KERNELS)
+
+
 def h200_forward(profile: GpuProfile, model: str, streams: int) -> float:
     """Seconds the cost model gives a decode step of the H200 run (`model`, `streams` rows at the run's context)."""
-    spec = model_spec(load_hf_config(str(_sim_model(model))))
     context = H200_PROMPT + H200_RUN[model][streams][2] / 2
-    cost = CostModel(spec, 2, profile, kernels_per_layer=H200_LAYER_KERNELS)
-    return cost.forward_s(StepShape([1] * streams, [context] * streams, streams), graph=True)
+    shape = StepShape([1] * streams, [context] * streams, streams)
+    return _h200_cost(profile, model).forward_s(shape, graph=True)
 
 
 def fit_h200(model: str = "qwen2.5-0.5b") -> GpuProfile:
@@ -92,21 +100,14 @@ def fit_h200(model: str = "qwen2.5-0.5b") -> GpuProfile:
     step is its weights over the bandwidth plus one graph's launches, so what the measured step leaves after the
     first is the kernels' share. The other model's row checks it out of sample."""
     unit = replace(PROFILES["h200"], kernel_gap_graph_s=0.0)
-    spec = model_spec(load_hf_config(str(_sim_model(model))))
-    kernels = CostModel(spec, 2, unit, kernels_per_layer=H200_LAYER_KERNELS).model.kernels_per_forward
+    kernels = _h200_cost(unit, model).model.kernels_per_forward
     gap = (H200_RUN[model][1][0] / 1e3 - h200_forward(unit, model, 1)) / kernels
     return replace(PROFILES["h200"], kernel_gap_graph_s=round(gap, 9))
 
 
-def _sim_model(name: str):
-    from engine.sim import SIM_MODELS
-
-    return SIM_MODELS / name
-
-
 def main() -> None:
     p = fit_h200()
-    print(f"h200: kernel_gap_graph_s={p.kernel_gap_graph_s:.2e} (fitted to qwen2.5-0.5b at 1 stream)")
+    print(f"h200: kernel_gap_graph_s={p.kernel_gap_graph_s:.3e} (fitted to qwen2.5-0.5b at 1 stream)")
     for model, rows in H200_RUN.items():
         for n, (fwd_ms, _, _) in rows.items():
             f = 1e3 * h200_forward(p, model, n)
