@@ -60,6 +60,11 @@ class Settings:
     out: Path
     streams: list[int] = field(default_factory=lambda: [1, 8, 32])
     seed: int = 0
+    # graphs: the forwards to compare (None: the engine's default; True: the fused forward; False: the layers)
+    # and the graph modes (True: CUDA graphs; False: eager steps, timed under the profiler, the slow part).
+    forwards: list[bool | None] = field(default_factory=lambda: [None])
+    graph_modes: list[bool] = field(default_factory=lambda: [True, False])
+    hf_tokens: int = 512  # bs1: tokens transformers' generate decodes to time the peer
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,15 +159,31 @@ def photon_rows(ck: Checkpoint, s: Settings, runs: dict[int, dict[int, Run]]) ->
 # ---- graphs (kernel time vs gap) ----------------------------------------------------------------------------
 def graphs(s: Settings) -> list[dict]:
     rows = []
-    modes = [True, False] if s.device == "cuda" else [False]
+    modes = s.graph_modes if s.device == "cuda" else [False]
     for name in s.models:
         ck = checkpoint(name, s)
-        for use_graphs in modes:
-            # CPU: depth 1 keeps the ops on this thread, the one torch.profiler records.
-            rows += with_llm(ck, s, lambda llm: [kernel_vs_gap(llm, ck, s, n, use_graphs) for n in s.streams],
-                             cuda_graphs=use_graphs, max_num_seqs=max(s.streams),
-                             pipeline_depth=2 if s.device == "cuda" else 1)
+        for fused in s.forwards:
+            for use_graphs in modes:
+                # CPU: depth 1 keeps the ops on this thread, the one torch.profiler records. A variant that
+                # fails is recorded as such and the others still run (a device call is short and costly).
+                try:
+                    rows += with_llm(ck, s, lambda llm: [kernel_vs_gap(llm, ck, s, n, use_graphs)
+                                                         for n in s.streams],
+                                     cuda_graphs=use_graphs, max_num_seqs=max(s.streams), fused_forward=fused,
+                                     pipeline_depth=2 if s.device == "cuda" else 1)
+                except Exception as e:  # noqa: BLE001 - reported in the results, not hidden
+                    print(f"  [{name}] fused_forward={fused} graphs={use_graphs} failed: {e!r}", flush=True)
+                    rows.append({"device": machine(s.device)["device"], "model": ck.name, "graphs": use_graphs,
+                                 "forward": {None: "default", True: "fused", False: "layers"}[fused],
+                                 "error": repr(e)[:300]})
+                    release()
     return rows
+
+
+def forward_kind(llm: LLM) -> str:
+    """Which decoder forward the engine runs: "fused" (engine/models/fused_forward.py) or "layers"."""
+    model = getattr(llm.engine.runner, "model", None)
+    return "fused" if getattr(model, "fused", None) is not None else "layers"
 
 
 def kernel_vs_gap(llm: LLM, ck: Checkpoint, s: Settings, batch: int, use_graphs: bool) -> dict:
@@ -177,15 +198,20 @@ def kernel_vs_gap(llm: LLM, ck: Checkpoint, s: Settings, batch: int, use_graphs:
     run = drive(llm, reqs, on_step=lambda i: prof.step(i, first_decode + warm, window))
     steps = [t for t in run.timings[first_decode + warm:first_decode + warm + window]]
     period = med(t["device_period_s"] for t in steps[1:])
+    # The same batch's period before the profiler starts (it slows the host, so its gap is an upper bound).
+    before = run.timings[first_decode + 1:first_decode + warm]
+    plain = med(t["device_period_s"] for t in before if t["num_seqs"] == batch == t["num_tokens"])
     kernel = prof.kernel_s / max(1, prof.steps)
     row = {"device": machine(s.device)["device"], "model": ck.name, "batch": batch, "graphs": use_graphs,
-           "step_ms": ms(period), "kernel_ms": ms(kernel), "gap_ms": ms(period - kernel),
+           "forward": forward_kind(llm), "step_ms": ms(period), "step_ms_unprofiled": ms(plain),
+           "kernel_ms": ms(kernel), "gap_ms": ms(period - kernel),
            "gap_pct": round(100 * (period - kernel) / period, 2) if period else None,
            "kernels_per_step": round(prof.kernels / max(1, prof.steps), 1), "profiled_steps": prof.steps,
            "graph_steps": run.counters["graph_steps"],
            "window_all_decode": all(t["num_seqs"] == batch == t["num_tokens"] for t in steps),
            "kernel_source": "CUDA kernels (torch.profiler)" if s.device == "cuda" else "aten op self CPU time"}
-    print(_line(row, ["model", "batch", "graphs", "step_ms", "kernel_ms", "gap_ms", "gap_pct"]), flush=True)
+    print(_line(row, ["model", "forward", "batch", "graphs", "step_ms", "step_ms_unprofiled", "kernel_ms", "gap_ms",
+                      "gap_pct", "kernels_per_step"]), flush=True)
     return row
 
 
@@ -292,18 +318,20 @@ def bs1(s: Settings) -> list[dict]:
         n_new, plen = s.scaled(512, 64), s.scaled(128, 32)
         prompt = [random.Random(1).randrange(ck.vocab_size) for _ in range(plen)]
         req = [(prompt, SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))]
-        run = with_llm(ck, s, lambda llm: drive(llm, req), max_num_seqs=8)
+        kind = []
+        run = with_llm(ck, s, lambda llm: kind.append(forward_kind(llm)) or drive(llm, req), max_num_seqs=8)
         per_tok = med(p for _, p in decode_pairs(run.timings, 1))
         floor = ck.weight_bytes / bandwidth
-        hf_per_tok = hf_generate_per_token(ck, prompt, n_new)
-        rows.append({"device": machine(s.device)["device"], "model": ck.name,
+        hf_per_tok = hf_generate_per_token(ck, prompt, min(n_new, s.hf_tokens))
+        rows.append({"device": machine(s.device)["device"], "model": ck.name, "forward": kind[0],
                      "weight_GB": round(ck.weight_bytes / 1e9, 3), "bandwidth_GB_s": round(bandwidth / 1e9),
                      "floor_ms": ms(floor), "tandem_ms_per_tok": ms(per_tok),
                      "tandem_tok_s": round(1 / per_tok, 1), "tandem_GB_s": round(ck.weight_bytes / per_tok / 1e9, 1),
                      "over_floor": round(per_tok / floor, 2),
                      "tandem_wall_ms_per_tok": ms(run.wall_s / n_new), "hf_ms_per_tok": ms(hf_per_tok),
-                     "hf_GB_s": round(ck.weight_bytes / hf_per_tok / 1e9, 1), "graph_steps": run.counters["graph_steps"]})
-        print(_line(rows[-1], ["model", "floor_ms", "tandem_ms_per_tok", "tandem_tok_s", "tandem_GB_s",
+                     "hf_GB_s": round(ck.weight_bytes / hf_per_tok / 1e9, 1),
+                     "graph_steps": run.counters["graph_steps"]})
+        print(_line(rows[-1], ["model", "forward", "floor_ms", "tandem_ms_per_tok", "tandem_tok_s", "tandem_GB_s",
                                "over_floor", "hf_ms_per_tok"]), flush=True)
     return rows
 
@@ -348,10 +376,12 @@ def _plot(stem: Path, name: str, rows: list[dict]) -> None:
     series = {"photon": ("streams", ["forward_ms", "sampling_ms", "gpu_idle_ms"]),
               "graphs": ("batch", ["kernel_ms", "gap_ms"]), "throughput": ("model", ["tandem_tok_s", "hf_tok_s"]),
               "bs1": ("model", ["floor_ms", "tandem_ms_per_tok"])}.get(name)
+    rows = [r for r in rows if "error" not in r]  # a variant that failed has no figures
     if not series or not rows:
         return
     x, ys = series
-    labels = [f"{r['model']}\n{x}={r[x]}" + (f"\ngraphs={r['graphs']}" if "graphs" in r else "") for r in rows]
+    labels = [f"{r['model']}\n{x}={r[x]}" + (f"\ngraphs={r['graphs']}" if "graphs" in r else "")
+              + (f"\n{r['forward']}" if "forward" in r else "") for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
     bottom = [0.0] * len(rows)
     for y in ys:
@@ -379,12 +409,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=list(MODEL_NAMES))
     ap.add_argument("--streams", nargs="+", type=int, default=None, help="photon/graphs batch sizes")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--forward", nargs="+", choices=["default", "fused", "layers"], default=["default"],
+                    help="graphs: the decoder forwards to compare (fused: engine/models/fused_forward.py)")
+    ap.add_argument("--no-eager", action="store_true", help="graphs: CUDA-graph steps only (skip eager steps)")
+    ap.add_argument("--hf-tokens", type=int, default=512, help="bs1: tokens transformers' generate decodes")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU runs: torch threads (1: no OpenMP stalls on a shared, loaded machine)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
-    s = Settings(args.device, args.tiny, args.models, args.out)
+    s = Settings(args.device, args.tiny, args.models, args.out,
+                 forwards=[{"default": None, "fused": True, "layers": False}[f] for f in args.forward],
+                 graph_modes=[True] if args.no_eager else [True, False], hf_tokens=args.hf_tokens)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     if args.streams:

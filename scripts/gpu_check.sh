@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: run the GPU tests and the GPU benchmarks, collect the results.
 #
-#   scripts/gpu_check.sh [all|tests|bench|photon|graphs|throughput|bs1] [extra bench/bench_gpu.py args]
+#   scripts/gpu_check.sh [all|full|tests|fused|bench|photon|graphs|throughput|bs1] [extra bench/bench_gpu.py args]
 #
+#   all (default) the check sized for one device call of under 8 minutes (GPU_CHECK_BUDGET seconds, default 460;
+#               each part is cut off at its share and a part that no longer fits is skipped, said so in the log):
+#               1. fused: the fused forward's Triton kernels against the eager path on CUDA, its fp32 greedy
+#                  against HF with and without graphs, its CUDA kernels per decoder layer from torch.profiler
+#                  (printed; tests/test_fused_kernels.py, test_fused_forward.py -m gpu);
+#               2. graphs: step times (with and without the profiler), kernel time and kernels per step at 1, 8
+#                  and 32 streams for Qwen2.5-0.5B and Llama-3.2-1B, the fused forward against the layers, graphs
+#                  on (bench/bench_gpu.py graphs --forward fused layers --no-eager);
+#               3. bs1: one sequence's time per token against the weight-bandwidth floor, with transformers'
+#                  generate on the same weights as the peer (128 of its tokens timed);
+#               4. tests: the runtime's GPU tests (below), the last run's two fixes among them.
 #   tests       pytest: Triton kernels vs the PyTorch reference on CUDA (fp32, bf16), the kernels compiled for
 #               sm_90, graph replay vs eager, pipelined vs blocking, fp32 greedy vs HF, no host sync in the
 #               loop, offload dependency ordering (tests/test_attention_kernels.py, test_gpu_runtime.py,
-#               test_runtime_paths.py); the fused forward's kernels against the eager path, its fp32 greedy
-#               against HF with and without graphs, and its CUDA kernels per decoder layer from torch.profiler,
-#               printed (tests/test_fused_kernels.py, test_fused_forward.py)
+#               test_runtime_paths.py), and the -m gpu tests of the KV offload side stream, the step records and
+#               the fused-MoE kernels
+#   fused       part 1 of all
 #   photon|graphs|throughput|bs1   one benchmark (bench/bench_gpu.py), all three models unless --models ...
-#   bench       the four benchmarks;  all (default): tests, then the four benchmarks
+#   bench       the four benchmarks;  full: tests, fused, then the four benchmarks (several device calls)
 #
 # Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, pytest; no ray or fastapi. engine/
 # also imports pyahocorasick and xgrammar (with pydantic): where the machine lacks them and reaches no package
@@ -19,9 +30,8 @@
 # models are random weights with the real configs. Results (JSON, markdown, PNG) are written to bench/results/;
 # when $OUT is set (the device tool's output folder) they are also packed into $OUT/gpu_results.tgz, with
 # $OUT/summary.md (every table of this run) and the logs next to it.
-# The slow parts: transformers' generate in bs1, graphs' eager steps (they run under the profiler), and
-# transformers' continuous batching of 256 requests in throughput. How long each part took on a GPU is in
-# docs/gpu.md#first-run-on-a-gpu. Keep each call under the device tool's 10-minute limit.
+# How long each part took on a GPU is in docs/gpu.md (the GPU runs). Keep each call under the device tool's
+# 10-minute limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -50,21 +60,23 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,temperature.gpu -
 
 run_tests() {
   "$py" -m pytest -q -p no:cacheprovider -rs tests/test_attention_kernels.py tests/test_gpu_runtime.py \
-    tests/test_runtime_paths.py 2>&1 | tee "$logs/gpu_tests.log"
+    tests/test_runtime_paths.py 2>&1 | tee -a "$logs/gpu_tests.log"
   local first=${PIPESTATUS[0]}
   # The CUDA tests of the KV offload side stream, the per-step CUDA-event timings and the fused-MoE kernels.
   "$py" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_kv_offload.py tests/test_step_records.py \
-    tests/test_moe.py 2>&1 \
-    | tee -a "$logs/gpu_tests.log"
+    tests/test_moe.py 2>&1 | tee -a "$logs/gpu_tests.log"
   local second=${PIPESTATUS[0]}
+  (( first != 0 )) && return "$first"
+  return "$second"
+}
+
+run_fused_tests() {
   # The fused forward (-s: its profiler counts of kernels per layer are printed into the log).
   "$py" -m pytest -q -s -p no:cacheprovider -rs -m gpu tests/test_fused_kernels.py tests/test_fused_forward.py 2>&1 \
-    | tee -a "$logs/gpu_tests.log"
-  local third=${PIPESTATUS[0]}
-  grep "CUDA kernels per layer" "$logs/gpu_tests.log" || true
-  (( first != 0 )) && return "$first"
-  (( second != 0 )) && return "$second"
-  return "$third"
+    | tee -a "$logs/gpu_fused_tests.log"
+  local rc=${PIPESTATUS[0]}
+  grep "CUDA kernels per layer" "$logs/gpu_fused_tests.log" || true
+  return "$rc"
 }
 
 run_bench() {
@@ -74,13 +86,41 @@ run_bench() {
   return "${PIPESTATUS[0]}"
 }
 
+export -f run_tests run_fused_tests run_bench
+export py logs results
+budget=${GPU_CHECK_BUDGET:-460}
+# part NAME CAP CMD...: run CMD cut off at CAP seconds or at what is left of the budget; skip it under 30 s left.
+part() {
+  local name=$1 cap=$2
+  shift 2
+  local left=$(( budget - SECONDS ))
+  (( left < cap )) && cap=$left
+  if (( cap < 30 )); then
+    echo "== $name: skipped, ${left}s of the ${budget}s budget left"
+    status=3
+    return
+  fi
+  echo "== $name (at ${SECONDS}s, up to ${cap}s)"
+  timeout -k 10 "$cap" bash -c '"$@"' "$name" "$@"
+  local rc=$?
+  (( rc == 124 || rc == 137 )) && echo "== $name: cut off at ${cap}s"
+  (( rc != 0 )) && status=$rc
+  echo "== $name: exit $rc at ${SECONDS}s"
+}
+
 case "$what" in
+  all)
+    part fused 150 run_fused_tests
+    part graphs 150 run_bench graphs --models qwen2.5-0.5b llama-3.2-1b --forward fused layers --no-eager "$@"
+    part bs1 90 run_bench bs1 --models qwen2.5-0.5b llama-3.2-1b --hf-tokens 128 "$@"
+    part tests 150 run_tests ;;
   tests) run_tests || status=$? ;;
+  fused) run_fused_tests || status=$? ;;
   photon|graphs|throughput|bs1) run_bench "$what" "$@" || status=$? ;;
-  bench|all)
-    if [ "$what" = all ]; then run_tests || status=$?; fi
+  bench|full)
+    if [ "$what" = full ]; then run_tests || status=$?; run_fused_tests || status=$?; fi
     for b in photon graphs throughput bs1; do run_bench "$b" "$@" || status=$?; done ;;
-  *) echo "unknown part: $what (all|tests|bench|photon|graphs|throughput|bs1)"; exit 2 ;;
+  *) echo "unknown part: $what (all|full|tests|fused|bench|photon|graphs|throughput|bs1)"; exit 2 ;;
 esac
 
 # This run's tables in one file, and everything packed for the trip back.
