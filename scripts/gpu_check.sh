@@ -50,9 +50,10 @@ fi
 stamp=$(mktemp)
 status=0
 
-"$py" - <<'EOF' || { echo "no usable CUDA device"; exit 2; }
+"$py" - <<'EOF' || { echo "no usable CUDA device, or engine/ does not import"; exit 2; }
 import torch, triton, transformers
 assert torch.cuda.is_available(), "torch sees no CUDA device"
+import engine  # every package engine/ imports is here (else: scripts/gpu_wheels.sh, and carry .whl)
 print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
       f"transformers {transformers.__version__}")
 EOF

@@ -7,14 +7,14 @@
 #
 # gpu_check.sh installs DIR/*.whl into a scratch folder on its PYTHONPATH when DIR exists. Seen needed on the
 # first GPU run (an H200 image with torch 2.11, triton 3.6, transformers 5.17, Python 3.12, no pyahocorasick,
-# xgrammar or pydantic).
+# xgrammar or pydantic); msgspec (request and output structs) and pyzmq (the engine core process) since.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.whl}
 py=${PYTHON:-.venv/bin/python}
 pyver=${GPU_PYTHON_VERSION:-3.12}
 mkdir -p "$dir"
-for name in pyahocorasick xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection \
+for name in pyahocorasick msgspec pyzmq xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection \
             typing-extensions; do
   version=$("$py" -c "import importlib.metadata as m; print(m.version('$name'))")
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
