@@ -86,7 +86,7 @@ def attention_variant(dtype: str, head_dim: int, group: int, block_size: int, de
                       sliding: bool, softcap: bool = False, merge_here: bool = False,
                       kv: str | None = None) -> tuple[ASTSource, int]:
     block_m = tp._dim(group) if decode else tp.prefill_block_m(group, head_dim)
-    block_n, _ = tp.launch_config(head_dim, decode)
+    block_n, num_warps = tp.launch_config(head_dim, decode, fp8=kv is not None and kv.startswith("fp8"))
     cx = dict(NUM_HEADS=group * 2, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=tp._dim(head_dim),
               BLOCK_SIZE=block_size, BLOCK_Q=1 if decode else block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
               NUM_SPLITS=splits, DECODE=decode, SLIDING=sliding, SOFTCAP=softcap,
@@ -96,7 +96,7 @@ def attention_variant(dtype: str, head_dim: int, group: int, block_size: int, de
     pointers = {"q_ptr": ptr, "kc_ptr": cache, "vc_ptr": cache, "out_ptr": ptr, "part_acc_ptr": "*fp32",
                 "part_ml_ptr": "*fp32", "ticket_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "bt_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    return _signature(tp._paged_attention_kernel, pointers, cx), tp.launch_config(head_dim, decode)[1]
+    return _signature(tp._paged_attention_kernel, pointers, cx), num_warps
 
 
 def store_variant(dtype: str, kv_heads: int, head_dim: int, block_size: int, kv: str | None = None) -> ASTSource:

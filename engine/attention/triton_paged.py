@@ -368,8 +368,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else None  # fp32: no TF32 rounding (exact-ish vs torch)
-    default_n, num_warps = launch_config(head_dim, decode)
     kv = kv_mode(q.dtype, k_cache.dtype)
+    default_n, num_warps = launch_config(head_dim, decode, fp8=kv == KV_FP8)
     ks, vs = kv_scale_args(kv, k_scale, v_scale, meta.seq_lens)
     _paged_attention_kernel[(num_tiles, hkv, splits)](
         q, k_cache, v_cache, out, part_acc, part_ml, tickets, ks, vs, meta.query_start_loc, meta.seq_lens,
@@ -408,7 +408,7 @@ def prefill_block_m(group: int, head_dim: int) -> int:
     return max(32 if head_dim > 128 else 64, _pow2(group))
 
 
-def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
+def launch_config(head_dim: int, decode: bool, fp8: bool = False) -> tuple[int, int]:
     """(BLOCK_N, num_warps). Chosen from sm_90 compiles (scripts/compile_kernels.py) to stay clear of
     register spills and stack frames: 64-key tiles spill at head_dim 128 (the per-key block gather keeps
     64-bit addresses live); prefill runs 32-key tiles with 8 warps; decode runs 4 warps, since at head_dim
@@ -416,8 +416,11 @@ def launch_config(head_dim: int, decode: bool) -> tuple[int, int]:
     registers with a 24-byte stack frame, while 4 warps need 146 and none. Past head_dim 128 (Gemma's 256)
     prefill runs 32-row tiles (prefill_block_m), also with 8 warps: 64 rows spilled 120-144 bytes to the
     stack with 16- or 32-key tiles, and 32 rows with 4 warps sat at 247-254 registers under Triton 3.9 and
-    spilled 56-72 bytes under Triton 3.6 (the H200 image's), where 8 warps need 211-239 and no stack.
-    Not yet tuned by timing on a GPU."""
+    spilled 56-72 bytes under Triton 3.6 (the H200 image's), where 8 warps need 211-239 and no stack. With an
+    fp8 KV cache (`fp8`) the dequantized [256, 32] key tile on top of that spilled 16 bytes at 255 registers
+    under Triton 3.6, so that prefill takes 16-key tiles. Not yet tuned by timing on a GPU."""
+    if fp8 and not decode and head_dim > 128:
+        return 16, 8
     return 32, (4 if decode else 8)
 
 
