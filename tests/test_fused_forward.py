@@ -132,28 +132,31 @@ def test_fused_forward_greedy_matches_hf(tiny_model_factory, family, graph_max):
         assert llm.stats()["graph_steps"] > 0
 
 
-@interpreted
-def test_fused_forward_equals_eager_logits(monkeypatch):
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreted),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gemma2", "phi3"])
+def test_fused_forward_equals_eager_logits(family, device, monkeypatch):
     """One decode step's final hidden states, fused against the eager layers on the same weights (fp32),
     within the fp32 summation error of norms and GEMMs reordered (relative 1e-5 of the row norm)."""
-    monkeypatch.setattr(triton_paged, "_auto_splits", h200_splits)
-    for family in ("llama", "gemma3_text"):
-        outs = []
-        for fused in (False, True):
-            model, spec = random_model(family, 2, fused, dtype=torch.float32)
-            bs = 4
-            g = torch.Generator().manual_seed(3)
-            kv = [(torch.randn(8, bs, spec.num_kv_heads, spec.head_dim, generator=g),
-                   torch.randn(8, bs, spec.num_kv_heads, spec.head_dim, generator=g)) for _ in range(2)]
-            meta = AttentionMetadata(torch.tensor([5, 20]), torch.tensor([0, 1, 2], dtype=torch.int32),
-                                     torch.tensor([6, 10], dtype=torch.int32),
-                                     torch.tensor([[1, 0, 0], [3, 4, 5]], dtype=torch.int32), bs, [1, 1], [6, 10])
-            with torch.inference_mode():
-                model.layers[0].self_attn.backend.prepare(meta)
-                outs.append(model(torch.tensor([7, 11]), torch.tensor([5, 9]), kv, meta))
-        eager, fused_out = outs
-        err = (fused_out - eager).norm(dim=-1) / eager.norm(dim=-1)
-        assert err.max().item() < 1e-5, f"{family}: relative error {err.max().item():.2e}"
+    if device == "cpu":
+        monkeypatch.setattr(triton_paged, "_auto_splits", h200_splits)
+    outs = []
+    for fused in (False, True):
+        model, spec = random_model(family, 2, fused, dtype=torch.float32, device=device)
+        bs = 4
+        g = torch.Generator().manual_seed(3)
+        kv = [(torch.randn(8, bs, spec.num_kv_heads, spec.head_dim, generator=g).to(device),
+               torch.randn(8, bs, spec.num_kv_heads, spec.head_dim, generator=g).to(device)) for _ in range(2)]
+        i32 = dict(dtype=torch.int32, device=device)
+        meta = AttentionMetadata(torch.tensor([5, 20], device=device), torch.tensor([0, 1, 2], **i32),
+                                 torch.tensor([6, 10], **i32), torch.tensor([[1, 0, 0], [3, 4, 5]], **i32),
+                                 bs, [1, 1], [6, 10])
+        with torch.inference_mode():
+            model.layers[0].self_attn.backend.prepare(meta)
+            outs.append(model(torch.tensor([7, 11], device=device), torch.tensor([5, 9], device=device), kv, meta))
+    eager, fused_out = outs
+    err = (fused_out - eager).norm(dim=-1) / eager.norm(dim=-1)
+    assert err.max().item() < 1e-5, f"{family}: relative error {err.max().item():.2e}"
 
 
 @interpreted

@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.scheduler import ScheduledChunk
 from test_runtime_paths import staged_seq
 from test_correctness_hf import assert_matches_hf, make_prompts
-from tiny_models import FAMILIES
+from tiny_models import EXTRA_FAMILIES, FAMILIES
 
 pytestmark = pytest.mark.gpu
 
@@ -46,6 +46,23 @@ def test_fp32_greedy_matches_hf(tiny_model_factory, family, graphs):
     assert stats["attention_backend"] == "triton"
     assert (stats["graph_steps"] > 0) == graphs
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("family", list(EXTRA_FAMILIES))
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "layers"])
+def test_fp32_greedy_matches_hf_gemma_phi(tiny_model_factory, family, fused):
+    """Gemma 2/3's and Phi-3's features (soft-caps, sandwich norms, windows, partial and LongRoPE) on CUDA,
+    through the fused forward and through the layers, token for token against HF (near-ties excepted).
+    LongRoPE's factor is fixed per engine (test_model_families.test_phi3_longrope_short_and_long_factors):
+    the short one, as HF picks for these prompts, under max_model_len 64."""
+    path, hf = tiny_model_factory(family)
+    longrope = family == "phi3_longrope"
+    llm = cuda_llm(path, dtype="float32", cuda_graphs=False, block_size=4, max_num_batched_tokens=16,
+                   fused_forward=fused, attention_backend="triton", **({"max_model_len": 64} if longrope else {}))
+    prompts = make_prompts(seed=1, lengths=(3, 9, 17, 33, 40) if longrope else (3, 9, 17, 33, 40, 70))
+    outs = llm.generate(prompts, greedy())
+    for prompt, out in zip(prompts, outs):
+        assert_matches_hf(hf, prompt, out.token_ids)
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])

@@ -97,7 +97,10 @@ def build(family: str, root: Path, seed: int = 0, **overrides) -> tuple[Path, to
         pattern = config.layer_types
         config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Soft-capped attention (Gemma 2) is only right in HF's eager attention: transformers 5.17 (the H200
+    # image's) ran Gemma 2 through SDPA by default, which drops the cap, and 5.24 refuses SDPA for it.
+    attn = {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attn).eval()
     if family in _RANDOMISED:
         with torch.no_grad():
             for name, param in model.named_parameters():
