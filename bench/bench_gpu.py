@@ -209,9 +209,12 @@ def kernel_vs_gap(llm: LLM, ck: Checkpoint, s: Settings, batch: int, use_graphs:
            "kernels_per_step": round(prof.kernels / max(1, prof.steps), 1), "profiled_steps": prof.steps,
            "graph_steps": run.counters["graph_steps"],
            "window_all_decode": all(t["num_seqs"] == batch == t["num_tokens"] for t in steps),
-           "kernel_source": "CUDA kernels (torch.profiler)" if s.device == "cuda" else "aten op self CPU time"}
+           "kernel_source": "CUDA kernels (torch.profiler)" if s.device == "cuda" else "aten op self CPU time",
+           "top_kernels": prof.top}
     print(_line(row, ["model", "forward", "batch", "graphs", "step_ms", "step_ms_unprofiled", "kernel_ms", "gap_ms",
                       "gap_pct", "kernels_per_step"]), flush=True)
+    for k in prof.top:
+        print(f"      {k['us_per_step']:8.1f} us  x{k['per_step']:<5}  {k['kernel']}", flush=True)
     return row
 
 
@@ -224,6 +227,7 @@ class _Profiler:
         self.kernel_s = 0.0
         self.kernels = 0
         self.steps = 0
+        self.top: list[dict] = []
 
     def step(self, committed: int, start: int, window: int) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -237,7 +241,22 @@ class _Profiler:
             self.prof.__exit__(None, None, None)
             self.steps = window
             self.kernel_s, self.kernels = self._kernel_time()
+            self.top = self._top_kernels(window)
             self.prof = None
+
+    def _top_kernels(self, steps: int, n: int = 12) -> list[dict]:
+        """The device kernels that take the most time, per step: name, microseconds, launches."""
+        if self.device != "cuda":
+            return []
+        by_name: dict[str, list[float]] = {}
+        for e in self.prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                t = by_name.setdefault(e.name, [0.0, 0])
+                t[0] += e.time_range.elapsed_us()
+                t[1] += 1
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
+        return [{"kernel": name[:90], "us_per_step": round(us / steps, 1), "per_step": round(c / steps, 1)}
+                for name, (us, c) in top]
 
     def _kernel_time(self) -> tuple[float, int]:
         if self.device == "cuda":

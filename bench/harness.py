@@ -97,7 +97,9 @@ def write_results(stem: Path, title: str, rows: list[dict], meta: dict) -> None:
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = [f"## {title}", "", f"machine: {json.dumps(meta)}", ""]
     if rows:
-        keys = list(dict.fromkeys(k for r in rows for k in r))
+        # Lists (a row's kernel breakdown, say) stay in the JSON; the table holds the scalars.
+        keys = [k for k in dict.fromkeys(k for r in rows for k in r) if not any(isinstance(r.get(k), list)
+                                                                                 for r in rows)]
         md += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
         md += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")

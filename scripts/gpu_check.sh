@@ -114,7 +114,7 @@ case "$what" in
     part fused 150 run_fused_tests
     part graphs 150 run_bench graphs --models qwen2.5-0.5b llama-3.2-1b --forward fused layers --no-eager "$@"
     part bs1 90 run_bench bs1 --models qwen2.5-0.5b llama-3.2-1b --hf-tokens 128 "$@"
-    part tests 150 run_tests ;;
+    part tests "$budget" run_tests ;;  # what is left of the budget (docs/gpu.md: each part's time)
   tests) run_tests || status=$? ;;
   fused) run_fused_tests || status=$? ;;
   photon|graphs|throughput|bs1) run_bench "$what" "$@" || status=$? ;;
