@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GPU runtime benchmarks on random-weight models with real shapes (Qwen2.5-0.5B, Llama-3.2-1B, Qwen2.5-1.5B).
 
-    python bench/bench_gpu.py photon|graphs|throughput|bs1|all [--device cuda|cpu] [--tiny] [--models ...]
+    python bench/bench_gpu.py photon|graphs|throughput|bs1|kernels|all [--device cuda|cpu] [--tiny] [--models ...]
                               [--out bench/results]
 
 photon      Photon's tables: per-step forward, sampling and period (steady-state medians, device timeline) at
@@ -16,6 +16,8 @@ throughput  the nano-vllm workload (256 sequences, prompt and output lengths uni
             given each request's own max_new_tokens) on the same weights, in the same run.
 bs1         one sequence decoding: time per token vs the weight-bandwidth floor (weight bytes / measured
             device memory bandwidth), GB/s beside tok/s, with transformers' generate as the peer.
+kernels     the fused forward's gate/up GEMM at each model's shape and the decode batch sizes: its shipped
+            tiles, the fastest of a grid of tiles, cuBLAS + act_mul as the peer, the weights' bandwidth floor.
 
 Every figure is printed with the device name; each subcommand writes <name>_<device>.json and .md (and a
 PNG when matplotlib is installed) under --out. Warm-up runs are excluded; step figures are medians.
@@ -376,6 +378,70 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+# ---- kernels: the gate/up GEMM's tiles at decode sizes ---------------------------------------------------------
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_M is gemm_tiles' (16 rows up to 16, else 64). Configurations
+# that do not fit the GPU's shared memory or registers are recorded as failed.
+TILE_GRID = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4)]
+
+
+def kernels(s: Settings) -> list[dict]:
+    """The fused forward's gate/up GEMM with act(gate) * up in its epilogue (engine/models/fused_kernels
+    .gate_up_act) at each model's real shape and the decode batch sizes: the tiles it ships with, the fastest of
+    TILE_GRID that computes the same values, and cuBLAS's GEMM followed by the act_mul kernel (one launch more) as
+    the peer; against the weights' bytes at the measured bandwidth. Each call is timed alone with the L2 cache
+    flushed before it (triton.testing.do_bench), as a layer's weights are not in L2 during a real step."""
+    from engine.models import fused_kernels as fk
+    from gpu_models import REAL
+    bandwidth = memory_bandwidth(s.device, nbytes=s.scaled(1 << 31, 1 << 24))
+    rows = []
+    for name in s.models:
+        cfg = REAL[name][1]
+        hidden, inter = (128, 256) if s.tiny else (cfg["hidden_size"], cfg["intermediate_size"])
+        gen = torch.Generator(device=s.device).manual_seed(0)
+        w = (0.02 * torch.randn(2 * inter, hidden, device=s.device, generator=gen)).to(s.dtype)
+        floor = w.numel() * w.element_size() / bandwidth
+        for m in s.streams:
+            x = torch.randn(m, hidden, device=s.device, generator=gen).to(s.dtype)
+            ref = fk.gate_up_act(x, w, None, "silu").float()
+            shipped = _time(lambda: fk.gate_up_act(x, w, None, "silu"), s)
+            cublas = _time(lambda: fk.act_mul(torch.nn.functional.linear(x, w), "silu"), s)
+            block_m = fk.gemm_tiles(m, inter, hidden, s.dtype == torch.float32)[0]
+            grid = []
+            for bn, bk, warps, stages in (TILE_GRID if not s.tiny else TILE_GRID[:2]):
+                tiles = (block_m, bn, bk, warps, stages)
+                try:
+                    out = fk.gate_up_act(x, w, None, "silu", tiles=tiles).float()
+                    same = bool(torch.allclose(out, ref, rtol=2e-2, atol=1e-2))  # bf16: sums reordered
+                    grid.append({"tiles": tiles, "us": round(1e6 * _time(
+                        lambda: fk.gate_up_act(x, w, None, "silu", tiles=tiles), s), 2), "same": same})
+                except Exception as e:  # noqa: BLE001 - out of shared memory or registers: recorded
+                    grid.append({"tiles": tiles, "error": type(e).__name__})
+            good = [g for g in grid if g.get("same")]
+            best = min(good, key=lambda g: g["us"]) if good else None
+            shipped_tiles = fk.gemm_tiles(m, inter, hidden, s.dtype == torch.float32)
+            rows.append({"device": machine(s.device)["device"], "model": name, "M": m, "N": inter, "K": hidden,
+                         "floor_us": round(1e6 * floor, 2), "shipped_tiles": shipped_tiles,
+                         "shipped_us": round(1e6 * shipped, 2), "best_tiles": best and best["tiles"],
+                         "best_us": best and best["us"], "cublas_act_us": round(1e6 * cublas, 2),
+                         "programs_shipped": -(-m // shipped_tiles[0]) * -(-inter // shipped_tiles[1]),
+                         "grid": grid})
+            print(_line(rows[-1], ["model", "M", "floor_us", "shipped_us", "best_us", "best_tiles",
+                                   "cublas_act_us"]), flush=True)
+    return rows
+
+
+def _time(fn, s: Settings) -> float:
+    """Seconds one call takes: on CUDA the median of do_bench's event-timed calls, each after an L2 flush."""
+    if s.device == "cuda":
+        import triton
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - t0) / 3
+
+
 # ---- output -----------------------------------------------------------------------------------------------
 def _line(row: dict, keys: list[str]) -> str:
     return f"  [{row['device']}] " + "  ".join(f"{k}={row[k]}" for k in keys)
@@ -417,7 +483,7 @@ def _plot(stem: Path, name: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-SUBCOMMANDS = {"photon": photon, "graphs": graphs, "throughput": throughput, "bs1": bs1}
+SUBCOMMANDS = {"photon": photon, "graphs": graphs, "throughput": throughput, "bs1": bs1, "kernels": kernels}
 
 
 def main(argv: list[str] | None = None) -> int:

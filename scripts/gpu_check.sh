@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: run the GPU tests and the GPU benchmarks, collect the results.
 #
-#   scripts/gpu_check.sh [all|full|tests|fused|bench|photon|graphs|throughput|bs1] [extra bench/bench_gpu.py args]
+#   scripts/gpu_check.sh [all|full|tests|fused|bench|photon|graphs|throughput|bs1|kernels] [bench_gpu.py args]
 #
 #   all (default) the check sized for one device call of under 8 minutes (GPU_CHECK_BUDGET seconds, default 460;
 #               each part is cut off at its share and a part that no longer fits is skipped, said so in the log):
@@ -13,15 +13,17 @@
 #                  on (bench/bench_gpu.py graphs --forward fused layers --no-eager);
 #               3. bs1: one sequence's time per token against the weight-bandwidth floor, with transformers'
 #                  generate on the same weights as the peer (128 of its tokens timed);
-#               4. tests: the runtime's GPU tests (below), the last run's two fixes among them.
+#               4. kernels: the fused gate/up GEMM's tiles swept at both models' shapes and 1/8/32 rows, against
+#                  cuBLAS + act_mul and the weights' floor (the largest kernel of a fused step on the last run);
+#               5. tests: the runtime's GPU tests (below).
 #   tests       pytest: Triton kernels vs the PyTorch reference on CUDA (fp32, bf16), the kernels compiled for
 #               sm_90, graph replay vs eager, pipelined vs blocking, fp32 greedy vs HF, no host sync in the
 #               loop, offload dependency ordering (tests/test_attention_kernels.py, test_gpu_runtime.py,
 #               test_runtime_paths.py), and the -m gpu tests of the KV offload side stream, the step records and
 #               the fused-MoE kernels
 #   fused       part 1 of all
-#   photon|graphs|throughput|bs1   one benchmark (bench/bench_gpu.py), all three models unless --models ...
-#   bench       the four benchmarks;  full: tests, fused, then the four benchmarks (several device calls)
+#   photon|graphs|throughput|bs1|kernels   one benchmark (bench/bench_gpu.py), all three models unless --models
+#   bench       the five benchmarks;  full: tests, fused, then the five benchmarks (several device calls)
 #
 # Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, pytest; no ray or fastapi. engine/
 # also imports pyahocorasick and xgrammar (with pydantic): where the machine lacks them and reaches no package
@@ -114,14 +116,15 @@ case "$what" in
     part fused 150 run_fused_tests
     part graphs 150 run_bench graphs --models qwen2.5-0.5b llama-3.2-1b --forward fused layers --no-eager "$@"
     part bs1 90 run_bench bs1 --models qwen2.5-0.5b llama-3.2-1b --hf-tokens 128 "$@"
+    part kernels 130 run_bench kernels --models qwen2.5-0.5b llama-3.2-1b "$@"
     part tests "$budget" run_tests ;;  # what is left of the budget (docs/gpu.md: each part's time)
   tests) run_tests || status=$? ;;
   fused) run_fused_tests || status=$? ;;
-  photon|graphs|throughput|bs1) run_bench "$what" "$@" || status=$? ;;
+  photon|graphs|throughput|bs1|kernels) run_bench "$what" "$@" || status=$? ;;
   bench|full)
     if [ "$what" = full ]; then run_tests || status=$?; run_fused_tests || status=$?; fi
-    for b in photon graphs throughput bs1; do run_bench "$b" "$@" || status=$?; done ;;
-  *) echo "unknown part: $what (all|full|tests|fused|bench|photon|graphs|throughput|bs1)"; exit 2 ;;
+    for b in photon graphs throughput bs1 kernels; do run_bench "$b" "$@" || status=$?; done ;;
+  *) echo "unknown part: $what (all|full|tests|fused|bench|photon|graphs|throughput|bs1|kernels)"; exit 2 ;;
 esac
 
 # This run's tables in one file, and everything packed for the trip back.

@@ -211,13 +211,15 @@ def act_error(g: torch.Tensor, u: torch.Tensor, exact: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,act,bias", [(1, 48, 64, "silu", False), (5, 128, 96, "silu", True),
                                             (19, 40, 64, "gelu_pytorch_tanh", False)])
-def test_gate_up_act_matches_eager(m, n, k, act, bias, dtype, device):
+@pytest.mark.parametrize("tiles", [None, (16, 16, 64, 4, 3)], ids=["shipped", "tiles"])
+def test_gate_up_act_matches_eager(m, n, k, act, bias, dtype, device, tiles):
     """Decode (1 row), a small batch with Qwen-style biases, and prefill-sized tiles (19 rows: BLOCK_M 64)
-    with Gemma's tanh GELU; n = 48 and 40 leave partial column tiles."""
+    with Gemma's tanh GELU; n = 48 and 40 leave partial column tiles. `tiles`: another tiling, as
+    bench/bench_gpu.py kernels sweeps them (16 columns, 64-deep K steps: K = 96 ends in a partial one)."""
     x = rand(m, k, seed=10, dtype=dtype, device=device)
     w = rand(2 * n, k, seed=11, scale=k ** -0.5, dtype=dtype, device=device)
     b = rand(2 * n, seed=12, scale=0.3, dtype=dtype, device=device) if bias else None
-    out = fk.gate_up_act(x, w, b, act)
+    out = fk.gate_up_act(x, w, b, act, tiles=tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     # The exact value of what the kernel computes, from the same (rounded) inputs.
     gu = x.double().cpu() @ w.double().cpu().t() + (b.double().cpu() if bias else 0)

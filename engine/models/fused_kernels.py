@@ -278,9 +278,11 @@ def gemm_tiles(m: int, n: int, k: int, fp32: bool) -> tuple[int, int, int, int]:
     return block_m, min(64, max(16, _pow2(n))), min(32, max(16, _pow2(k))), warps
 
 
-def gate_up_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str) -> torch.Tensor:
+def gate_up_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str,
+                tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """act(x W_gate^T + b_gate) * (x W_up^T + b_up) for x [M, K] and the stacked weight [2N, K] (gate rows,
-    then up rows; bias [2N] or None) -> [M, N] in x's dtype."""
+    then up rows; bias [2N] or None) -> [M, N] in x's dtype. `tiles` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+    num_stages) replaces gemm_tiles' choice (bench/bench_gpu.py kernels sweeps them)."""
     _need_triton()
     if act not in ACTIVATIONS:
         raise ValueError(f"gate_up_act: activation {act!r} is not supported; valid: {', '.join(ACTIVATIONS)}")
@@ -291,12 +293,17 @@ def gate_up_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, warps = gemm_tiles(m, n, k, x.dtype == torch.float32)
+    if tiles is None:
+        block_m, block_n, block_k, warps = gemm_tiles(m, n, k, x.dtype == torch.float32)
+        stages = {}  # Triton's default
+    else:
+        block_m, block_n, block_k, warps, num_stages = tiles
+        stages = {"num_stages": num_stages}
     _gate_up_act_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[act], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32: no TF32 rounding
-        UPCAST=INTERPRETED and x.dtype != torch.float32, num_warps=warps)
+        UPCAST=INTERPRETED and x.dtype != torch.float32, num_warps=warps, **stages)
     return out
 
 
