@@ -73,6 +73,9 @@ class GpuProfile:
     kernel_gap_graph_s: float = 1.5e-6  # device time per kernel inside a replayed graph (tiny kernels'
     # launch latency plus their minimum duration)
     kernel_gap_eager_s: float = 2.5e-6  # ... and per kernel launched one by one (the host ahead of it)
+    # ... per kernel of the fused forward's plan inside a graph, where none is tiny: its small-batch GEMMs,
+    # attention and norms each take a few microseconds whatever their bytes. None: kernel_gap_graph_s.
+    fused_kernel_gap_graph_s: float | None = None
     graph_launch_s: float = 5e-6  # device-side latency of a graph launch
     copy_latency_s: float = 2.5e-6  # per cudaMemcpyAsync on its stream (DMA setup), on top of bytes / PCIe
     # Host (CPU) time the CUDA path spends launching work, which the simulated device charges to the thread
@@ -106,9 +109,10 @@ _GEN5, _GEN4 = 50 * GB, 25 * GB
 PROFILES: dict[str, GpuProfile] = {p.name: p for p in (
     GpuProfile("h100", memory_bytes=80 * GB, hbm_bytes_per_s=3.35e12, bf16_flops=989e12, num_sms=132,
                pcie_bytes_per_s=_GEN5),
-    # kernel_gap_graph_s fitted to the one GPU run's 1-stream Qwen2.5-0.5B step (engine/sim/calibrate.fit_h200)
+    # kernel_gap_graph_s fitted to the first GPU run's 1-stream Qwen2.5-0.5B step with the eager layers, and
+    # fused_kernel_gap_graph_s to the second run's with the fused forward (engine/sim/calibrate.fit_h200*)
     GpuProfile("h200", memory_bytes=141 * GB, hbm_bytes_per_s=4.8e12, bf16_flops=989e12, num_sms=132,
-               pcie_bytes_per_s=_GEN5, kernel_gap_graph_s=1.806e-6),
+               pcie_bytes_per_s=_GEN5, kernel_gap_graph_s=1.806e-6, fused_kernel_gap_graph_s=3.768e-6),
     GpuProfile("b200", memory_bytes=180 * GB, hbm_bytes_per_s=8.0e12, bf16_flops=2250e12, num_sms=148,
                pcie_bytes_per_s=_GEN5, link_bytes_per_s=720 * GB),
     GpuProfile("a100", memory_bytes=80 * GB, hbm_bytes_per_s=2.039e12, bf16_flops=312e12, num_sms=108,
@@ -179,6 +183,7 @@ class ModelCost:
     # only the window's keys there (whatever the KV layout keeps).
     sliding_share: float = 0.0
     window: int | None = None
+    fused: bool = False  # the layers are the fused forward's plan (its kernels priced as such inside a graph)
 
 
     @classmethod
@@ -204,7 +209,8 @@ class ModelCost:
         layer_params = sum(n * k for n, k in linears)
         layer_bytes = layer_params * dtype_bytes if linear_bytes is None else \
             sum(linear_bytes(n, k) for n, k in linears)
-        if kernels_per_layer is None and fused_forward.refusal(spec) is None:  # the fused layer's plan
+        fused = kernels_per_layer is None and fused_forward.refusal(spec) is None
+        if fused:  # the fused layer's plan
             plan = fused_forward.layer_launches(spec)
             kernels, triton, views = plan.aten, plan.triton, plan.views
         elif kernels_per_layer is None:  # the eager layer, as counted
@@ -220,7 +226,7 @@ class ModelCost:
                    dtype_bytes=dtype_bytes, layer_kernels=kernels + (2 if tp > 1 else 0), layer_triton=triton,
                    layer_views=views, tp=tp,
                    sliding_share=sum(map(spec.is_sliding, range(spec.num_layers))) / spec.num_layers,
-                   window=spec.sliding_window)
+                   window=spec.sliding_window, fused=fused)
 
     @property
     def kernels_per_forward(self) -> int:
@@ -313,7 +319,10 @@ class CostModel:
 
     def launch_overhead_s(self, graph: bool) -> float:
         p, k = self.profile, self.model.kernels_per_forward
-        return p.graph_launch_s + k * p.kernel_gap_graph_s if graph else k * p.kernel_gap_eager_s
+        if not graph:
+            return k * p.kernel_gap_eager_s
+        fused = self.model.fused and p.fused_kernel_gap_graph_s is not None
+        return p.graph_launch_s + k * (p.fused_kernel_gap_graph_s if fused else p.kernel_gap_graph_s)
 
     # ---- host launch cost of the CUDA path -------------------------------------------------------------------
     def host_forward_launch_s(self, graph: bool) -> float:
