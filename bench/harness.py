@@ -27,7 +27,9 @@ class Run:
 
 def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]], on_step=None) -> Run:
     engine = llm.engine
-    before = dict(engine.counters)
+    # The core counts steps; the scheduler counts what steps commit (generated tokens, zombie rows).
+    counters = lambda: {**engine.counters, **engine.scheduler.counters}  # noqa: E731
+    before = counters()
     timings, lens, seen = [], [], engine.counters["steps"]
     t0 = time.perf_counter()
     for prompt, params in requests:
@@ -40,7 +42,8 @@ def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]], on_step=No
             if on_step is not None:
                 on_step(len(timings))
     wall = time.perf_counter() - t0
-    return Run(wall, timings, lens, {k: engine.counters[k] - before[k] for k in before})
+    after = counters()
+    return Run(wall, timings, lens, {k: after[k] - before[k] for k in before})
 
 
 def decode_pairs(timings: list[dict], batch: int) -> list[tuple[dict, float]]:
