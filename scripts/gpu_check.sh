@@ -3,19 +3,21 @@
 #
 #   scripts/gpu_check.sh [all|full|tests|fused|bench|photon|graphs|throughput|bs1|kernels] [bench_gpu.py args]
 #
-#   all (default) the check sized for one device call of under 8 minutes (GPU_CHECK_BUDGET seconds, default 460;
+#   all (default) the check sized for one device call of under 8 minutes (GPU_CHECK_BUDGET seconds, default 470;
 #               each part is cut off at its share and a part that no longer fits is skipped, said so in the log):
 #               1. fused: the fused forward's Triton kernels against the eager path on CUDA, its fp32 greedy
 #                  against HF with and without graphs, its CUDA kernels per decoder layer from torch.profiler
 #                  (printed; tests/test_fused_kernels.py, test_fused_forward.py -m gpu);
-#               2. graphs: step times (with and without the profiler), kernel time and kernels per step at 1, 8
-#                  and 32 streams for Qwen2.5-0.5B and Llama-3.2-1B, the fused forward against the layers, graphs
-#                  on (bench/bench_gpu.py graphs --forward fused layers --no-eager);
+#               2. graphs: step times (with and without the profiler), kernel time, kernels per step and the
+#                  heaviest kernels at 1, 8 and 32 streams for Qwen2.5-0.5B and Llama-3.2-1B with the fused
+#                  forward, graphs on (GRAPHS_FORWARD="fused layers" adds the eager layers, as the last run did);
 #               3. bs1: one sequence's time per token against the weight-bandwidth floor, with transformers'
 #                  generate on the same weights as the peer (128 of its tokens timed);
-#               4. kernels: the fused gate/up GEMM's tiles swept at both models' shapes and 1/8/32 rows, against
+#               4. photon: pipelined against blocking at 1 and 32 streams, the GPU's idle per step, now that the
+#                  fused forward leaves the host half the time it had;
+#               5. kernels: the fused gate/up GEMM's tiles swept at both models' shapes and 1/8/32 rows, against
 #                  cuBLAS + act_mul and the weights' floor (the largest kernel of a fused step on the last run);
-#               5. tests: the runtime's GPU tests (below).
+#               6. tests: the runtime's GPU tests (below).
 #   tests       pytest: Triton kernels vs the PyTorch reference on CUDA (fp32, bf16), the kernels compiled for
 #               sm_90, graph replay vs eager, pipelined vs blocking, fp32 greedy vs HF, no host sync in the
 #               loop, offload dependency ordering (tests/test_attention_kernels.py, test_gpu_runtime.py,
@@ -91,7 +93,7 @@ run_bench() {
 
 export -f run_tests run_fused_tests run_bench
 export py logs results
-budget=${GPU_CHECK_BUDGET:-460}
+budget=${GPU_CHECK_BUDGET:-470}
 # part NAME CAP CMD...: run CMD cut off at CAP seconds or at what is left of the budget; skip it under 30 s left.
 part() {
   local name=$1 cap=$2
@@ -114,8 +116,10 @@ part() {
 case "$what" in
   all)
     part fused 150 run_fused_tests
-    part graphs 150 run_bench graphs --models qwen2.5-0.5b llama-3.2-1b --forward fused layers --no-eager "$@"
+    part graphs 120 run_bench graphs --models qwen2.5-0.5b llama-3.2-1b --forward ${GRAPHS_FORWARD:-fused} \
+      --no-eager "$@"
     part bs1 90 run_bench bs1 --models qwen2.5-0.5b llama-3.2-1b --hf-tokens 128 "$@"
+    part photon 100 run_bench photon --models qwen2.5-0.5b llama-3.2-1b --streams 1 32 "$@"
     part kernels 130 run_bench kernels --models qwen2.5-0.5b llama-3.2-1b "$@"
     part tests "$budget" run_tests ;;  # what is left of the budget (docs/gpu.md: each part's time)
   tests) run_tests || status=$? ;;
