@@ -28,4 +28,12 @@ metrics_port="${TANDEM_METRICS_PORT:-8080}"
 trap '.venv/bin/ray stop >/dev/null 2>&1 || true' EXIT
 echo "serve.sh: OpenAI API on http://127.0.0.1:8000/v1; metrics (Prometheus text) on" \
   "http://127.0.0.1:$metrics_port/metrics; Ray dashboard on http://127.0.0.1:8265 (Serve and Metrics tabs)"
-.venv/bin/serve run --address=auto "$@"
+# `serve run` in the background and a `wait` this shell can be interrupted in: bash runs no trap while a
+# foreground child runs, so a SIGTERM to this script (a service manager, `timeout`) would leave the server and
+# the Ray cluster up. Ctrl-C interrupts `serve run` (its SIGINT handler restored: a background job's
+# is ignored), which shuts Serve down; SIGTERM is passed on as it is; then the EXIT trap stops Ray.
+( trap - INT; exec .venv/bin/serve run --address=auto "$@" ) &
+server=$!
+trap 'kill -TERM "$server" 2>/dev/null; wait "$server"; exit 143' TERM
+trap 'kill -INT "$server" 2>/dev/null; wait "$server"; exit 130' INT
+wait "$server"
