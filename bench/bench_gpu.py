@@ -176,10 +176,14 @@ def graphs(s: Settings) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 - reported in the results, not hidden
                     print(f"  [{name}] fused_forward={fused} graphs={use_graphs} failed: {e!r}", flush=True)
                     rows.append({"device": machine(s.device)["device"], "model": ck.name, "graphs": use_graphs,
-                                 "forward": {None: "default", True: "fused", False: "layers"}[fused],
+                                 "forward": next(k for k, v in FORWARDS.items() if v is fused),
                                  "error": repr(e)[:300]})
                     release()
     return rows
+
+
+# --forward's names: EngineConfig.fused_forward's values (None: the engine's default for the device).
+FORWARDS = {"default": None, "fused": True, "layers": False}
 
 
 def forward_kind(llm: LLM) -> str:
@@ -242,31 +246,27 @@ class _Profiler:
                 torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
             self.steps = window
-            self.kernel_s, self.kernels = self._kernel_time()
-            self.top = self._top_kernels(window)
+            self.kernel_s, self.kernels, self.top = self._kernel_time(window)
             self.prof = None
 
-    def _top_kernels(self, steps: int, n: int = 12) -> list[dict]:
-        """The device kernels that take the most time, per step: name, microseconds, launches."""
+    def _kernel_time(self, steps: int, top: int = 12) -> tuple[float, int, list[dict]]:
+        """(kernel seconds, kernels, the `top` heaviest kernels per step) over the window. CUDA: the device's
+        kernels, copies and memsets left out of the first two (the list keeps them); CPU: aten self time."""
         if self.device != "cuda":
-            return []
+            rows = [r for r in self.prof.key_averages() if r.key.startswith("aten::")]
+            return sum(r.self_cpu_time_total for r in rows) / 1e6, sum(r.count for r in rows), []
         by_name: dict[str, list[float]] = {}
         for e in self.prof.events():
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 t = by_name.setdefault(e.name, [0.0, 0])
                 t[0] += e.time_range.elapsed_us()
                 t[1] += 1
-        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:n]
-        return [{"kernel": name[:90], "us_per_step": round(us / steps, 1), "per_step": round(c / steps, 1)}
-                for name, (us, c) in top]
-
-    def _kernel_time(self) -> tuple[float, int]:
-        if self.device == "cuda":
-            evs = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not any(k in e.name for k in ("Memcpy", "Memset", "memcpy", "memset"))]
-            return sum(e.time_range.elapsed_us() for e in evs) / 1e6, len(evs)
-        rows = [r for r in self.prof.key_averages() if r.key.startswith("aten::")]
-        return sum(r.self_cpu_time_total for r in rows) / 1e6, sum(r.count for r in rows)
+        kernels = [t for name, t in by_name.items()
+                   if not any(k in name for k in ("Memcpy", "Memset", "memcpy", "memset"))]
+        heavy = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+        return (sum(us for us, _ in kernels) / 1e6, sum(c for _, c in kernels),
+                [{"kernel": name[:90], "us_per_step": round(us / steps, 1), "per_step": round(c / steps, 1)}
+                 for name, (us, c) in heavy])
 
 
 # ---- throughput vs transformers ---------------------------------------------------------------------------
@@ -339,12 +339,11 @@ def bs1(s: Settings) -> list[dict]:
         n_new, plen = s.scaled(512, 64), s.scaled(128, 32)
         prompt = [random.Random(1).randrange(ck.vocab_size) for _ in range(plen)]
         req = [(prompt, SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True))]
-        kind = []
-        run = with_llm(ck, s, lambda llm: kind.append(forward_kind(llm)) or drive(llm, req), max_num_seqs=8)
+        kind, run = with_llm(ck, s, lambda llm: (forward_kind(llm), drive(llm, req)), max_num_seqs=8)
         per_tok = med(p for _, p in decode_pairs(run.timings, 1))
         floor = ck.weight_bytes / bandwidth
         hf_per_tok = hf_generate_per_token(ck, prompt, min(n_new, s.hf_tokens))
-        rows.append({"device": machine(s.device)["device"], "model": ck.name, "forward": kind[0],
+        rows.append({"device": machine(s.device)["device"], "model": ck.name, "forward": kind,
                      "weight_GB": round(ck.weight_bytes / 1e9, 3), "bandwidth_GB_s": round(bandwidth / 1e9),
                      "floor_ms": ms(floor), "tandem_ms_per_tok": ms(per_tok),
                      "tandem_tok_s": round(1 / per_tok, 1), "tandem_GB_s": round(ck.weight_bytes / per_tok / 1e9, 1),
@@ -406,10 +405,10 @@ def kernels(s: Settings) -> list[dict]:
             ref = fk.gate_up_act(x, w, None, "silu").float()
             shipped = _time(lambda: fk.gate_up_act(x, w, None, "silu"), s)
             cublas = _time(lambda: fk.act_mul(torch.nn.functional.linear(x, w), "silu"), s)
-            block_m = fk.gemm_tiles(m, inter, hidden, s.dtype == torch.float32)[0]
+            shipped_tiles = fk.gemm_tiles(m, inter, hidden, s.dtype == torch.float32)
             grid = []
             for bn, bk, warps, stages in (TILE_GRID if not s.tiny else TILE_GRID[:2]):
-                tiles = (block_m, bn, bk, warps, stages)
+                tiles = (shipped_tiles[0], bn, bk, warps, stages)
                 try:
                     out = fk.gate_up_act(x, w, None, "silu", tiles=tiles).float()
                     same = bool(torch.allclose(out, ref, rtol=2e-2, atol=1e-2))  # bf16: sums reordered
@@ -419,7 +418,6 @@ def kernels(s: Settings) -> list[dict]:
                     grid.append({"tiles": tiles, "error": type(e).__name__})
             good = [g for g in grid if g.get("same")]
             best = min(good, key=lambda g: g["us"]) if good else None
-            shipped_tiles = fk.gemm_tiles(m, inter, hidden, s.dtype == torch.float32)
             rows.append({"device": machine(s.device)["device"], "model": name, "M": m, "N": inter, "K": hidden,
                          "floor_us": round(1e6 * floor, 2), "shipped_tiles": shipped_tiles,
                          "shipped_us": round(1e6 * shipped, 2), "best_tiles": best and best["tiles"],
@@ -497,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=list(MODEL_NAMES))
     ap.add_argument("--streams", nargs="+", type=int, default=None, help="photon/graphs batch sizes")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--forward", nargs="+", choices=["default", "fused", "layers"], default=["default"],
+    ap.add_argument("--forward", nargs="+", choices=list(FORWARDS), default=["default"],
                     help="graphs: the decoder forwards to compare (fused: engine/models/fused_forward.py)")
     ap.add_argument("--no-eager", action="store_true", help="graphs: CUDA-graph steps only (skip eager steps)")
     ap.add_argument("--hf-tokens", type=int, default=512, help="bs1: tokens transformers' generate decodes")
@@ -507,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
     s = Settings(args.device, args.tiny, args.models, args.out,
-                 forwards=[{"default": None, "fused": True, "layers": False}[f] for f in args.forward],
+                 forwards=[FORWARDS[f] for f in args.forward],
                  graph_modes=[True] if args.no_eager else [True, False], hf_tokens=args.hf_tokens)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)

@@ -27,8 +27,10 @@ class Run:
 
 def drive(llm: LLM, requests: list[tuple[list[int], SamplingParams]], on_step=None) -> Run:
     engine = llm.engine
-    # The core counts steps; the scheduler counts what steps commit (generated tokens, zombie rows).
-    counters = lambda: {**engine.counters, **engine.scheduler.counters}  # noqa: E731
+
+    def counters() -> dict:  # the core counts steps; the scheduler what they commit (tokens, zombie rows)
+        return {**engine.counters, **engine.scheduler.counters}
+
     before = counters()
     timings, lens, seen = [], [], engine.counters["steps"]
     t0 = time.perf_counter()
