@@ -83,26 +83,36 @@ H200_RUN = {
 H200_PROMPT, H200_LAYER_KERNELS = 64, 40
 
 
-def _h200_cost(profile: GpuProfile, model: str) -> CostModel:
-    """`model` in bf16 with the launches of the H200 run's decoder."""
-    return CostModel(sim_spec(model), 2, profile, kernels_per_layer=H200_LAYER_KERNELS)
+def _decode_s(profile: GpuProfile, model: str, streams: int, context: float,
+              kernels_per_layer: int | None = None) -> float:
+    """Seconds the cost model gives a bf16 decode step of `streams` rows at `context` under a graph; the
+    launches are the decoder's as built unless `kernels_per_layer` says otherwise."""
+    cost = CostModel(sim_spec(model), 2, profile, kernels_per_layer=kernels_per_layer)
+    return cost.forward_s(StepShape([1] * streams, [context] * streams, streams), graph=True)
+
+
+def _fit_gap(profile: GpuProfile, field: str, model: str, measured_ms: float, context: float,
+             kernels_per_layer: int | None = None) -> GpuProfile:
+    """`profile` with its per-kernel time `field` fitted to `model`'s measured 1-stream forward: at one row a step is
+    its weights over the bandwidth plus one graph's launches, so what the measured step leaves after the first is the
+    kernels' share. The other model's rows check it out of sample."""
+    unit = replace(profile, **{field: 0.0})
+    kernels = CostModel(sim_spec(model), 2, unit, kernels_per_layer=kernels_per_layer).model.kernels_per_forward
+    gap = (measured_ms / 1e3 - _decode_s(unit, model, 1, context, kernels_per_layer)) / kernels
+    return replace(profile, **{field: round(gap, 9)})
 
 
 def h200_forward(profile: GpuProfile, model: str, streams: int) -> float:
-    """Seconds the cost model gives a decode step of the H200 run (`model`, `streams` rows at the run's context)."""
+    """Seconds the cost model gives a decode step of the first H200 run (`model`, `streams` rows at its context)."""
     context = H200_PROMPT + H200_RUN[model][streams][2] / 2
-    shape = StepShape([1] * streams, [context] * streams, streams)
-    return _h200_cost(profile, model).forward_s(shape, graph=True)
+    return _decode_s(profile, model, streams, context, H200_LAYER_KERNELS)
 
 
 def fit_h200(model: str = "qwen2.5-0.5b") -> GpuProfile:
-    """The h200 profile with its per-kernel time inside a graph fitted to `model`'s 1-stream forward: at one row a
-    step is its weights over the bandwidth plus one graph's launches, so what the measured step leaves after the
-    first is the kernels' share. The other model's row checks it out of sample."""
-    unit = replace(PROFILES["h200"], kernel_gap_graph_s=0.0)
-    kernels = _h200_cost(unit, model).model.kernels_per_forward
-    gap = (H200_RUN[model][1][0] / 1e3 - h200_forward(unit, model, 1)) / kernels
-    return replace(PROFILES["h200"], kernel_gap_graph_s=round(gap, 9))
+    """The h200 profile with the eager layers' per-kernel time inside a graph fitted to the first run."""
+    forward_ms, _, generated = H200_RUN[model][1]
+    return _fit_gap(PROFILES["h200"], "kernel_gap_graph_s", model, forward_ms, H200_PROMPT + generated / 2,
+                    H200_LAYER_KERNELS)
 
 
 # The second GPU run (bench/results/h200_08966c5/followup/graphs_fused_cuda.json, docs/gpu.md "Second run on a
@@ -115,17 +125,12 @@ H200_FUSED_CONTEXT = 128 + 35
 
 def h200_fused_forward(profile: GpuProfile, model: str, streams: int) -> float:
     """Seconds the cost model gives a decode step of the second H200 run (the fused forward's plan)."""
-    shape = StepShape([1] * streams, [H200_FUSED_CONTEXT] * streams, streams)
-    return CostModel(sim_spec(model), 2, profile).forward_s(shape, graph=True)
+    return _decode_s(profile, model, streams, H200_FUSED_CONTEXT)
 
 
 def fit_h200_fused(model: str = "qwen2.5-0.5b") -> GpuProfile:
-    """fit_h200's profile with the fused forward's per-kernel time inside a graph fitted the same way, to `model`'s
-    1-stream step of the second run; the other model's rows check it out of sample."""
-    unit = replace(fit_h200(), fused_kernel_gap_graph_s=0.0)
-    kernels = CostModel(sim_spec(model), 2, unit).model.kernels_per_forward
-    gap = (H200_FUSED_RUN[model][1] / 1e3 - h200_fused_forward(unit, model, 1)) / kernels
-    return replace(unit, fused_kernel_gap_graph_s=round(gap, 9))
+    """fit_h200's profile with the fused forward's per-kernel time inside a graph fitted to the second run."""
+    return _fit_gap(fit_h200(), "fused_kernel_gap_graph_s", model, H200_FUSED_RUN[model][1], H200_FUSED_CONTEXT)
 
 
 def main() -> None:
