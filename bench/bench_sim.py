@@ -2,7 +2,7 @@
 """The engine's host path at GPU speed, on the simulated accelerator (engine/sim). Every figure is SIMULATED:
 the host work is real and measured on this machine, the device's time comes from the cost model.
 
-    python bench/bench_sim.py photon|streams|throughput|all [--out bench/results] [--quick]
+    python bench/bench_sim.py photon|streams|throughput|mixed|all [--out bench/results] [--quick]
 
 photon      Photon's tables on photon-3090 and photon-b200 (moondream2's text decoder, a 740-token prompt,
             temperature sampling ending on EOS after ~110 tokens): 1, 8, 32 streams, blocking
@@ -16,6 +16,10 @@ streams     n concurrent streams on h100 (requests of 128-512 prompt and 128-512
             engine itself ("engine": LLM.generate) and through AsyncLLM with n asyncio callers: "async" with the
             core on a thread (its per-token hand-off to the callers' event loop shares the GIL), "proc" with the
             core in a process of its own, as a Serve replica runs it.
+mixed       graphs for steps with prompt chunks (EngineConfig.cuda_graphs_mixed, engine/cuda_graphs.py): the
+            "arrivals" workload through the engine at 32 and 256 streams, Qwen2.5-0.5B on h100, with those steps
+            eager and replayed from graphs in alternation (--repeats pairs; this VM's speed drifts between
+            minutes, so only runs side by side compare): busy, tok/s, host time per step, steps replayed.
 throughput  the nano-vllm workload (256 sequences, prompt and output lengths uniform in [100, 1024],
             ignore_eos, temperature 0.6) on h100 for Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B: tok/s against
             the simulated device's own ceiling (output tokens / device busy time) and the busy fraction.
@@ -178,10 +182,10 @@ def stream_requests(n: int, quick: bool, workload: str = "arrivals") -> list[tup
 
 
 def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: str = "async",
-               workload: str = "arrivals") -> dict:
+               workload: str = "arrivals", **engine_args) -> dict:
     cfg = EngineConfig(model=model_dir(model), device="sim", sim_gpu="h100", pipeline_depth=depth,
                        max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=max(2048, n),
-                       sim_kernels_per_layer=KERNELS[kernels])
+                       sim_kernels_per_layer=KERNELS[kernels], **engine_args)
     reqs = stream_requests(n, quick, workload)
 
     def offline():
@@ -219,6 +223,7 @@ def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: 
             "path": path, "workload": workload, "streams": n,
             "requests": len(reqs), "busy": round(busy_fraction(d), 4), "tok_s": round(tokens / wall),
             "ceiling_tok_s": round(tokens / d["device_busy_s"]), "steps": d["steps"],
+            "graph_steps": d["graph_steps"], "mixed_graph_steps": d["mixed_graph_steps"],
             "step_ms": round(1e3 * d["device_busy_s"] / max(1, d["steps"]), 3), **host_per_step(d),
             # CPU of this process (the caller: frontend, and the core too unless it has a process of its own) and
             # of the core process, per 1,000 output tokens
@@ -261,6 +266,21 @@ async def closed_loop(llm: AsyncLLM, reqs, concurrency: int) -> int:
             return n
 
     return sum(await asyncio.gather(*(one(p, sp) for p, sp in reqs)))
+
+
+# ---- mixed-step graphs -------------------------------------------------------------------------------------
+def mixed(args) -> list[dict]:
+    rows = []
+    for n in (32, 256):
+        for i in range(args.repeats):
+            for on in (False, True):
+                row = stream_run("qwen2.5-0.5b", "engine", 2, n, args.quick, "engine", "arrivals",
+                                 cuda_graphs_mixed=on) | {"mixed_graphs": on, "pair": i}
+                rows.append(row)
+                print(line(row, ["streams", "pair", "mixed_graphs", "busy", "tok_s", "steps", "graph_steps",
+                                 "mixed_graph_steps", "schedule_us", "prepare_us", "commit_us", "finalize_us",
+                                 "launch_us", "host_mops"]), flush=True)
+    return rows
 
 
 # ---- throughput --------------------------------------------------------------------------------------------
@@ -343,6 +363,13 @@ def plot(stem: Path, name: str, rows: list[dict]) -> None:
         ax.set_xticks(list(x), labels, fontsize=8)
         ax.set_ylabel("pipelined speedup over blocking, %")
         ax.legend(fontsize=8)
+    elif name == "mixed":
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        x = range(len(rows))
+        ax.bar(list(x), [r["busy"] for r in rows], color=["C1" if r["mixed_graphs"] else "C0" for r in rows])
+        ax.set_xticks(list(x), [f"{r['streams']}\n{'graphs' if r['mixed_graphs'] else 'eager'}" for r in rows],
+                      fontsize=7)
+        ax.set_ylabel("device busy fraction (arrivals)")
     else:
         fig, ax = plt.subplots(figsize=(9, 4.5))
         x = range(len(rows))
@@ -356,7 +383,7 @@ def plot(stem: Path, name: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-SUBCOMMANDS = {"photon": photon, "streams": streams, "throughput": throughput}
+SUBCOMMANDS = {"photon": photon, "streams": streams, "throughput": throughput, "mixed": mixed}
 
 
 def main(argv: list[str] | None = None) -> int:

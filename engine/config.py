@@ -61,6 +61,10 @@ class EngineConfig:
     # cost of burstier streams; the tokens and text are the same.
     stream_interval: int = 1
     cuda_graphs: bool = True
+    # With cuda_graphs: steps that carry prompt chunks replay graphs too, padded to token-count buckets
+    # (engine/cuda_graphs.py), where the attention backend allows it (triton) and the model is not a
+    # mixture-of-experts one; False runs them eagerly (one launch per kernel, from Python).
+    cuda_graphs_mixed: bool = True
     seed: int = 0
     # "auto" (flash_attn / triton / torch on cuda, torch on cpu) or a name in engine/attention's registry.
     attention_backend: str = "auto"
@@ -187,8 +191,8 @@ class EngineConfig:
             raise ValueError(f"cpu_executor_thread must be a boolean or None (auto), got {self.cpu_executor_thread!r}")
         if self.pp_cpu_sampling not in (None, True, False):
             raise ValueError(f"pp_cpu_sampling must be a boolean or None (auto), got {self.pp_cpu_sampling!r}")
-        for name in ("enable_prefix_caching", "cuda_graphs", "cpu_onednn", "pp_token_safe", "pp_structure_aware",
-                     "disable_hybrid_kv_cache_manager"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "cuda_graphs_mixed", "cpu_onednn", "pp_token_safe",
+                     "pp_structure_aware", "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:

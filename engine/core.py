@@ -178,7 +178,8 @@ class EngineCore:
         self.requests: dict[str | tuple[str, int], Sequence] = {}  # by Sequence.key
         self.compiling: list[tuple[Sequence, Future]] = []  # requests waiting for their grammar
         self.pending: deque[Step] = deque()  # launched, not yet committed: oldest first, one per busy slot
-        self.counters = {"steps": 0, "graph_steps": 0, "prompt_tokens": 0, "requests_finished": 0}
+        self.counters = {"steps": 0, "graph_steps": 0, "mixed_graph_steps": 0, "prompt_tokens": 0,
+                         "requests_finished": 0}
         self.last_step_timing: dict[str, float] = {}
         # Host time of the loop by phase (seconds, cumulative); "stream" is added by AsyncLLM's delivery,
         # "wait" is the commit blocked on the device (not host work).
@@ -470,6 +471,7 @@ class EngineCore:
         self._last_commit_time = now
         self.counters["steps"] += 1
         self.counters["graph_steps"] += step.graph_size is not None
+        self.counters["mixed_graph_steps"] += step.graph_seqs is not None
         # forward/sample/device_period: the device timeline (CUDA events; the worker's clock on CPU);
         # period_s: between commits on the host.
         self.last_step_timing = {"forward_s": result.forward_s, "sample_s": result.sample_s,

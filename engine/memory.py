@@ -152,14 +152,16 @@ def _proc_kb(path: str, field: str) -> int:
 
 def modelled_plan(*, memory_bytes: float, utilization: float, weight_bytes: float, buffer_bytes: float,
                   max_tokens: int, max_seqs: int, hidden: int, intermediate: int, vocab: int, dtype_bytes: int,
-                  graphs: bool) -> MemoryPlan:
+                  graphs: bool, mixed_graphs: bool = False) -> MemoryPlan:
     """The simulated device's plan: the same terms from the model's shape. A forward's widest live tensors are
     the MLP's gate/up output [T, 2 x intermediate] beside the residual stream and attention's q/k/v
     [T, ~3 x hidden]; sampling keeps about four [rows, vocab] fp32 tensors (logits copy, probabilities,
-    noise, top-k/top-p temporaries)."""
+    noise, top-k/top-p temporaries). The graphs' pool holds the largest graph's forward: a decode at max_seqs, or
+    with mixed-step graphs one of max_tokens."""
     def forward(tokens: int, rows: int) -> float:  # live tensors, plus the LM head's rows in dtype and fp32
         return tokens * (2 * intermediate + 4 * hidden) * dtype_bytes + rows * vocab * (dtype_bytes + 4)
     activation = forward(max_tokens, max_seqs) + 4 * max_seqs * vocab * 4
     return MemoryPlan(usable=memory_bytes * utilization, in_use=weight_bytes + buffer_bytes + CUDA_CONTEXT_BYTES,
-                      activation_peak=activation, graph_pool=forward(max_seqs, max_seqs) if graphs else 0.0,
+                      activation_peak=activation,
+                      graph_pool=forward(max_tokens if mixed_graphs else max_seqs, max_seqs) if graphs else 0.0,
                       source="modelled")

@@ -21,7 +21,7 @@ from engine import prompt_logprobs
 from engine.cpu import alloc as cpu_alloc
 from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.cuda_graphs import GraphPlan, StepGraphs, capture_sizes, mixed_sizes
 from engine.executor import FWD_END, FWD_START, make_executor
 from engine.kv_dtype import resolve_kv_dtype
 from engine.kv_groups import kv_layout
@@ -92,7 +92,7 @@ class ModelRunner(StepRunner):
         self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = self._layer_caches(self.kv_cache)
         self.offloader = KVOffloader(self.kv_cache, num_cpu_blocks) if num_cpu_blocks else None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if device.type == "cuda" and config.cuda_graphs and self.backend.supports_graphs:
             self.capture_graphs()
 
@@ -133,10 +133,12 @@ class ModelRunner(StepRunner):
         graph_pool = 0
         if cuda and self.config.cuda_graphs and self.backend.supports_graphs:
             rows = min(self.config.max_num_seqs, lim.max_seqs, MAX_GRAPH_BATCH_SIZE)
-            decode = CudaMeter(self.device)
-            with decode:
-                self._dummy_step(rows, rows, sample=False)
-            graph_pool = decode.peak
+            shapes = [(rows, rows)] + ([self._mixed_sizes()[-1]] if self.mixed_graph_refusal() is None else [])
+            for tokens, seqs in shapes:  # the pool holds the larger of the largest decode and mixed graphs
+                graph = CudaMeter(self.device)
+                with graph:
+                    self._dummy_step(tokens, seqs, sample=False)
+                graph_pool = max(graph_pool, graph.peak)
         del scratch, self.kv_caches
         usable, in_use = meter.usage(self.config.gpu_memory_utilization) if cuda else \
             meter.usage(self.config.cpu_kv_cache_bytes, self.config.cpu_memory_utilization)
@@ -157,28 +159,46 @@ class ModelRunner(StepRunner):
             self.sampler(slot.logits[:rows], SamplingBatch.worst_case(rows, self.device, self.spec.vocab_size))
 
     # ---- CUDA graphs ------------------------------------------------------------------------------------------
-    def capture_graphs(self, max_batch_size: int | None = None, emulate: bool = False) -> None:
-        """Capture decode graphs for padded batch sizes up to max_batch_size (default: max_num_seqs).
+    def capture_graphs(self, max_batch_size: int | None = None, emulate: bool = False,
+                       mixed: bool | None = None) -> None:
+        """Capture decode graphs for padded batch sizes up to max_batch_size (default: max_num_seqs), and (mixed:
+        default where mixed_graph_refusal allows) graphs for steps with prompt chunks (engine/cuda_graphs.py).
 
         emulate=True records plain replays on CPU (tests); it needs a backend that reads only tensors."""
         if not self.backend.supports_graphs:
             raise ValueError(f"attention backend {self.backend_name!r} cannot run inside a CUDA graph")
+        reason = self.mixed_graph_refusal()
+        if mixed and reason is not None:
+            raise ValueError(f"graphs for steps with prompt chunks cannot run here: {reason}")
+        mixed = reason is None if mixed is None else mixed
         limit = min(max_batch_size or self.config.max_num_seqs, self.limits.max_seqs, MAX_GRAPH_BATCH_SIZE)
-        graphs = DecodeGraphs(capture_sizes(limit), emulate=emulate)
+        graphs = StepGraphs(GraphPlan(capture_sizes(limit), self._mixed_sizes() if mixed else []), emulate=emulate)
         t0 = time.perf_counter()
-        graphs.capture(self.slots, self._decode_forward, self.block_size, self.executor.compute_stream)
+        graphs.capture(self.slots, self._decode_forward, self._mixed_forward, self.block_size,
+                       self.executor.compute_stream)
         self.graphs = graphs
-        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(graphs), graphs.sizes,
-                    time.perf_counter() - t0)
+        logger.info("captured %d graphs (decode batch sizes %s; %d mixed-step shapes up to %s) in %.1f s",
+                    len(graphs), graphs.sizes, len(graphs.plan.mixed),
+                    graphs.plan.mixed[-1] if graphs.plan.mixed else None, time.perf_counter() - t0)
+
+    def mixed_graph_refusal(self) -> str | None:
+        """Why steps with prompt chunks cannot replay graphs here; None when they can."""
+        if not self.config.cuda_graphs_mixed:
+            return "cuda_graphs_mixed is off"
+        if not getattr(self.backend, "supports_mixed_graphs", False):
+            return f"attention backend {self.backend_name!r} reads host values when it runs prompt chunks"
+        if self.model.spec.moe is not None:
+            return f"{self.model.spec.family} is a mixture-of-experts model (its routed layers are not captured)"
+        return None
+
+    def _mixed_sizes(self) -> list[tuple[int, int]]:
+        return mixed_sizes(self.limits.max_tokens, min(self.config.max_num_seqs, self.limits.max_seqs))
 
     def max_graph_batch_size(self) -> int:
         return self.graphs.sizes[-1] if self.graphs else 0
 
-    def _graph_size(self, step: Step) -> int | None:
-        # (a step scoring prompt tokens has a multi-token chunk, so it never replays a graph)
-        if self.graphs is None or step.forks or not all(c.num_tokens == 1 and c.samples for c in step.chunks):
-            return None
-        return self.graphs.padded_size(len(step.chunks))
+    def _graph_key(self, step: Step) -> tuple[int, int | None] | None:
+        return self.graphs.plan.for_step(step) if self.graphs is not None else None
 
     # ---- launch ----------------------------------------------------------------------------------------
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
@@ -186,8 +206,7 @@ class ModelRunner(StepRunner):
         step = self._new_step(sched, slot)
         if sched.prompt_logprobs:
             step.prompt_logprobs = prompt_logprobs.plan_step(sched.chunks)
-        step.graph_size = self._graph_size(step)
-        self._stage(step, pad_to=step.graph_size)
+        self._plan_graph(step, self._graph_key(step))
         prev_sampled = prev.slot.sampled if prev is not None else None
         step.forward = self.executor.submit(step, self._forward_job, step, prev_sampled, sched.swaps,
                                             sched.lora_loads, sched.copies)
@@ -210,7 +229,7 @@ class ModelRunner(StepRunner):
             if prev_sampled is not None:
                 bufs.gather_pending(prev_sampled)
             if step.graph_size is not None:
-                self.graphs.replay(step.slot, step.graph_size)
+                self.graphs.replay(step.slot, step.graph_size, step.graph_seqs)
             else:
                 hidden = self._eager_forward(step.slot, every_row=step.prompt_logprobs is not None)
                 if step.prompt_logprobs is not None:
@@ -250,3 +269,14 @@ class ModelRunner(StepRunner):
             self.lora.prepare(b.dev["lora_slots"][:size])
         hidden = self.model(b.dev["input_ids"][:size], b.dev["positions"][:size], self.kv_caches, meta)
         self.model.logits(hidden, out=slot.logits[:size])
+
+    def _mixed_forward(self, slot: DecodeSlot, tokens: int, seqs: int, meta) -> None:
+        """What a mixed-step graph holds: `tokens` positions over `seqs` sequences, and the logits of `seqs` rows
+        (logits_indices: the step's sampling rows, then row 0 for the padding) into the slot's buffer. The last
+        layer runs past its attention on those rows only, as an eager step does, except under adapters."""
+        b = slot.inputs
+        if self.lora is not None:
+            self.lora.prepare(b.dev["lora_slots"][:tokens])
+        hidden = self.model.sampled_hidden(b.dev["input_ids"][:tokens], b.dev["positions"][:tokens], self.kv_caches,
+                                           meta, b.dev["logits_indices"][:seqs], prune=self.lora is None)
+        self.model.logits(hidden, out=slot.logits[:seqs])

@@ -72,6 +72,7 @@ class Step:
     sample: Future | None = None
     error: Exception | None = None  # raised while enqueuing this step's work; re-raised at its wait
     graph_size: int | None = None  # padded batch size of the CUDA graph replayed, None = eager forward
+    graph_seqs: int | None = None  # a mixed-step graph's sequences (graph_size is then its tokens); None: decode
     num_logprobs: int = -1  # what the sampler produced: -1 none, 0 chosen token only, k top-k too
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)
     prompt_logprobs: object | None = None  # engine.prompt_logprobs.PromptLogprobPlan; None for most steps

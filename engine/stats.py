@@ -70,7 +70,8 @@ class EngineStats:
     cuda_graph_max_batch_size: int  # 0: no CUDA graphs
     # ---- the engine loop's counters (cumulative)
     steps: int
-    graph_steps: int
+    graph_steps: int  # steps that replayed a CUDA graph (decode or mixed)
+    mixed_graph_steps: int  # of those, steps with prompt chunks (engine/cuda_graphs.py)
     prompt_tokens: int
     generation_tokens: int
     requests_finished: int

@@ -151,7 +151,7 @@ class StepBuffers:
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
     def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None,
-                   forks=()) -> None:
+                   forks=(), pad_seqs: int | None = None) -> None:
         """Stage a step's chunks (engine.scheduler.ScheduledChunk): what only the sequences know (their table
         rows, known token ids, pending tokens) gathered in Python (list comprehensions for a decode step, a loop
         over the chunks for any other), numpy for the rest. A chunk's last position may be a token the previous
@@ -159,7 +159,8 @@ class StepBuffers:
         `pending_src` (the previous step's row).
 
         pad_to: a CUDA-graph batch size; the rows past the real ones become empty sequences (slot -1,
-        seq_len 0) that write no KV and attend to nothing.
+        seq_len 0) that write no KV and attend to nothing. With pad_seqs, a mixed-step graph's token count and
+        pad_seqs its sequence count (_pad).
         forks: sampling rows that compute nothing (n > 1 siblings, engine.scheduler.Scheduler._fork): each
         reads the logits of its parent chunk's last position, after the chunks' own rows."""
         n, lim = self.np, self.limits
@@ -172,7 +173,8 @@ class StepBuffers:
             starts, ids, logits, gdst, gsrc = self._decode_rows(chunks, seqs)
         else:
             starts, ids, logits, gdst, gsrc = self._chunk_rows(chunks, forks)
-        if t > lim.max_tokens or len(logits) > lim.max_seqs or (pad_to or 0) > min(lim.max_tokens, lim.max_seqs):
+        if t > lim.max_tokens or len(logits) > lim.max_seqs or (pad_to or 0) > lim.max_tokens \
+                or (pad_seqs or pad_to or 0) > lim.max_seqs:
             raise ValueError(f"step of {t} tokens / {s} sequences exceeds the slot buffers {lim}")
         if self.lora:
             slots = np.fromiter((c.seq.lora_slot for c in chunks), np.int32, s)
@@ -208,8 +210,8 @@ class StepBuffers:
         self.num_tokens, self.num_seqs, self.num_rows, self.num_gather = t, s, len(logits), len(gdst)
         self.width = int(-(-seq_lens.max() // block_size)) if s else 0
         self.query_lens_host, self.seq_lens_host = lens, seq_lens.tolist()  # host memory
-        if pad_to is not None and pad_to > s:
-            self._pad(t, s, pad_to)
+        if pad_to is not None and (pad_seqs is not None or pad_to > s):
+            self._pad(t, s, pad_to, pad_to if pad_seqs is None else pad_seqs)
 
     @staticmethod
     def _decode_rows(chunks, seqs) -> tuple:
@@ -285,26 +287,36 @@ class StepBuffers:
         self.width = -(-per // block_size)
         self.query_lens_host, self.seq_lens_host = [per] * s, [per] * s
 
-    def stage_padding(self, size: int) -> None:
-        """A step of `size` padding rows only (graph capture: writes no KV, attends to nothing)."""
+    def stage_padding(self, size: int, tokens: int | None = None) -> None:
+        """A step of padding only (graph capture: writes no KV, attends to nothing): `size` one-token rows, or
+        with `tokens` (a mixed-step graph) `size` empty sequences and `tokens` positions of none."""
         self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.num_deltas = self.width = 0
         self.query_lens_host, self.seq_lens_host = [], []
         self.np["query_start_loc"][0] = 0
-        self._pad(0, 0, size)
+        self._pad(0, 0, size if tokens is None else tokens, size)
 
-    def _pad(self, t: int, s: int, size: int) -> None:
+    def _pad(self, t: int, s: int, tokens: int, seqs: int) -> None:
+        """Pad a staged step of t tokens and s sequences to a graph's `tokens` and `seqs` (engine/cuda_graphs.py).
+        The padding positions write no KV. A decode graph (tokens == seqs): each padding row is a sequence of one
+        token and no context. A mixed-step graph: the padding positions belong to no sequence (the attention
+        kernel computes no row for them; what the layers make of their rows is never read), the padding
+        sequences have no tokens and no context, and the logits rows past the step's own read position 0."""
         n = self.np
-        n["input_ids"][t:size] = 0
-        n["positions"][t:size] = 0
-        n["slot_mapping"][t:size] = -1
+        n["input_ids"][t:tokens] = 0
+        n["positions"][t:tokens] = 0
+        n["slot_mapping"][t:tokens] = -1
         if self.window_groups:
-            n["window_slots"][:, t:size] = -1
+            n["window_slots"][:, t:tokens] = -1
         if self.lora:
-            n["lora_slots"][t:size] = 0
-        n["seq_lens"][s:size] = 0
-        n["table_rows"][s:size] = self.limits.table_rows - 1  # the spare row: never written, never read
-        n["query_start_loc"][s + 1:size + 1] = np.arange(t + 1, t + 1 + size - s)
-        self.num_tokens, self.num_seqs = t + size - s, size
+            n["lora_slots"][t:tokens] = 0
+        n["seq_lens"][s:seqs] = 0
+        n["table_rows"][s:seqs] = self.limits.table_rows - 1  # the spare row: never written, never read
+        if tokens == seqs:
+            n["query_start_loc"][s + 1:seqs + 1] = np.arange(t + 1, t + 1 + seqs - s)
+        else:
+            n["query_start_loc"][s + 1:seqs + 1] = t
+            n["logits_indices"][self.num_rows:seqs] = 0
+        self.num_tokens, self.num_seqs = tokens, seqs
 
     def snapshot(self) -> StagedStep:
         """The staged step as arrays (copies of the used prefixes), to send to a pipeline stage or a TP rank."""

@@ -97,9 +97,14 @@ class StepRunner:
         slot.busy = True
         return step
 
-    def _stage(self, step: Step, pad_to: int | None = None) -> None:
+    def _plan_graph(self, step: Step, key: tuple[int, int | None] | None) -> None:
+        """Stage `step` padded to the graph it replays (engine/cuda_graphs.py GraphPlan.for_step; None: eager)."""
+        step.graph_size, step.graph_seqs = key if key is not None else (None, None)
+        self._stage(step, step.graph_size, step.graph_seqs)
+
+    def _stage(self, step: Step, pad_to: int | None = None, pad_seqs: int | None = None) -> None:
         """Stage `step` into its slot (engine/step_buffers.py); its sampling rows' tokens will be pending there."""
-        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks)
+        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs)
         for row, c in enumerate(step.sample_chunks):
             c.seq.pending_src = row
 

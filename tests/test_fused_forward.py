@@ -7,7 +7,7 @@ Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA):
   the eager decoder it replaces is over the bound (so this test fails on the old path). Attention's key-range
   split is forced to what an H200 would choose, so its merge is counted as on a GPU.
 - logits: the fused forward's fp32 greedy output equals Hugging Face transformers' on the same weights, in the
-  whole engine (chunked prefills, decodes replayed from emulated graphs).
+  whole engine (chunked prefills and decodes, replayed from emulated graphs where graph_max is set).
 - the fused path is refused by name where it cannot run, and stays off on the CPU path.
 """
 
@@ -128,8 +128,9 @@ def test_fused_forward_greedy_matches_hf(tiny_model_factory, family, graph_max):
     llm.check_integrity()
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(hf, prompt, out.token_ids, NEW_TOKENS)
-    if graph_max is not None:
-        assert llm.stats()["graph_steps"] > 0
+    if graph_max is not None:  # every step replays: decodes, and prompt chunks beside them (mixed-step graphs)
+        stats = llm.stats()
+        assert stats["graph_steps"] == stats["steps"] and stats["mixed_graph_steps"] > 0
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreted),
@@ -242,3 +243,4 @@ def test_fused_forward_on_cuda_greedy_matches_hf(tiny_model_factory, family, gra
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(hf, prompt, out.token_ids, 16)
+    assert (llm.stats()["mixed_graph_steps"] > 0) == graphs  # prompt chunks replayed from graphs too

@@ -1,7 +1,8 @@
 """The CUDA runtime end to end: graphs, streams and events, on tiny random checkpoints (skipped without CUDA).
 
 - fp32 greedy on the GPU (Triton kernels, CUDA graphs, pipelined) equals Hugging Face on the same weights.
-- A captured decode graph computes what the same forward computes eagerly on the same buffers.
+- A captured decode graph computes what the same forward computes eagerly on the same buffers; a captured
+  mixed-step graph (a prompt chunk beside decodes, padded) computes what the eager step computes unpadded.
 - Pipelined (depth 2) equals blocking (depth 1) token for token, greedy and seeded sampling, in bf16.
 - Steady-state steps never synchronize the host with the device except through the commit's event wait
   (torch's sync debug mode turns any other synchronizing call into an error).
@@ -45,6 +46,7 @@ def test_fp32_greedy_matches_hf(tiny_model_factory, family, graphs):
     stats = llm.stats()
     assert stats["attention_backend"] == "triton"
     assert (stats["graph_steps"] > 0) == graphs
+    assert (stats["mixed_graph_steps"] > 0) == graphs  # steps with prompt chunks replay graphs too
     llm.check_integrity()
 
 
@@ -90,6 +92,43 @@ def test_graph_replay_equals_eager_forward(tiny_model_factory, dtype, tol):
         runner.graphs.replay(slot, size)
         stream.synchronize()
     replayed = slot.logits[:3]
+    assert ((replayed - eager).norm() / eager.norm()).item() <= tol
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize("family,dtype,tol", [("qwen2", "float32", 1e-5), ("qwen2", "bfloat16", 2e-2),
+                                              ("gemma3_text", "float32", 1e-5)])
+def test_mixed_graph_replay_equals_the_eager_step(tiny_model_factory, family, dtype, tol):
+    """Two decodes and a 13-token prompt chunk (its KV not written: slot -1, so both runs read the same cache):
+    the eager step unpadded, against the mixed-step graph replayed with the step padded to its shape."""
+    path, _ = tiny_model_factory(family)
+    llm = cuda_llm(path, dtype=dtype, block_size=4, max_num_batched_tokens=64, num_kv_blocks=64)
+    llm.generate(make_prompts(seed=4, lengths=(20, 35, 50)), greedy())  # leaves real KV in the cache
+    runner = llm.engine.runner
+    seqs = [staged_seq([5] * 19 + [5], [0, 1, 2, 3, 4]), staged_seq([3] * 10 + [77], [5, 6, 7]),
+            staged_seq(list(range(40, 53)), [8, 9, 10, 11])]
+    chunks = [ScheduledChunk(seqs[0], 19, 1, True), ScheduledChunk(seqs[1], 10, 1, True),
+              ScheduledChunk(seqs[2], 0, 13, True)]
+    step = type("Step", (), {"chunks": chunks, "forks": [], "sample_chunks": chunks, "num_tokens": 15,
+                             "prompt_logprobs": None})()
+    tokens, seqs_padded = runner.graphs.plan.for_step(step)
+    assert (tokens, seqs_padded) == (16, 4)
+    slot, stream, b = runner.slots[0], runner.executor.compute_stream, runner.slots[0].inputs
+    runs = []
+    for pad in (False, True):
+        b.stage_step(chunks, runner.tables, runner.block_size, *((tokens, (), seqs_padded) if pad else ()))
+        b.np["slot_mapping"][:15] = -1
+        with torch.cuda.stream(stream), torch.inference_mode():
+            b.upload()
+            b.apply_tables(runner.device_tables, full_width=pad)
+            slot.logits.zero_()
+            if pad:
+                runner.graphs.replay(slot, tokens, seqs_padded)
+            else:
+                runner._eager_forward(slot)
+            stream.synchronize()
+        runs.append(slot.logits[:3].clone())
+    eager, replayed = runs
     assert ((replayed - eager).norm() / eager.norm()).item() <= tol
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
 

@@ -1,8 +1,9 @@
 """The GPU runtime's device-independent parts, exercised on CPU.
 
 - The Triton backend (under Triton's interpreter here) inside the whole engine equals Hugging Face fp32
-  greedy, with decode steps replayed from "graphs" recorded on the slots' fixed buffers (emulated capture:
-  the same padded, buffer-driven decode path a CUDA graph runs), at pipeline depth 1 and 2.
+  greedy, with decode steps, and steps carrying prompt chunks, replayed from "graphs" recorded on the slots'
+  fixed buffers (emulated capture: the same padded, buffer-driven path a CUDA graph runs), at pipeline depth
+  1 and 2.
 - Step buffers: staging, padding rows, the pending-token gather, exactly as a step reads them.
 - The hot-path modules contain no synchronizing calls.
 """
@@ -19,7 +20,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.attention import triton_paged
 from engine.config import EngineConfig
-from engine.cuda_graphs import capture_sizes
+from engine.cuda_graphs import GraphPlan, capture_sizes, mixed_sizes
 from engine.block_tables import BlockTables
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
@@ -40,38 +41,87 @@ def run(llm: LLM, prompts) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def triton_llm(path, depth: int, graph_max: int | None, **kw) -> LLM:
+def triton_llm(path, depth: int, graph_max: int | None, mixed: bool = False, **kw) -> LLM:
     llm = LLM(str(path), device="cpu", attention_backend="triton", pipeline_depth=depth, block_size=4,
               max_num_batched_tokens=16, max_num_seqs=8, num_kv_blocks=96, **kw)
     if graph_max is not None:
-        llm.engine.runner.capture_graphs(max_batch_size=graph_max, emulate=True)
+        llm.engine.runner.capture_graphs(max_batch_size=graph_max, emulate=True, mixed=mixed)
     return llm
 
 
 @needs_triton
-@pytest.mark.parametrize("family,depth,graph_max", [("llama", 2, 8), ("qwen2", 1, 8), ("mistral", 2, 8),
-                                                    ("qwen3", 2, 2)])
-def test_triton_backend_and_graph_replay_match_hf(tiny_model_factory, family, depth, graph_max):
-    """Chunked prefills interleave with decodes; decodes replay padded graphs (graph_max=2: batches of
-    more than two decodes fall back to eager). Mistral's sliding window (24) is crossed by the longest."""
+@pytest.mark.parametrize("family,depth,graph_max,mixed", [("llama", 2, 8, False), ("qwen2", 1, 8, True),
+                                                          ("mistral", 2, 8, True), ("qwen3", 2, 2, True)])
+def test_triton_backend_and_graph_replay_match_hf(tiny_model_factory, family, depth, graph_max, mixed):
+    """Chunked prefills interleave with decodes; decodes replay padded graphs (graph_max=2: batches of more than
+    two decodes do not fit one). Without mixed-step graphs the steps with prompt chunks, and decode batches past
+    the graphs, run eagerly; with them every step of this engine (16 tokens, 8 sequences at most) replays a graph.
+    Mistral's sliding window (24) is crossed by the longest prompt."""
     path, hf = tiny_model_factory(family)
-    llm = triton_llm(path, depth, graph_max)
+    llm = triton_llm(path, depth, graph_max, mixed)
     prompts = make_prompts(seed=11, lengths=(3, 9, 30, 17, 6))  # 5 decodes replay the graph of 8
     for prompt, ours in zip(prompts, run(llm, prompts)):
         assert_matches_hf(hf, prompt, ours, NEW_TOKENS)
     stats = llm.stats()
     assert stats["attention_backend"] == "triton"
-    assert 0 < stats["graph_steps"] < stats["steps"]  # decodes replayed, prefills eager
+    if mixed:
+        assert stats["graph_steps"] == stats["steps"] and stats["mixed_graph_steps"] > 0
+    else:
+        assert 0 < stats["graph_steps"] < stats["steps"] and stats["mixed_graph_steps"] == 0
 
 
 @needs_triton
-def test_graph_replay_equals_eager_token_for_token(tiny_model_factory):
+@pytest.mark.parametrize("mixed", [False, True], ids=["decode-graphs", "mixed-graphs"])
+def test_graph_replay_equals_eager_token_for_token(tiny_model_factory, mixed):
     """Same engine config with and without (emulated) graphs: identical outputs, depth 2."""
     path, _ = tiny_model_factory("llama")
     prompts = make_prompts(seed=12, lengths=(5, 12, 2, 21, 8))
-    eager, graphed = triton_llm(path, 2, None), triton_llm(path, 2, 8)
+    eager, graphed = triton_llm(path, 2, None), triton_llm(path, 2, 8, mixed)
     assert run(eager, prompts) == run(graphed, prompts)
-    assert eager.stats()["graph_steps"] == 0 and graphed.stats()["graph_steps"] > 0
+    stats = graphed.stats()
+    assert eager.stats()["graph_steps"] == 0 and stats["graph_steps"] > 0
+    assert (stats["mixed_graph_steps"] > 0) == mixed
+
+
+@needs_triton
+def test_prompt_logprobs_steps_stay_eager_beside_mixed_graphs(tiny_model_factory):
+    """A step scoring prompt tokens reads every position's hidden state, which no graph returns: it runs eagerly,
+    the other steps replay graphs, and the scores equal an eager engine's."""
+    path, _ = tiny_model_factory("llama")
+    prompts = make_prompts(seed=13, lengths=(9, 20))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    eager, graphed = triton_llm(path, 2, None), triton_llm(path, 2, 8, mixed=True)
+    want, got = eager.generate(prompts, params), graphed.generate(prompts, params)
+    def scores(out):
+        return [None if x is None else (x.token_id, round(x.logprob, 5), x.rank) for x in out.prompt_logprobs]
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert scores(g) == scores(w) and len(scores(w)) == len(g.prompt_token_ids)
+    stats = graphed.stats()
+    assert 0 < stats["graph_steps"] < stats["steps"]
+
+
+def test_mixed_sizes_and_the_graph_a_step_replays():
+    assert mixed_sizes(16, 8) == [(16, 1), (16, 2), (16, 4), (16, 8)]
+    assert mixed_sizes(40, 64) == [(16, 1), (16, 2), (16, 4), (16, 8), (16, 15), (32, 1), (32, 2), (32, 4), (32, 8),
+                                   (32, 16), (32, 31), (40, 1), (40, 2), (40, 4), (40, 8), (40, 16), (40, 32), (40, 39)]
+    with pytest.raises(ValueError, match="max_tokens >= 2"):
+        mixed_sizes(1, 4)
+    plan = GraphPlan(capture_sizes(8), mixed_sizes(2048, 256))
+
+    def step(*chunks, forks=(), prompt_logprobs=None):
+        chunk_list = [ScheduledChunk(None, 0, n, samples) for n, samples in chunks]
+        rows = [c for c in chunk_list if c.samples] + list(forks)
+        return type("Step", (), {"chunks": chunk_list, "forks": list(forks), "sample_chunks": rows,
+                                 "num_tokens": sum(n for n, _ in chunks), "prompt_logprobs": prompt_logprobs})()
+    assert plan.for_step(step((1, True), (1, True), (1, True))) == (4, None)  # decodes: the decode graph of 4
+    assert plan.for_step(step(*[(1, True)] * 9)) == (16, 15)  # past the decode graphs: a mixed one
+    assert plan.for_step(step((1, True), (100, False))) == (128, 2)  # a prompt chunk: tokens and sequences padded
+    assert plan.for_step(step((30, True), (1, True), forks=[object()] * 3)) == (32, 8)  # a logits row per fork too
+    assert plan.for_step(step(*[(1, True)] * 200, (30, True))) == (256, 255)  # 201 sequences fit only below 256
+    assert plan.for_step(step((2049, False))) is None  # past the largest graph: eager
+    assert plan.for_step(step((10, True), prompt_logprobs=object())) is None  # scores every position: eager
+    assert GraphPlan(capture_sizes(8)).for_step(step((1, True), (10, False))) is None  # no mixed graphs: eager
 
 
 def test_capture_sizes():
@@ -133,6 +183,30 @@ def test_step_buffers_stage_pad_upload_and_gather():
     assert meta.seq_lens_host == [9, 3] and meta.block_tables.tolist() == [[5, 6, 7], [0, 0, 0]]
     assert d["logits_indices"][:2].tolist() == [0, 3]
     assert meta.slot_mapping.data_ptr() == d["slot_mapping"].data_ptr()
+
+
+def test_step_buffers_pad_a_mixed_step_to_its_graph():
+    """A decode and a prompt chunk padded to a mixed-step graph of 8 tokens and 4 sequences: the padding positions
+    write no KV and belong to no sequence, the padding sequences have no tokens and no context (the spare table
+    row), and the padding logits rows read row 0."""
+    limits = BufferLimits(max_tokens=8, max_seqs=6, max_blocks=3)
+    bufs, tables = StepBuffers(limits, torch.device("cpu")), BlockTables(limits.table_rows - 1, 3)
+    bufs.np["logits_indices"][:] = 99  # stale values from an earlier step must not matter
+    a = staged_seq([3, 1, 4, 1, 5, 9, 2, 11], [5, 6])
+    c = staged_seq([1, 2, 3], [0])
+    bufs.stage_step([ScheduledChunk(a, 7, 1, True), ScheduledChunk(c, 0, 3, True)], tables, 4, pad_to=8, pad_seqs=4)
+    assert (bufs.num_tokens, bufs.num_seqs, bufs.num_rows) == (8, 4, 2)
+    bufs.upload()
+    d = bufs.dev
+    assert d["input_ids"][:8].tolist() == [11, 1, 2, 3, 0, 0, 0, 0]
+    assert d["positions"][:8].tolist() == [7, 0, 1, 2, 0, 0, 0, 0]
+    assert d["slot_mapping"][:8].tolist() == [6 * 4 + 3, 0, 1, 2, -1, -1, -1, -1]
+    assert d["seq_lens"][:4].tolist() == [8, 3, 0, 0]
+    assert d["query_start_loc"][:5].tolist() == [0, 1, 4, 4, 4]
+    assert d["logits_indices"][:4].tolist() == [0, 3, 0, 0]
+    assert d["table_rows"][2:4].tolist() == [limits.table_rows - 1] * 2
+    with pytest.raises(ValueError, match="exceeds the slot buffers"):
+        bufs.stage_step([ScheduledChunk(c, 0, 3, True)], tables, 4, pad_to=8, pad_seqs=7)
 
 
 def test_block_table_rows_are_reused_only_once_nothing_can_read_them():

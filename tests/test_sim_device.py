@@ -279,6 +279,28 @@ def test_sim_engine_needs_no_weights_and_reports_device_time():
     llm.shutdown()
 
 
+def test_steps_with_prompt_chunks_replay_mixed_graphs():
+    """A burst of prompts beside running decodes, with those steps eager and with mixed-step graphs (as the CUDA
+    runner decides, engine/cuda_graphs.py): the same steps and tokens; with graphs every step replays one, and the
+    host's launch cost falls by exactly one eager forward's operators less one replay for each step that was eager;
+    the padding positions are priced as GEMM work."""
+    runs = {}
+    for mixed in (False, True):
+        llm = sim_llm(cuda_graphs_mixed=mixed, max_num_batched_tokens=256, sim_gpu="h100")
+        outs = llm.generate([[7] * 300] * 3 + [[9] * 40] * 5, SamplingParams(max_tokens=8, temperature=0))
+        runs[mixed] = [o.token_ids for o in outs], llm.stats(), llm.engine.runner.cost
+        llm.shutdown()
+    assert runs[False][0] == runs[True][0]
+    (_, off, cost), (_, on, _) = runs[False], runs[True]
+    assert on["steps"] == off["steps"] and on["graph_steps"] == on["steps"] and on["mixed_graph_steps"] > 0
+    eager_steps = off["steps"] - off["graph_steps"]
+    assert eager_steps > 0 and off["mixed_graph_steps"] == 0
+    saved = eager_steps * (cost.host_forward_launch_s(False) - cost.host_forward_launch_s(True))
+    assert off["host_launch_s"] - on["host_launch_s"] == pytest.approx(saved, rel=1e-9)
+    # a step of 10 tokens padded to a graph of 64 runs the GEMMs of 64
+    assert cost.gemm_s(StepShape([10], [10], 1, padded_tokens=64)) == cost.gemm_s(StepShape([64], [64], 1))
+
+
 def test_tokens_are_deterministic_per_request_and_identical_at_both_depths():
     prompts = ["the same prompt", "another prompt", [5, 6, 7, 8]]
     params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, seed=3),

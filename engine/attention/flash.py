@@ -54,6 +54,7 @@ class FlashAttnPagedAttention:
 
     name = "flash_attn"
     supports_graphs = True
+    supports_mixed_graphs = False  # flash_attn_varlen_func takes the step's max lengths as host ints
 
     def __init__(self, sliding_window: int | None = None):
         if not AVAILABLE:

@@ -74,6 +74,7 @@ class TorchPagedAttention:
 
     name = "torch"
     supports_graphs = False  # plans each step from host lists
+    supports_mixed_graphs = False
 
     def __init__(self, sliding_window: int | None = None):
         self.sliding_window = sliding_window

@@ -439,6 +439,9 @@ class TritonPagedAttention:
 
     name = "triton"
     supports_graphs = True
+    # Prompt chunks too: the prefill path's grid comes from the padded shapes (tokens // BLOCK_Q + sequences
+    # tiles, the surplus finding no rows), so a mixed step is captured whole (engine/cuda_graphs.py).
+    supports_mixed_graphs = True
 
     def __init__(self, sliding_window: int | None = None, block_n: int | None = None,
                  num_splits: int | None = None):

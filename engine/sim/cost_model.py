@@ -246,10 +246,13 @@ class StepShape:
     query_lens: Sequence[int] | np.ndarray
     seq_lens: Sequence[int] | np.ndarray
     num_sample_rows: int
+    # Positions the GEMMs run over when the step is padded to a mixed-step graph's token count (positions of no
+    # sequence, engine/cuda_graphs.py); 0: the query tokens alone.
+    padded_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return int(np.sum(self.query_lens))
+        return max(int(np.sum(self.query_lens)), self.padded_tokens)
 
 
 class CostModel:

@@ -10,20 +10,20 @@ host cost the CUDA path would pay. The sampled tokens themselves come from engin
 written into the slot's host buffers when the sampling is enqueued; the commit reads them only after
 waiting for the copy's event, as on CUDA.
 
-Decode steps "replay a CUDA graph" exactly when the CUDA runner would (all rows one token and sampled, batch
-padded to a captured size): the padding rows are priced, and the launch is one replay.
+Steps "replay a CUDA graph" exactly when the CUDA runner with the Triton attention backend would (the same
+GraphPlan, engine/cuda_graphs.py: decode steps padded to a captured batch size, steps with prompt chunks to a
+captured token and sequence count): the padding is priced, and the launch is one replay.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import capture_sizes
+from engine.cuda_graphs import GraphPlan, capture_sizes, mixed_sizes
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, run_now
 from engine.kv_dtype import is_fp8, resolve_kv_dtype
 from engine.kv_groups import kv_layout
@@ -118,8 +118,10 @@ class SimRunner(StepRunner):
         self.tokens = SimTokens(tokenizer, config.sim_eos_rate, config.seed)
         page_share = self.kv_layout.layers_per_page / spec.num_layers  # of a position's KV, one page's
         self.offloader = SimOffloader(self.sim, self.cost, config.block_size, page_share) if num_cpu_blocks else None
-        self.graph_sizes = (capture_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE))
-                            if config.cuda_graphs else [])
+        lim = self.limits
+        self.graphs = GraphPlan(capture_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE)),
+                                mixed_sizes(lim.max_tokens, min(config.max_num_seqs, lim.max_seqs))
+                                if config.cuda_graphs_mixed else []) if config.cuda_graphs else None
         self.memory = self._plan(spec, self.cost.model.dtype_bytes)
         self.num_kv_blocks = kv_blocks(
             self.memory, int(self.cost.model.kv_bytes_per_token * page_share) * config.block_size,
@@ -136,7 +138,8 @@ class SimRunner(StepRunner):
                              utilization=self.config.gpu_memory_utilization, weight_bytes=self._checkpoint_bytes(spec),
                              buffer_bytes=buffers, max_tokens=lim.max_tokens, max_seqs=lim.max_seqs,
                              hidden=spec.hidden_size, intermediate=spec.intermediate_size, vocab=spec.vocab_size,
-                             dtype_bytes=dtype_bytes, graphs=bool(self.graph_sizes))
+                             dtype_bytes=dtype_bytes, graphs=self.graphs is not None,
+                             mixed_graphs=bool(self.graphs and self.graphs.mixed))
 
     def _checkpoint_bytes(self, spec: ModelSpec) -> float:
         """All weights held on one device (one rank's shard under tensor parallelism): what a decode reads plus
@@ -147,19 +150,12 @@ class SimRunner(StepRunner):
     # ---- launch ----------------------------------------------------------------------------------------
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
         step = self._new_step(sched, slot)
-        step.graph_size = self._graph_size(step)
-        self._stage(step, pad_to=step.graph_size)
+        self._plan_graph(step, self.graphs.for_step(step) if self.graphs is not None else None)
         step.forward = self.executor.submit(step, self._forward_job, step, sched.swaps)
         return step
 
     def max_graph_batch_size(self) -> int:
-        return self.graph_sizes[-1] if self.graph_sizes else 0
-
-    def _graph_size(self, step: Step) -> int | None:
-        if not self.graph_sizes or not all(c.num_tokens == 1 and c.samples for c in step.chunks):
-            return None
-        i = bisect.bisect_left(self.graph_sizes, len(step.chunks))
-        return self.graph_sizes[i] if i < len(self.graph_sizes) else None
+        return self.graphs.decode_sizes[-1] if self.graphs is not None else 0
 
     def _forward_job(self, step: Step, swaps: list[SwapOp]) -> None:
         if swaps:
@@ -169,10 +165,11 @@ class SimRunner(StepRunner):
         bufs.upload()  # -> self._upload: the staged inputs' H2D copies, priced on the compute stream
         first = self._upload_item
         graph = step.graph_size is not None
-        n = bufs.np  # the staged step as the device would read it (padding rows included: 1 token, no keys)
+        n = bufs.np  # the staged step as the device would read it (padding included: rows and positions, no keys)
         s = bufs.num_seqs
-        shape = StepShape(np.diff(n["query_start_loc"][:s + 1]), n["seq_lens"][:s],
-                          bufs.num_rows + s - len(step.chunks))
+        # Logits rows: a decode graph's every row, a mixed graph's one per sequence, an eager step's sampled ones.
+        rows = s if step.graph_seqs is not None else bufs.num_rows + s - len(step.chunks)
+        shape = StepShape(np.diff(n["query_start_loc"][:s + 1]), n["seq_lens"][:s], rows, bufs.num_tokens)
         item = self.sim.run(self.sim.compute, self.cost.forward_s(shape, graph), "forward",
                             host_s=self.cost.host_forward_launch_s(graph))
         self.executor.mark(step.id, FWD_START, (first or item).start)
