@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """GPU runtime benchmarks on random-weight models with real shapes (Qwen2.5-0.5B, Llama-3.2-1B, Qwen2.5-1.5B).
 
-    python bench/bench_gpu.py photon|graphs|throughput|bs1|kernels|all [--device cuda|cpu] [--tiny] [--models ...]
+    python bench/bench_gpu.py photon|graphs|mixed|throughput|bs1|kernels|all [--device cuda|cpu] [--tiny]
+                              [--models ...]
                               [--out bench/results]
 
 photon      Photon's tables: per-step forward, sampling and period (steady-state medians, device timeline) at
@@ -11,6 +12,10 @@ photon      Photon's tables: per-step forward, sampling and period (steady-state
             vocab/110 ids), so finished requests ride one more step as zombies, as in Photon.
 graphs      pegainfer's view: per decode step, kernel time vs gap (step period minus kernel time), with and
             without CUDA graphs, from torch.profiler's device activity.
+mixed       one step carrying a prompt chunk beside decodes (128-token contexts), as new requests join running
+            ones: host time to launch it and device time, run eagerly against replayed from the mixed-step graph it
+            pads to (engine/cuda_graphs.py), and how far their logits differ. CPU: the eager step alone (graphs are
+            CUDA's).
 throughput  the nano-vllm workload (256 sequences, prompt and output lengths uniform in [100, 1024], EOS
             ignored) through Tandem and through transformers' continuous batching (generate_batch's manager,
             given each request's own max_new_tokens) on the same weights, in the same run.
@@ -28,6 +33,7 @@ say nothing about the GPU targets).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import random
 import sys
@@ -269,6 +275,85 @@ class _Profiler:
                  for name, (us, c) in heavy])
 
 
+# ---- mixed: a step with a prompt chunk, eager against its graph ---------------------------------------------------
+MIXED_SHAPES = [(7, 128), (31, 512), (63, 1024)]  # (decodes, prompt chunk tokens) beside each other in one step
+
+
+def mixed(s: Settings) -> list[dict]:
+    rows = []
+    for name in s.models:
+        ck = checkpoint(name, s)
+        rows += with_llm(ck, s, lambda llm: [mixed_step(llm, ck, s, d, c) for d, c in MIXED_SHAPES],
+                         max_num_seqs=64, num_kv_blocks=s.scaled(4096, 512))
+    return rows
+
+
+def mixed_step(llm: LLM, ck: Checkpoint, s: Settings, decodes: int, chunk: int) -> dict:
+    """`decodes` decode rows over contexts of 128 and a prompt chunk of `chunk` tokens in one step, its KV not
+    written on CUDA (slot -1: every run reads the same cache): the host's time to enqueue it and the device's time to run
+    it (CUDA events), medians of 10, eager and replayed from its graph."""
+    from engine.scheduler import ScheduledChunk
+    from engine.sequence import Sequence
+    from engine.slot import Step
+
+    runner, bs = llm.engine.runner, llm.engine.config.block_size
+    decodes, chunk, ctx = s.scaled(decodes, 3), s.scaled(chunk, 24), s.scaled(128, 16)
+    rng = random.Random(decodes)
+    chunks, block = [], 1
+    for length, start, n in [(ctx + 1, ctx, 1)] * decodes + [(chunk, 0, chunk)]:
+        seq = Sequence("bench", None, [rng.randrange(ck.vocab_size) for _ in range(length)], SamplingParams(),
+                       frozenset(), 1 << 20, ck.vocab_size)
+        seq.block_table = list(range(block, block + -(-length // bs)))
+        block += len(seq.block_table)
+        chunks.append(ScheduledChunk(seq, start, n, True))
+    slot = runner.slots[0]
+    step, b = Step(0, slot, chunks, chunks, decodes + chunk, 0.0), slot.inputs
+    key = runner.graphs.plan.for_step(step) if getattr(runner, "graphs", None) is not None else None
+    row = {"device": machine(s.device)["device"], "model": ck.name, "forward": forward_kind(llm), "decodes": decodes,
+           "chunk": chunk, "tokens": decodes + chunk, "graph_shape": key}
+    cuda = s.device == "cuda"
+    stream = runner.executor.compute_stream if cuda else None
+    logits = {}
+    for variant in ("eager", "graph") if key is not None else ("eager",):
+        graph = variant == "graph"
+        b.stage_step(chunks, runner.tables, bs, *((key[0], (), key[1]) if graph else ()))
+        if cuda:  # (the CPU backends' stores take no -1: there each run rewrites the same KV)
+            b.np["slot_mapping"][:b.num_tokens] = -1
+            if b.window_groups:
+                b.np["window_slots"][:, :b.num_tokens] = -1
+        host, dev = [], []
+        for i in range(13):  # 3 warm-up runs, then 10 timed
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext(), torch.inference_mode():
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                b.upload()
+                b.apply_tables(runner.device_tables, full_width=graph)
+                if graph:
+                    runner.graphs.replay(slot, *key)
+                else:
+                    runner._eager_forward(slot)
+                if cuda:
+                    end.record(stream)
+            enqueued = time.perf_counter()
+            _sync(runner.device)
+            if i >= 3:
+                host.append(enqueued - t0)
+                dev.append(start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t0)
+        logits[variant] = slot.logits[:len(chunks)].float().clone()
+        row |= {f"{variant}_host_ms": ms(med(host)), f"{variant}_device_ms": ms(med(dev))}
+    for c in chunks:  # their block-table rows may be reused by the next shape's
+        c.seq.released = True
+    if "graph" in logits:
+        e, g = logits["eager"], logits["graph"]
+        row["logits_rel_diff"] = float((g - e).norm() / e.norm())
+    print(_line(row, ["model", "decodes", "chunk", "graph_shape", *[k for k in row if k.endswith("_ms")]]
+                + (["logits_rel_diff"] if "graph" in logits else [])), flush=True)
+    return row
+
+
 # ---- throughput vs transformers ---------------------------------------------------------------------------
 def nano_vllm_workload(ck: Checkpoint, s: Settings) -> list[tuple[list[int], int]]:
     rng = random.Random(s.seed)
@@ -484,7 +569,8 @@ def _plot(stem: Path, name: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
-SUBCOMMANDS = {"photon": photon, "graphs": graphs, "throughput": throughput, "bs1": bs1, "kernels": kernels}
+SUBCOMMANDS = {"photon": photon, "graphs": graphs, "mixed": mixed, "throughput": throughput, "bs1": bs1,
+               "kernels": kernels}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: run the GPU tests and the GPU benchmarks, collect the results.
 #
-#   scripts/gpu_check.sh [all|full|tests|fused|bench|photon|graphs|throughput|bs1|kernels] [bench_gpu.py args]
+#   scripts/gpu_check.sh [all|full|tests|fused|bench|photon|graphs|mixed|throughput|bs1|kernels] [bench_gpu.py args]
 #
 #   all (default) the check sized for one device call of under 8 minutes (GPU_CHECK_BUDGET seconds, default 470;
 #               each part is cut off at its share and a part that no longer fits is skipped, said so in the log):
@@ -11,6 +11,8 @@
 #               2. graphs: step times (with and without the profiler), kernel time, kernels per step and the
 #                  heaviest kernels at 1, 8 and 32 streams for Qwen2.5-0.5B and Llama-3.2-1B with the fused
 #                  forward, graphs on (GRAPHS_FORWARD="fused layers" adds the eager layers, as the last run did);
+#               2b. mixed: a step with a prompt chunk beside decodes, eager against its mixed-step graph (host
+#                  and device time, logits compared), both models (new: not run on a GPU yet);
 #               3. bs1: one sequence's time per token against the weight-bandwidth floor, with transformers'
 #                  generate on the same weights as the peer (128 of its tokens timed);
 #               4. photon: pipelined against blocking at 1 and 32 streams, the GPU's idle per step, now that the
@@ -24,8 +26,8 @@
 #               test_runtime_paths.py), and the -m gpu tests of the KV offload side stream, the step records and
 #               the fused-MoE kernels
 #   fused       part 1 of all
-#   photon|graphs|throughput|bs1|kernels   one benchmark (bench/bench_gpu.py), all three models unless --models
-#   bench       the five benchmarks;  full: tests, fused, then the five benchmarks (several device calls)
+#   photon|graphs|mixed|throughput|bs1|kernels   one benchmark (bench/bench_gpu.py), all three models unless --models
+#   bench       the six benchmarks;  full: tests, fused, then the six benchmarks (several device calls)
 #
 # Needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, pytest; no ray or fastapi. engine/
 # also imports pyahocorasick and xgrammar (with pydantic): where the machine lacks them and reaches no package
@@ -118,17 +120,18 @@ case "$what" in
     part fused 150 run_fused_tests
     part graphs 120 run_bench graphs --models qwen2.5-0.5b llama-3.2-1b --forward ${GRAPHS_FORWARD:-fused} \
       --no-eager "$@"
+    part mixed 60 run_bench mixed --models qwen2.5-0.5b llama-3.2-1b "$@"
     part bs1 90 run_bench bs1 --models qwen2.5-0.5b llama-3.2-1b --hf-tokens 128 "$@"
     part photon 100 run_bench photon --models qwen2.5-0.5b llama-3.2-1b --streams 1 32 "$@"
     part kernels 130 run_bench kernels --models qwen2.5-0.5b llama-3.2-1b "$@"
     part tests "$budget" run_tests ;;  # what is left of the budget (docs/gpu.md: each part's time)
   tests) run_tests || status=$? ;;
   fused) run_fused_tests || status=$? ;;
-  photon|graphs|throughput|bs1|kernels) run_bench "$what" "$@" || status=$? ;;
+  photon|graphs|mixed|throughput|bs1|kernels) run_bench "$what" "$@" || status=$? ;;
   bench|full)
     if [ "$what" = full ]; then run_tests || status=$?; run_fused_tests || status=$?; fi
-    for b in photon graphs throughput bs1 kernels; do run_bench "$b" "$@" || status=$?; done ;;
-  *) echo "unknown part: $what (all|full|tests|fused|bench|photon|graphs|throughput|bs1|kernels)"; exit 2 ;;
+    for b in photon graphs mixed throughput bs1 kernels; do run_bench "$b" "$@" || status=$?; done ;;
+  *) echo "unknown part: $what (all|full|tests|fused|bench|photon|graphs|mixed|throughput|bs1|kernels)"; exit 2 ;;
 esac
 
 # This run's tables in one file, and everything packed for the trip back.

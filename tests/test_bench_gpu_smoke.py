@@ -29,6 +29,7 @@ def run_bench(what: str, out: Path, *extra: str, env: dict | None = None) -> lis
     ("photon", ("--streams", "1", "2"), {"forward_ms", "period_ms", "gpu_idle_ms", "observed_speedup_pct"}),
     ("graphs", ("--streams", "1", "2", "--forward", "default", "layers"), {"step_ms", "step_ms_unprofiled"}),
     ("bs1", ("--hf-tokens", "8"), {"tandem_ms_per_tok", "hf_ms_per_tok", "forward"}),
+    ("mixed", (), {"eager_host_ms", "eager_device_ms", "graph_shape", "tokens"}),
 ])
 def test_bench_gpu_runs_on_cpu(tmp_path, what, extra, keys):
     rows = run_bench(what, tmp_path, *extra)
@@ -37,6 +38,8 @@ def test_bench_gpu_runs_on_cpu(tmp_path, what, extra, keys):
         assert [r["streams"] for r in rows] == [1, 2] and all("zombie_rows" in r for r in rows)
     if what == "graphs":
         assert {r["forward"] for r in rows} == {"layers"} and len(rows) == 4  # CPU: both variants run the layers
+    if what == "mixed":  # three shapes; no graphs on the CPU
+        assert len(rows) == 3 and all(r["graph_shape"] is None and r["eager_device_ms"] > 0 for r in rows)
 
 
 def test_bench_gpu_kernels_sweep_checks_each_tiling(tmp_path):
