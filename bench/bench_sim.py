@@ -24,8 +24,9 @@ throughput  the nano-vllm workload (256 sequences, prompt and output lengths uni
             ignore_eos, temperature 0.6) on h100 for Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B: tok/s against
             the simulated device's own ceiling (output tokens / device busy time) and the busy fraction.
 
-"kernels": "engine" prices this decoder as it is (38 kernels per layer, engine/sim/cost_model.py); "fused"
-prices a fused forward (10 per layer, as vLLM's), a faster device step the host must also keep up with.
+"kernels": "engine" prices the decoder as the CUDA path builds it (the fused forward's 8 launches a layer for every
+dense family it runs, else the eager layer's counted 38; engine/sim/cost_model.py); "fused" prices 10 a layer (as
+vLLM's). Tables in bench/README.md from before the fused forward existed priced "engine" at 38.
 Writes sim_<name>.json, .md and .png under --out. Seeded workloads; each run starts on a fresh engine after a
 warm-up; the machine and its load are printed with the results.
 """
