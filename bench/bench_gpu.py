@@ -290,8 +290,8 @@ def mixed(s: Settings) -> list[dict]:
 
 def mixed_step(llm: LLM, ck: Checkpoint, s: Settings, decodes: int, chunk: int) -> dict:
     """`decodes` decode rows over contexts of 128 and a prompt chunk of `chunk` tokens in one step, its KV not
-    written on CUDA (slot -1: every run reads the same cache): the host's time to enqueue it and the device's time to run
-    it (CUDA events), medians of 10, eager and replayed from its graph."""
+    written on CUDA (slot -1: every run reads the same cache): the host's time to enqueue it and the device's
+    time to run it (CUDA events), medians of 10, eager and replayed from its graph."""
     from engine.scheduler import ScheduledChunk
     from engine.sequence import Sequence
     from engine.slot import Step

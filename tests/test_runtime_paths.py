@@ -101,6 +101,30 @@ def test_prompt_logprobs_steps_stay_eager_beside_mixed_graphs(tiny_model_factory
     assert 0 < stats["graph_steps"] < stats["steps"]
 
 
+@needs_triton
+def test_forks_and_drafts_replay_mixed_graphs_as_eager_steps_run(tiny_model_factory):
+    """n > 1 siblings forked off a prompt (their sampling rows read the parent's logits row) and n-gram drafts
+    verified (a sampling row per draft position) in steps replayed from mixed-step graphs: the same tokens as
+    the eager engine's."""
+    path, _ = tiny_model_factory("llama")
+    prompts = make_prompts(seed=14, lengths=(11, 7))
+    forks = SamplingParams(max_tokens=6, temperature=0.8, seed=5, n=2)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    repeat = [[3, 9] + [5, 6, 7, 8] * 3 + [5, 6]]  # a phrase repeated: the n-gram proposer has drafts at once
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    runs = []
+    for graph_max in (None, 8):
+        llm = triton_llm(path, 2, graph_max, mixed=graph_max is not None)
+        outs = [o.token_ids for o in llm.generate(prompts, forks)]  # (n outputs in a row per prompt)
+        spec_llm = triton_llm(path, 2, graph_max, mixed=graph_max is not None, speculative_config=spec)
+        outs.append(spec_llm.generate(repeat, greedy)[0].token_ids)
+        runs.append((outs, llm.stats(), spec_llm.stats()))
+    (eager, _, _), (graphed, stats, spec_stats) = runs
+    assert graphed == eager
+    assert stats["num_forks"] == 2 and stats["mixed_graph_steps"] > 0
+    assert spec_stats["spec_verify_chunks"] > 0 and spec_stats["graph_steps"] == spec_stats["steps"]
+
+
 def test_mixed_sizes_and_the_graph_a_step_replays():
     assert mixed_sizes(16, 8) == [(16, 1), (16, 2), (16, 4), (16, 8)]
     assert mixed_sizes(40, 64) == [(16, 1), (16, 2), (16, 4), (16, 8), (16, 15), (32, 1), (32, 2), (32, 4), (32, 8),
