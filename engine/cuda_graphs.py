@@ -47,6 +47,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 
 MIN_MIXED_TOKENS = 16
+MAX_GRAPH_BATCH_SIZE = 512  # decode batches past it run in mixed-step graphs, or eagerly without them
 
 
 def mixed_sizes(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
@@ -108,6 +109,14 @@ class GraphPlan:
         return self.mixed_key(step.num_tokens, len(chunks), len(step.sample_chunks))
 
 
+def engine_plan(max_num_seqs: int, max_tokens: int, mixed: bool, max_batch_size: int | None = None) -> GraphPlan:
+    """The graphs an engine captures, for the CUDA runner and the simulated device alike: decode batches up to
+    max_batch_size (default max_num_seqs; at most MAX_GRAPH_BATCH_SIZE) and, with `mixed`, the mixed-step shapes
+    up to the step budget `max_tokens`."""
+    limit = min(max_batch_size or max_num_seqs, max_num_seqs, MAX_GRAPH_BATCH_SIZE)
+    return GraphPlan(capture_sizes(limit), mixed_sizes(max_tokens, max_num_seqs) if mixed else [])
+
+
 class _EmulatedGraph:
     def __init__(self, fn: Callable[[], None]):
         self._fn = fn
@@ -121,7 +130,6 @@ class StepGraphs:
 
     def __init__(self, plan: GraphPlan, emulate: bool = False):
         self.plan = plan
-        self.sizes = plan.decode_sizes
         self.emulate = emulate
         self._graphs: dict[tuple[int, int, int], object] = {}
         self.pool = None

@@ -21,7 +21,7 @@ from engine import prompt_logprobs
 from engine.cpu import alloc as cpu_alloc
 from engine.attention import get_backend, resolve_backend
 from engine.config import EngineConfig
-from engine.cuda_graphs import GraphPlan, StepGraphs, capture_sizes, mixed_sizes
+from engine.cuda_graphs import StepGraphs, engine_plan
 from engine.executor import FWD_END, FWD_START, make_executor
 from engine.kv_dtype import resolve_kv_dtype
 from engine.kv_groups import kv_layout
@@ -36,9 +36,6 @@ from engine.slot import DecodeSlot, Step
 from engine.step_runner import StepRunner
 
 logger = logging.getLogger(__name__)
-
-MAX_GRAPH_BATCH_SIZE = 512
-
 
 def cpu_thread_helps(setting: bool | None) -> bool:
     """EngineConfig.cpu_executor_thread resolved: None = a forward thread only when the process has a core
@@ -132,8 +129,9 @@ class ModelRunner(StepRunner):
             self._dummy_step(lim.max_tokens, lim.max_seqs, sample=True)
         graph_pool = 0
         if cuda and self.config.cuda_graphs and self.backend.supports_graphs:
-            rows = min(self.config.max_num_seqs, lim.max_seqs, MAX_GRAPH_BATCH_SIZE)
-            shapes = [(rows, rows)] + ([self._mixed_sizes()[-1]] if self.mixed_graph_refusal() is None else [])
+            plan = engine_plan(lim.max_seqs, lim.max_tokens, self.mixed_graph_refusal() is None)
+            rows = plan.decode_sizes[-1]
+            shapes = [(rows, rows)] + plan.mixed[-1:]
             for tokens, seqs in shapes:  # the pool holds the larger of the largest decode and mixed graphs
                 graph = CudaMeter(self.device)
                 with graph:
@@ -171,14 +169,14 @@ class ModelRunner(StepRunner):
         if mixed and reason is not None:
             raise ValueError(f"graphs for steps with prompt chunks cannot run here: {reason}")
         mixed = reason is None if mixed is None else mixed
-        limit = min(max_batch_size or self.config.max_num_seqs, self.limits.max_seqs, MAX_GRAPH_BATCH_SIZE)
-        graphs = StepGraphs(GraphPlan(capture_sizes(limit), self._mixed_sizes() if mixed else []), emulate=emulate)
+        graphs = StepGraphs(engine_plan(self.limits.max_seqs, self.limits.max_tokens, mixed, max_batch_size),
+                            emulate=emulate)
         t0 = time.perf_counter()
         graphs.capture(self.slots, self._decode_forward, self._mixed_forward, self.block_size,
                        self.executor.compute_stream)
         self.graphs = graphs
         logger.info("captured %d graphs (decode batch sizes %s; %d mixed-step shapes up to %s) in %.1f s",
-                    len(graphs), graphs.sizes, len(graphs.plan.mixed),
+                    len(graphs), graphs.plan.decode_sizes, len(graphs.plan.mixed),
                     graphs.plan.mixed[-1] if graphs.plan.mixed else None, time.perf_counter() - t0)
 
     def mixed_graph_refusal(self) -> str | None:
@@ -191,11 +189,8 @@ class ModelRunner(StepRunner):
             return f"{self.model.spec.family} is a mixture-of-experts model (its routed layers are not captured)"
         return None
 
-    def _mixed_sizes(self) -> list[tuple[int, int]]:
-        return mixed_sizes(self.limits.max_tokens, min(self.config.max_num_seqs, self.limits.max_seqs))
-
     def max_graph_batch_size(self) -> int:
-        return self.graphs.sizes[-1] if self.graphs else 0
+        return self.graphs.plan.decode_sizes[-1] if self.graphs else 0
 
     def _graph_key(self, step: Step) -> tuple[int, int | None] | None:
         return self.graphs.plan.for_step(step) if self.graphs is not None else None

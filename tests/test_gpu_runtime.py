@@ -16,6 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.scheduler import ScheduledChunk
+from engine.slot import Step
 from test_runtime_paths import staged_seq
 from test_correctness_hf import assert_matches_hf, make_prompts
 from tiny_models import EXTRA_FAMILIES, FAMILIES
@@ -111,9 +112,7 @@ def test_mixed_graph_replay_equals_the_eager_step(tiny_model_factory, family, dt
             staged_seq(list(range(40, 53)), [8, 9, 10, 11])]
     chunks = [ScheduledChunk(seqs[0], 19, 1, True), ScheduledChunk(seqs[1], 10, 1, True),
               ScheduledChunk(seqs[2], 0, 13, True)]
-    step = type("Step", (), {"chunks": chunks, "forks": [], "sample_chunks": chunks, "num_tokens": 15,
-                             "prompt_logprobs": None})()
-    tokens, seqs_padded = runner.graphs.plan.for_step(step)
+    tokens, seqs_padded = runner.graphs.plan.for_step(Step(0, runner.slots[0], chunks, chunks, 15, 0.0))
     assert (tokens, seqs_padded) == (16, 4)
     slot, stream, b = runner.slots[0], runner.executor.compute_stream, runner.slots[0].inputs
     runs = []

@@ -24,6 +24,7 @@ from engine.cuda_graphs import GraphPlan, capture_sizes, mixed_sizes
 from engine.block_tables import BlockTables
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
+from engine.slot import Step
 from engine.step_buffers import BufferLimits, StepBuffers
 from test_correctness_hf import assert_matches_hf, make_prompts
 
@@ -136,8 +137,8 @@ def test_mixed_sizes_and_the_graph_a_step_replays():
     def step(*chunks, forks=(), prompt_logprobs=None):
         chunk_list = [ScheduledChunk(None, 0, n, samples) for n, samples in chunks]
         rows = [c for c in chunk_list if c.samples] + list(forks)
-        return type("Step", (), {"chunks": chunk_list, "forks": list(forks), "sample_chunks": rows,
-                                 "num_tokens": sum(n for n, _ in chunks), "prompt_logprobs": prompt_logprobs})()
+        return Step(0, None, chunk_list, rows, sum(n for n, _ in chunks), 0.0, prompt_logprobs=prompt_logprobs,
+                    forks=list(forks))
     assert plan.for_step(step((1, True), (1, True), (1, True))) == (4, None)  # decodes: the decode graph of 4
     assert plan.for_step(step(*[(1, True)] * 9)) == (16, 15)  # past the decode graphs: a mixed one
     assert plan.for_step(step((1, True), (100, False))) == (128, 2)  # a prompt chunk: tokens and sequences padded

@@ -23,12 +23,11 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import GraphPlan, capture_sizes, mixed_sizes
+from engine.cuda_graphs import engine_plan
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START, run_now
 from engine.kv_dtype import is_fp8, resolve_kv_dtype
 from engine.kv_groups import kv_layout
 from engine.memory import MemoryPlan, kv_blocks, modelled_plan
-from engine.model_runner import MAX_GRAPH_BATCH_SIZE
 from engine.models.decoder import ModelSpec
 from engine.models.quantized_checkpoint import checkpoint_scheme
 from engine.sampler import SamplingBatch
@@ -118,10 +117,8 @@ class SimRunner(StepRunner):
         self.tokens = SimTokens(tokenizer, config.sim_eos_rate, config.seed)
         page_share = self.kv_layout.layers_per_page / spec.num_layers  # of a position's KV, one page's
         self.offloader = SimOffloader(self.sim, self.cost, config.block_size, page_share) if num_cpu_blocks else None
-        lim = self.limits
-        self.graphs = GraphPlan(capture_sizes(min(config.max_num_seqs, MAX_GRAPH_BATCH_SIZE)),
-                                mixed_sizes(lim.max_tokens, min(config.max_num_seqs, lim.max_seqs))
-                                if config.cuda_graphs_mixed else []) if config.cuda_graphs else None
+        self.graphs = engine_plan(self.limits.max_seqs, self.limits.max_tokens, config.cuda_graphs_mixed) \
+            if config.cuda_graphs else None
         self.memory = self._plan(spec, self.cost.model.dtype_bytes)
         self.num_kv_blocks = kv_blocks(
             self.memory, int(self.cost.model.kv_bytes_per_token * page_share) * config.block_size,
