@@ -102,6 +102,7 @@ class EngineStats:
     device_copy_busy_s: float | None = None
     host_launch_s: float | None = None
     host_blocked_s: float | None = None
+    sim_emulation_s: float | None = None  # the simulator's own host work, taken off the virtual clock
     sim_gpu: str | None = None
     # ---- the memory profiling pass (engine/memory.py MemoryPlan, bytes); None with a fixed num_kv_blocks
     memory_usable: float | None = None
@@ -158,7 +159,8 @@ class EngineStats:
 # Fields present only on some engines, by group: each is all None or all set.
 GROUPS: dict[str, tuple[str, ...]] = {
     "simulated-device": ("device_busy_s", "device_idle_s", "device_dep_wait_s", "device_busy_fraction",
-                         "device_copy_busy_s", "host_launch_s", "host_blocked_s", "sim_gpu"),
+                         "device_copy_busy_s", "host_launch_s", "host_blocked_s", "sim_emulation_s",
+                         "sim_gpu"),
     "memory-profiled": ("memory_usable", "memory_in_use", "memory_activation_peak", "memory_graph_pool",
                         "memory_source", "memory_kv_bytes"),
     "LoRA": ("lora_resident", "lora_loads", "lora_evictions", "max_loras"),

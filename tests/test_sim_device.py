@@ -92,6 +92,33 @@ def test_an_eager_forward_cannot_end_before_the_host_launched_it():
     assert dev.host_launch_s == pytest.approx(0.003)
 
 
+def _spin_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_the_simulators_own_work_is_off_the_clock_and_a_launch_or_a_wait_inside_it_is_not():
+    """emulating(): the block's CPU time, less the launch charges made in it, is taken off the virtual clock, so
+    the simulator's stand-in for device work never idles the device; a launch charged inside it, or a sleep
+    (no CPU: a wait for the core or the GIL stays the host's), still delays the device."""
+    dev = SimDevice()
+    dev.run(dev.compute, 0.002)
+    with dev.emulating():
+        _spin_cpu(0.030)  # 30 ms of the simulator's own work
+    item = dev.run(dev.compute, 0.001)
+    assert dev.idle_s < 0.005 and dev.emulation_s >= 0.029
+    assert item.start < time.perf_counter() - 0.025  # its clock stands behind the wall clock by that work
+    hidden = dev.emulation_s
+    with dev.emulating():
+        dev.run(dev.copy, 0.0, host_s=0.010)  # 10 ms of launching, charged inside the block
+        time.sleep(0.010)  # 10 ms asleep
+    dev.run(dev.compute, 0.001)
+    assert dev.emulation_s - hidden < 0.004
+    assert dev.idle_s >= 0.017  # both delayed the device
+    assert dev.stats()["sim_emulation_s"] == dev.emulation_s
+
+
 # ---- the cost model ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gpu", ["h100", "h200", "b200", "a100"])
 def test_weight_bandwidth_floor_holds_for_8b_decode(gpu):
@@ -275,6 +302,8 @@ def test_sim_engine_needs_no_weights_and_reports_device_time():
     assert wall >= s["device_busy_s"]
     assert s["device_busy_fraction"] > 0.5  # ~5 ms device steps dwarf the host's work per step
     assert s["sim_gpu"] == "h100" and s["steps"] >= 32
+    # pricing and drawing the tokens took host time, off the device's clock; it is part of the host phases
+    assert 0 < s.sim_emulation_s < s.host_prepare_s + s.host_finalize_s
     llm.check_integrity()
     llm.shutdown()
 

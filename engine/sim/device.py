@@ -15,15 +15,23 @@ itself idle (no requests) are not counted: the time until the next request is no
 Launch cost: the CUDA path spends host time launching what it enqueues (operator dispatch, graph replay,
 cudaMemcpyAsync); `run(..., host_s=...)` charges that time to the calling thread by keeping it busy, as the
 real launch would, and the item cannot end before its last kernel was launched.
+
+Emulation is off the clock: the simulator's own host work, which stands in for the device's (pricing a step
+with the cost model, drawing its tokens and writing them where the device-to-host copy would), runs inside
+`emulating()`, and the CPU time it takes, less the launch charges made within it, is taken off the virtual
+clock (`emulation_s`). A GPU would do that work on the device, so charging it to the host's step made the
+simulated device idle for the simulator's sake. The clock is wall time less that total, so every other host
+cycle, real or charged, still delays the device exactly as before.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-_now = time.perf_counter
+_wall = time.perf_counter
 # The host's wait sleeps until this long before the event, then yields in a loop: plain sleep overshoots by
 # the kernel's timer slack, while cudaEventSynchronize spin-waits by default. The tail covers the overshoot
 # measured on the development host (docs/simulated-device.md).
@@ -38,9 +46,6 @@ class SimEvent:
 
     def __init__(self, t: float = 0.0):
         self.time = t
-
-    def query(self) -> bool:
-        return _now() >= self.time
 
 
 class SimStream:
@@ -72,18 +77,34 @@ class SimDevice:
         self.dep_wait_s = 0.0  # compute stream free, next item waiting on another stream's event
         self.host_launch_s = 0.0  # host time charged for launching work
         self.host_blocked_s = 0.0  # host time spent in synchronize()
+        self.emulation_s = 0.0  # the simulator's own host work, off the virtual clock (emulating)
         self._fresh = True  # the next compute item opens an active period: the gap before it is not idle
         self.trace: deque[Item] | None = deque(maxlen=TRACE_ITEMS) if trace else None
+
+    def now(self) -> float:
+        """The virtual clock: wall time less the simulator's own work so far."""
+        return _wall() - self.emulation_s
+
+    @contextmanager
+    def emulating(self):
+        """Take the calling thread's CPU time in this block, less the launch charges made in it, off the clock:
+        the block does what the device would (see the module docstring). CPU time, not wall time, so a wait for
+        the GIL or the core inside the block stays on the host's account."""
+        t0, charged = time.thread_time(), self.host_launch_s
+        try:
+            yield
+        finally:
+            self.emulation_s += max(0.0, time.thread_time() - t0 - (self.host_launch_s - charged))
 
     # ---- enqueueing ---------------------------------------------------------------------------------------
     def run(self, stream: SimStream, duration: float, kind: str = "", host_s: float = 0.0,
             waits: tuple[SimEvent, ...] = ()) -> Item:
         """Enqueue `duration` seconds of work on `stream`, launched by the caller in `host_s` of its time."""
-        issued = launched = _now()
+        issued = launched = self.now()
         if host_s > 0:
             _busy(host_s)
             self.host_launch_s += host_s
-            launched = _now()
+            launched = self.now()
         ready = issued
         for t in stream._waits:
             ready = max(ready, t)
@@ -113,7 +134,7 @@ class SimDevice:
 
     def record(self, stream: SimStream) -> SimEvent:
         """An event completing when everything enqueued on `stream` so far has completed."""
-        return SimEvent(max(stream.free_at, _now()))
+        return SimEvent(max(stream.free_at, self.now()))
 
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
         """The next item enqueued on `stream` starts no earlier than `event`."""
@@ -122,15 +143,15 @@ class SimDevice:
     # ---- the host side ---------------------------------------------------------------------------------------
     def synchronize(self, event: SimEvent) -> None:
         """Block the calling thread until `event` has completed on the virtual clock."""
-        remaining = event.time - _now()
+        remaining = event.time - self.now()
         if remaining <= 0:
             return
-        t0 = _now()
+        t0 = self.now()
         if remaining > SPIN_TAIL_S:
             time.sleep(remaining - SPIN_TAIL_S)
-        while _now() < event.time:
+        while self.now() < event.time:
             time.sleep(0)  # yields the GIL and the core
-        self.host_blocked_s += _now() - t0
+        self.host_blocked_s += self.now() - t0
 
     def idle(self) -> None:
         """The engine has no work: the gap until its next item is not device idle."""
@@ -146,11 +167,12 @@ class SimDevice:
         total = busy + idle + dep
         return {"device_busy_s": busy, "device_idle_s": idle, "device_dep_wait_s": dep,
                 "device_busy_fraction": busy / total if total else 0.0, "device_copy_busy_s": self.copy.busy_s,
-                "host_launch_s": self.host_launch_s, "host_blocked_s": self.host_blocked_s}
+                "host_launch_s": self.host_launch_s, "host_blocked_s": self.host_blocked_s,
+                "sim_emulation_s": self.emulation_s}
 
 
 def _busy(seconds: float) -> None:
     """Keep this thread busy for `seconds` (a launch's CPU time: the real call holds the thread too)."""
-    end = _now() + seconds
-    while _now() < end:
+    end = _wall() + seconds
+    while _wall() < end:
         pass

@@ -155,6 +155,10 @@ class SimRunner(StepRunner):
         return self.graphs.decode_sizes[-1] if self.graphs is not None else 0
 
     def _forward_job(self, step: Step, swaps: list[SwapOp]) -> None:
+        with self.sim.emulating():  # pricing the step is the simulator's work, not the host's (device.py)
+            self._price_forward(step, swaps)
+
+    def _price_forward(self, step: Step, swaps: list[SwapOp]) -> None:
         if swaps:
             self.offloader.run(swaps)
         bufs = step.slot.inputs
@@ -179,6 +183,10 @@ class SimRunner(StepRunner):
 
     # ---- sampling ----------------------------------------------------------------------------------------
     def _sample_job(self, step: Step, batch: SamplingBatch | None) -> None:
+        with self.sim.emulating():  # drawing and pricing the tokens is the device's work (device.py)
+            self._price_sampling(step, batch)
+
+    def _price_sampling(self, step: Step, batch: SamplingBatch | None) -> None:
         slot, n, dev, ex = step.slot, len(step.sample_chunks), self.sim, self.executor
         p = self.cost.profile
         if batch is None:  # nothing samples: the copy-done event only marks the step's uploads consumed
