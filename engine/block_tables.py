@@ -40,7 +40,10 @@ class BlockTables:
         self._lists: list[list[int] | None] = [None] * num_rows
         self._owner: list[Sequence | None] = [None] * num_rows
         self._free = list(range(num_rows - 1, -1, -1))
-        self._delta: list[tuple[int, int]] = []  # (first flat index, count) not yet taken
+        # Deltas not yet taken: runs of `count` flat indices from `first`; `_delta_len` is the counts' sum
+        self._delta_first: list[int] = []
+        self._delta_count: list[int] = []
+        self._delta_len = 0
 
     def row(self, seq: Sequence) -> int:
         """`seq`'s row, current: entries it gained since it was last staged become deltas."""
@@ -55,11 +58,11 @@ class BlockTables:
         if new > old:
             self.host[r, old:new] = table[old:new]
             flat = r * self.row_width
-            self._delta.append((flat + old, new - old))
+            self._add_delta(flat + old, new - old)
             k, m = self.window_groups, self.max_blocks
             for g in range(k):  # group g + 1's pages of blocks old..new-1
                 self.host[r, (1 + g) * m + old:(1 + g) * m + new] = seq.window_table[old * k + g:new * k:k]
-                self._delta.append((flat + (1 + g) * m + old, new - old))
+                self._add_delta(flat + (1 + g) * m + old, new - old)
             self.width[r] = new
         return r
 
@@ -73,16 +76,26 @@ class BlockTables:
             out.append(r)
         return out
 
+    def _add_delta(self, first: int, count: int) -> None:
+        self._delta_first.append(first)
+        self._delta_count.append(count)
+        self._delta_len += count
+
     def take_deltas(self, idx: np.ndarray, val: np.ndarray) -> int:
         """Write the pending deltas as flat indices into the table and their block ids; return how many."""
-        k = 0
-        flat = self.host.reshape(-1)
-        for a, n in self._delta:
-            idx[k:k + n] = np.arange(a, a + n, dtype=np.int32)
-            k += n
-        if k:
-            val[:k] = flat[idx[:k]]
-        self._delta.clear()
+        firsts, k = self._delta_first, self._delta_len
+        if not k:
+            return 0
+        if k == len(firsts):  # one entry each (a decode step adds one block to many rows): no runs to expand
+            idx[:k] = firsts
+        else:
+            counts = np.array(self._delta_count, dtype=np.int64)
+            ends = np.cumsum(counts)
+            idx[:k] = np.repeat(np.array(firsts, dtype=np.int64) - (ends - counts), counts) + np.arange(k)
+        val[:k] = self.host.reshape(-1)[idx[:k]]
+        firsts.clear()
+        self._delta_count.clear()
+        self._delta_len = 0
         return k
 
     def _allocate(self, seq: Sequence) -> int:

@@ -21,6 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from engine import prompt_logprobs
 from engine.block_manager import BlockManager
 from engine.config import SCHEDULER_POLICIES
@@ -32,12 +34,16 @@ from engine.spec_decode import DEFAULT_BATCH_LIMIT, Propose, SpeculativeConfig, 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ScheduledChunk:
+class ScheduledChunk(msgspec.Struct, gc=False):
     """`num_tokens` positions of `seq` starting at `start`; `samples` when the chunk reaches its end.
 
     A fork (SchedulerOutput.forks) computes nothing (num_tokens 0): it samples `seq`'s first token from the
-    logits row of `parent`, its sibling's chunk that ends the shared prompt."""
+    logits row of `parent`, its sibling's chunk that ends the shared prompt.
+
+    A msgspec Struct, not a dataclass: a step makes one per row, and a Struct is built in C (half the time);
+    untracked by the garbage collector (gc=False: it refers to its sequence and parent chunk, neither of which
+    refers back, so it is never in a cycle), so the chunks of a step of 256 rows do not bring the next
+    collection 256 allocations closer."""
 
     seq: Sequence
     start: int

@@ -148,6 +148,8 @@ class StepBuffers:
         self.num_tokens = self.num_seqs = self.num_rows = self.num_gather = self.num_deltas = self.width = 0
         self.query_lens_host: list[int] = []
         self.seq_lens_host: list[int] = []
+        self._views: dict[tuple[str, int], torch.Tensor] = {}  # put()'s device (or host) views, by field and rows
+        self._arange = np.arange(max(limits.max_tokens, limits.max_seqs) + 1, dtype=np.int64)
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
     def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None,
@@ -180,27 +182,30 @@ class StepBuffers:
             slots = np.fromiter((c.seq.lora_slot for c in chunks), np.int32, s)
             n["lora_slots"][:t] = np.repeat(slots, lens)
             self.lora_active = bool(slots.any())  # host memory: no row uses an adapter -> eager steps skip LoRA
-        starts_a = np.array(starts, dtype=np.int64)
-        lens_a = np.array(lens, dtype=np.int64)
+        # (A decode step, the common one, takes the fewest numpy calls: each costs microseconds on a busy loop.)
+        starts_a = starts if isinstance(starts, np.ndarray) else np.array(starts, dtype=np.int64)
         rows_a = np.array(rows, dtype=np.int64)
         if t == s:  # one token per sequence (decode): its position is the chunk's start
             positions, tok_rows = starts_a, rows_a
+            seq_lens = starts_a + 1
+            n["query_start_loc"][:s + 1] = self._arange[:s + 1]
         else:
+            lens_a = np.array(lens, dtype=np.int64)
             qsl = np.cumsum(lens_a)
             positions = np.arange(t, dtype=np.int64) + np.repeat(starts_a - (qsl - lens_a), lens_a)
             tok_rows = np.repeat(rows_a, lens_a)
+            seq_lens = starts_a + lens_a
+            n["query_start_loc"][0] = 0
+            n["query_start_loc"][1:s + 1] = qsl
         n["input_ids"][:t] = ids
         n["positions"][:t] = positions
-        offset, col = positions % block_size, positions // block_size
+        col, offset = np.divmod(positions, block_size)
         n["slot_mapping"][:t] = tables.host[tok_rows, col] * block_size + offset
         if self.window_groups:
             m = self.limits.max_blocks
             cols = (1 + np.arange(self.window_groups))[:, None] * m + col[None, :]
             n["window_slots"][:, :t] = tables.host[tok_rows[None, :], cols] * block_size + offset[None, :]
-        seq_lens = starts_a + lens_a
         n["seq_lens"][:s] = seq_lens
-        n["query_start_loc"][0] = 0
-        np.cumsum(lens_a, out=n["query_start_loc"][1:s + 1])
         n["table_rows"][:s] = rows_a
         n["logits_indices"][:len(logits)] = logits
         n["gather_dst"][:len(gdst)] = gdst
@@ -218,15 +223,18 @@ class StepBuffers:
         """(starts, input ids, logits rows, gather dst, gather src) of a step of one-token sampling chunks: a
         few list comprehensions and numpy instead of a Python loop body per row. A row's token is known on the
         host, or still on the device (sampled by the previous step: gathered there)."""
+        s = len(chunks)
         starts = np.array([c.start for c in chunks], dtype=np.int64)
         on_device = starts >= np.array([len(q.token_ids) for q in seqs], dtype=np.int64)
+        ids = np.zeros(s, dtype=np.int64)
+        if on_device.all():  # the usual decode step of a pipelined loop: every row's token is the last step's
+            every = np.arange(s)
+            return starts, ids, every, every, [q.pending_src for q in seqs]
         gdst = np.flatnonzero(on_device)
-        ids = np.zeros(len(chunks), dtype=np.int64)
-        if len(gdst) < len(chunks):
-            known = np.flatnonzero(~on_device).tolist()  # host memory
-            ids[known] = [seqs[i].token_ids[chunks[i].start] for i in known]
+        known = np.flatnonzero(~on_device).tolist()  # host memory
+        ids[known] = [seqs[i].token_ids[chunks[i].start] for i in known]
         gsrc = [seqs[i].pending_src for i in gdst.tolist()]  # host memory
-        return starts, ids, np.arange(len(chunks)), gdst, gsrc
+        return starts, ids, np.arange(s), gdst, gsrc
 
     @staticmethod
     def _chunk_rows(chunks, forks) -> tuple:
@@ -412,7 +420,10 @@ class StepBuffers:
         """Stage one per-row sampling field (k values, or one scalar for all k rows); returns the device view
         (a host view on a simulated device), valid once upload_sampling() has been enqueued."""
         self.np[name][:k] = values
-        return self.host[name][:k] if self.transfer is not None else self.dev[name][:k]
+        view = self._views.get((name, k))
+        if view is None:  # made once per field and row count: a torch slice costs tens of us on a busy loop
+            view = self._views[name, k] = (self.host if self.transfer is not None else self.dev)[name][:k]
+        return view
 
     def upload_sampling(self) -> None:
         """Copy the staged sampling parameters to the device (one copy; enqueue before the sampling)."""

@@ -160,10 +160,10 @@ class StepRunner:
         slot, n, k, ex = step.slot, len(step.sample_chunks), step.num_logprobs, self.executor
         period = ex.elapsed((step.id - 1, FWD_START), (step.id, FWD_START)) if step.id else 0.0
         return StepResult(
-            tokens=slot.host_sampled[:n].tolist(),  # host memory
-            logprobs=slot.host_logprobs[:n].tolist() if k >= 0 else None,  # host memory
-            top_ids=host_rows(slot.host_top_ids, n, k).tolist() if k > 0 else None,  # host memory
-            top_logprobs=host_rows(slot.host_top_logprobs, n, k).tolist() if k > 0 else None,  # host memory
+            tokens=slot.np_sampled[:n].tolist(),  # host memory
+            logprobs=slot.np_logprobs[:n].tolist() if k >= 0 else None,  # host memory
+            top_ids=host_rows(slot.np_top_ids, n, k).tolist() if k > 0 else None,  # host memory
+            top_logprobs=host_rows(slot.np_top_logprobs, n, k).tolist() if k > 0 else None,  # host memory
             forward_s=ex.elapsed((step.id, FWD_START), (step.id, FWD_END)),
             sample_s=ex.elapsed((step.id, SAMPLE_START), (step.id, SAMPLE_END)), period_s=period,
             sample_wait_s=max(0.0, ex.elapsed((step.id, FWD_END), (step.id, SAMPLE_START))),
@@ -187,6 +187,7 @@ class StepRunner:
         self.executor.shutdown()
 
 
-def host_rows(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The first n*k elements of a [rows, MAX] host buffer as a contiguous [n, k] view."""
-    return buf.view(-1)[: n * k].view(n, k)
+def host_rows(buf, n: int, k: int):
+    """The first n*k elements of a [rows, MAX] host buffer (a tensor, or its numpy view) as a contiguous [n, k]
+    view: where the device-to-host copy of a step's top-k rows lands."""
+    return buf.reshape(-1)[: n * k].reshape(n, k)

@@ -250,18 +250,48 @@ def test_block_table_rows_are_reused_only_once_nothing_can_read_them():
     assert tables.take_deltas(idx, val) == 2 and val[:2].tolist() == [8, 9] and idx[0] == rb * 4
 
 
+@pytest.mark.parametrize("window_groups", [0, 2])
+def test_table_deltas_scattered_into_a_copy_rebuild_the_tables(window_groups):
+    """What the device does with a step's deltas (scatter them into its copy of the table), over steps where
+    rows are admitted, grow by one block (a decode step: many rows at once), grow by several, or are replaced,
+    keeps the copy equal to the host tables."""
+    import random
+
+    rng = random.Random(window_groups)
+    tables = BlockTables(12, 6, window_groups)
+    device = np.zeros_like(tables.host)
+    seqs = [staged_seq([1], []) for _ in range(10)]
+    for _ in range(30):
+        for seq in rng.sample(seqs, rng.randint(1, 10)):
+            if rng.random() < 0.1:
+                seq.block_table = []  # freed and re-admitted: a new list
+            grow = min(rng.choice([1, 1, 1, 2, 4]), 6 - len(seq.block_table))
+            seq.block_table = seq.block_table + [rng.randrange(1, 500) for _ in range(grow)]
+            seq.window_table = [rng.randrange(1, 500) for _ in range(len(seq.block_table) * window_groups)]
+            tables.row(seq)
+        idx, val = np.zeros(12 * 6 * 3, np.int32), np.zeros(12 * 6 * 3, np.int32)
+        k = tables.take_deltas(idx, val)
+        device.reshape(-1)[idx[:k]] = val[:k]
+        assert (device == tables.host).all()
+        for seq in seqs:
+            if seq.table_row is not None:
+                assert device[seq.table_row, :len(seq.block_table)].tolist() == seq.block_table
+
+
+@pytest.mark.parametrize("all_pending", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_decode_rows_stage_what_the_general_loop_stages(seed):
+def test_decode_rows_stage_what_the_general_loop_stages(seed, all_pending):
     """A step of one-token sampling chunks (every decode step) is staged with numpy (StepBuffers._decode_rows);
     the general loop (_chunk_rows) is the oracle: the same positions, input ids, logits rows and gathers for
-    any mix of rows whose token is known on the host and rows whose token is still on the device."""
+    any mix of rows whose token is known on the host and rows whose token is still on the device, and for the
+    pipelined loop's usual step, where every row's token is still on the device."""
     import random
 
     rng = random.Random(seed)
     seqs, chunks = [], []
     for i in range(rng.randint(1, 64)):
         n = rng.randint(1, 40)
-        pending = rng.random() < 0.7
+        pending = all_pending or rng.random() < 0.7
         seq = staged_seq([rng.randrange(1000) for _ in range(n)], [i], pending=rng.randrange(64) if pending else None)
         seqs.append(seq)
         chunks.append(ScheduledChunk(seq, n if pending else rng.randrange(n), 1, True))
