@@ -36,7 +36,7 @@ class DecodeSlot:
         self.host_top_ids = torch.zeros(rows, MAX_LOGPROBS, dtype=torch.long, pin_memory=pin)
         self.host_top_logprobs = torch.zeros(rows, MAX_LOGPROBS, dtype=torch.float32, pin_memory=pin)
         # numpy views of the same memory, for the commit's reads: slicing and tolist() through numpy cost a few
-        # microseconds on the loop, through torch's dispatcher tens of them (docs/engine.md#host-cost-per-step)
+        # microseconds on the loop, through torch's dispatcher tens of them (docs/engine.md#host-work-per-step)
         self.np_sampled, self.np_logprobs = self.host_sampled.numpy(), self.host_logprobs.numpy()  # host views
         self.np_top_ids, self.np_top_logprobs = self.host_top_ids.numpy(), self.host_top_logprobs.numpy()  # host views
         self.sampled_ready = torch.cuda.Event() if pin else None
