@@ -149,7 +149,7 @@ class StepBuffers:
         self.query_lens_host: list[int] = []
         self.seq_lens_host: list[int] = []
         self._views: dict[tuple[str, int], torch.Tensor] = {}  # put()'s device (or host) views, by field and rows
-        self._arange = np.arange(max(limits.max_tokens, limits.max_seqs) + 1, dtype=np.int64)
+        self._arange = np.arange(limits.max_seqs + 1, dtype=np.int64)  # a decode step's query_start_loc
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
     def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None,
@@ -183,7 +183,7 @@ class StepBuffers:
             n["lora_slots"][:t] = np.repeat(slots, lens)
             self.lora_active = bool(slots.any())  # host memory: no row uses an adapter -> eager steps skip LoRA
         # (A decode step, the common one, takes the fewest numpy calls: each costs microseconds on a busy loop.)
-        starts_a = starts if isinstance(starts, np.ndarray) else np.array(starts, dtype=np.int64)
+        starts_a = np.asarray(starts, dtype=np.int64)  # (a decode step's is an array already)
         rows_a = np.array(rows, dtype=np.int64)
         if t == s:  # one token per sequence (decode): its position is the chunk's start
             positions, tok_rows = starts_a, rows_a

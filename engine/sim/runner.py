@@ -227,16 +227,16 @@ class SimRunner(StepRunner):
             tokens, h = self.tokens.sample(seqs, positions, batch.bitmask if rows else None, rows)
             if self.config.sim_spec_acceptance is not None:
                 self.tokens.accept_drafts(tokens, h, draft_rows, drafts, self.config.sim_spec_acceptance)
-        slot.host_sampled.numpy()[:n] = tokens  # host memory
+        slot.np_sampled[:n] = tokens
         nbytes, copies = 8 * n, 1
         k = batch.num_logprobs
         if k >= 0:
             chosen, top_ids, top_lp = fake_logprobs(tokens, h, self.tokens.candidates, k)
-            slot.host_logprobs.numpy()[:n] = chosen  # host memory
+            slot.np_logprobs[:n] = chosen
             nbytes, copies = nbytes + 4 * n, copies + 1
             if k > 0:
-                host_rows(slot.host_top_ids, n, k).numpy()[:] = top_ids  # host memory
-                host_rows(slot.host_top_logprobs, n, k).numpy()[:] = top_lp  # host memory
+                host_rows(slot.np_top_ids, n, k)[:] = top_ids
+                host_rows(slot.np_top_logprobs, n, k)[:] = top_lp
                 nbytes, copies = nbytes + 12 * n * k, copies + 2
         return nbytes, copies
 
