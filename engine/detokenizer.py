@@ -1,30 +1,31 @@
 """Incremental detokenization with stop strings.
 
-Built on tokenizers' DecodeStream, which buffers tokens until they form whole UTF-8 characters, so a
-streamed chunk never ends in half a character. Stop strings may span tokens: the text is searched from a
-little before each new piece, and while stop strings are set the last `len(longest) - 1` characters are
-held back from the stream until it is known they do not start a stop string. With more than a few stop
-strings the window is searched for all of them at once by an Aho-Corasick automaton (pyahocorasick; built
-once per stop list, where the request is made), so a token costs time in the window's length, not in the
-number of stop strings: a request with tens of thousands of them no longer slows every step of its batch
-(docs/engine.md#structured-output-and-detokenization).
+Emits what tokenizers' DecodeStream would (and uses one where the decoder is not byte level): tokens are
+buffered until they form whole UTF-8 characters, so a streamed chunk never ends in half a character. Stop
+strings may span tokens: the text is searched from a little before each new piece, and while stop strings are
+set the last `len(longest) - 1` characters are held back from the stream until it is known they do not start a
+stop string. With more than a few stop strings the window is searched for all of them at once by an
+Aho-Corasick automaton (pyahocorasick; built once per stop list, where the request is made), so a token costs time
+in the window's length, not in the number of stop strings: a request with tens of thousands of them no longer
+slows every step of its batch (docs/engine.md#structured-output-and-detokenization).
 
 Fast path (byte-level BPE tokenizers, GPT-2 / Qwen / Llama-3 style): their decoder only concatenates each
 token's bytes, so a token whose bytes are whole UTF-8 characters adds exactly its own text, whatever came
 before. Those texts are decoded once per tokenizer (`token_texts`, one batched Rust call), and a commit
 takes a token's text from that table instead of a DecodeStream step (a lookup instead of a call into the
-tokenizer, on the engine thread, at every commit of every row). Tokens that do not decode on their own (part
-of a character, ids past the vocabulary) go through a DecodeStream primed with the last whole-character
-context, until the stream has emitted their text. Other decoders (SentencePiece's Metaspace: a piece's
-leading space depends on its position) always use the stream.
+tokenizer, on the engine thread, at every commit of every row). A token that does not decode on its own (part
+of a character) adds its raw bytes (read once off its vocabulary string through the GPT-2 byte map) to a
+pending run, which Python's UTF-8 codec decodes; the run's text goes out once it no longer ends in U+FFFD,
+DecodeStream's own rule, so every token adds the text a DecodeStream would. A report of many tokens is decoded
+as one byte string (bench/bench_detok.py measures both against DecodeStream). Other decoders (SentencePiece's
+Metaspace: a piece's leading space depends on its position) always use the stream.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
+import itertools
 import json
-from collections import deque
 
 import ahocorasick
 from tokenizers import Tokenizer
@@ -33,23 +34,74 @@ from tokenizers.decoders import DecodeStream
 from engine.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT = 4  # prompt tokens primed into the stream so the first output piece decodes in context
+_BACKTRACK = 8  # tokens extend() looks back for the last whole character before going token by token
 AHO_MIN_STOPS = 8  # from this many stop strings on, one automaton instead of a find() per string
-_TABLES: dict[tuple[int, bool], tuple[Tokenizer, list[str | None] | None]] = {}
+_TABLES: dict[tuple[int, bool], tuple[Tokenizer, tuple[list[str | None], dict[int, bytes]] | None]] = {}
 
 
 def token_texts(tokenizer: Tokenizer, skip_special_tokens: bool) -> list[str | None] | None:
     """Each token id's text when it decodes on its own (None where it does not), or None when the
     tokenizer's decoder is not byte-level concatenation. Built once per tokenizer and setting."""
+    tables = _byte_level_tables(tokenizer, skip_special_tokens)
+    return None if tables is None else tables[0]
+
+
+def _byte_level_tables(tokenizer: Tokenizer, skip_special_tokens: bool):
+    """(token_texts, the bytes of each token that does not decode on its own), or None where the decoder is not
+    byte-level or a token's bytes cannot be read off its vocabulary string (then every token uses the stream)."""
     key = (id(tokenizer), skip_special_tokens)
     cached = _TABLES.get(key)
     if cached is None or cached[0] is not tokenizer:
-        table = None
+        tables = None
         if _concatenating_decoder(tokenizer):
             n = tokenizer.get_vocab_size(with_added_tokens=True)
             texts = tokenizer.decode_batch([[t] for t in range(n)], skip_special_tokens=skip_special_tokens)
             table = [None if "\ufffd" in t else t for t in texts]
-        cached = _TABLES[key] = (tokenizer, table)
+            partial = _partial_bytes(tokenizer, table)
+            tables = None if partial is None else (table, partial)
+        cached = _TABLES[key] = (tokenizer, tables)
     return cached[1]
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-unicode map, which the ByteLevel decoder undoes (tokenizers does not
+    expose it): bytes that are printable Latin-1 map to themselves, the other 68 to U+0100 onwards, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _partial_bytes(tokenizer: Tokenizer, texts: list[str | None]) -> dict[int, bytes] | None:
+    """The raw bytes of every token whose text is None (part of a character), read off its vocabulary string
+    through the byte map; None when one cannot be, or when the map does not give the whole-character tokens'
+    own texts (then the decoder is not GPT-2's byte level after all)."""
+    to_byte = _unicode_to_byte()
+
+    def raw(t: int) -> bytes | None:
+        piece = tokenizer.id_to_token(t)
+        if piece is None or any(c not in to_byte for c in piece):
+            return None
+        return bytes(to_byte[c] for c in piece)
+
+    checked = 0
+    for t, text in enumerate(texts):
+        if checked == 256:
+            break
+        mapped = raw(t) if text else None  # (an added token's string is not byte-mapped: None)
+        if mapped is not None:
+            if mapped != text.encode():
+                return None
+            checked += 1
+    partial = {t: raw(t) for t, text in enumerate(texts) if text is None}
+    return None if None in partial.values() else partial
 
 
 def _concatenating_decoder(tokenizer: Tokenizer) -> bool:
@@ -60,19 +112,20 @@ def _concatenating_decoder(tokenizer: Tokenizer) -> bool:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams):
-        context = prompt_token_ids[-_PROMPT_CONTEXT:]
-        # A prompt (given as token ids) may end inside a UTF-8 character: its text then ends in U+FFFD, and
-        # once output bytes follow, the stream's prefix no longer lines up with the text, so prompt text
-        # would leak into the output. Prime only up to the last whole character.
-        while context and tokenizer.decode(context, skip_special_tokens=params.skip_special_tokens).endswith(
-                "\ufffd"):
-            context = context[:-1]
         self._skip_special = params.skip_special_tokens
-        self._texts = token_texts(tokenizer, params.skip_special_tokens)
-        self._context = deque(context, maxlen=_PROMPT_CONTEXT)  # the last tokens, ending at a whole character
-        self._stream = None if self._texts is not None else DecodeStream(ids=context,
-                                                                          skip_special_tokens=self._skip_special)
-        self._in_char = False  # the stream holds bytes of an unfinished character
+        tables = _byte_level_tables(tokenizer, params.skip_special_tokens)
+        self._texts, self._partial = tables if tables is not None else (None, None)
+        self._in_char = False  # bytes of an unfinished character are waiting (_pending, or the stream's)
+        self._pending = b""  # byte level: the raw bytes of a character not yet whole
+        self._stream = None
+        if self._texts is None:  # the stream, primed with the prompt's last tokens so the output decodes in context
+            context = prompt_token_ids[-_PROMPT_CONTEXT:]
+            # A prompt (given as token ids) may end inside a UTF-8 character: its text then ends in U+FFFD, and
+            # once output bytes follow, the stream's prefix no longer lines up with the text, so prompt text
+            # would leak into the output. Prime only up to the last whole character.
+            while context and tokenizer.decode(context, skip_special_tokens=self._skip_special).endswith("\ufffd"):
+                context = context[:-1]
+            self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special)
         self._tokenizer = tokenizer
         self._stops = params.stop_strings
         self._matcher = stop_matcher(self._stops) if len(self._stops) >= AHO_MIN_STOPS else None
@@ -115,8 +168,7 @@ class IncrementalDetokenizer:
         else:
             piece = texts[token_id] if not self._in_char and token_id < len(texts) else None
             if piece is None:
-                piece = self._stream_step(token_id)
-            self._context.append(token_id)
+                piece = self._bytes_step(token_id)
         if not piece:
             return False
         if not self._stops:  # most requests: nothing to search, nothing held back
@@ -136,58 +188,65 @@ class IncrementalDetokenizer:
 
     def extend(self, token_ids: list[int]) -> None:
         """Append tokens of a request without stop strings: the text add() would build one token at a time, as
-        one join over the decoded-text table for each run of tokens that decode on their own; only a token that
-        does not (part of a character) and those finishing its character go through add()."""
+        one join over the decoded-text table when every token decodes on its own, else one decode of the
+        report's bytes (_extend_bytes)."""
         texts = self._texts
         if texts is None or self._stops:
             for t in token_ids:
                 self.add(t)
             return
-        size, n = len(texts), len(token_ids)
-        if n == 1 and not self._in_char:  # a streamed report's usual one token: no lists built
+        size = len(texts)
+        if len(token_ids) == 1 and not self._in_char:  # a streamed report's usual one token: no lists built
             t = token_ids[0]
             piece = texts[t] if t < size else None
             if piece is not None:
-                self._context.append(t)
-                if piece:
-                    self._parts.append(piece)
-                    self._fixed_len += len(piece)
+                self._append_text(piece)
                 return
         pieces = [texts[t] if t < size else None for t in token_ids]
         if not self._in_char and None not in pieces:  # the usual case: every token decodes on its own
-            self._join(token_ids, pieces, 0, n)
-            return
-        nones = [k for k, piece in enumerate(pieces) if piece is None] + [n]
-        i = 0
-        while i < n:
-            while self._in_char and i < n:  # a character still being finished: through the stream
-                self.add(token_ids[i])
-                i += 1
-            if i == n:
+            self._append_text("".join(pieces))
+        else:
+            self._extend_bytes(token_ids, pieces)
+
+    def _extend_bytes(self, token_ids: list[int], pieces: list[str | None]) -> None:
+        """Tokens among which some are parts of characters: the pending bytes and theirs, decoded at once up to
+        the last token after which the text ends on a whole character (add()'s rule: not in U+FFFD), and the
+        few tokens after it through add(). add() cuts its runs only where the decoder is between characters, so
+        decoding them apart or together gives the same text."""
+        partial = self._partial
+        chunks = [p.encode() if p is not None else partial.get(t, b"") for t, p in zip(token_ids, pieces)]
+        ends = list(itertools.accumulate(map(len, chunks), initial=len(self._pending)))
+        data = self._pending + b"".join(chunks)
+        n = len(token_ids)
+        for k in range(n, max(0, n - _BACKTRACK), -1):  # a character is at most 4 bytes: a few tokens back
+            text = data[:ends[k]].decode("utf-8", "replace")
+            if text and text[-1] != "\ufffd":
+                self._pending, self._in_char = b"", False
+                self._append_text(text)
+                token_ids = token_ids[k:]
                 break
-            j = nones[bisect.bisect_left(nones, i)]  # the next token that does not decode on its own
-            self._join(token_ids, pieces, i, j)
-            if j < n:
-                self.add(token_ids[j])
-            i = j + 1
+        for t in token_ids:  # after the last whole character, or all of them (bytes that never make one)
+            self.add(t)
 
-    def _join(self, token_ids: list[int], pieces: list[str], i: int, j: int) -> None:
-        """Append tokens i..j-1, each of which decodes on its own, as one piece of text."""
-        if j > i:
-            text = "".join(pieces[i:j])
-            self._context.extend(token_ids[max(i, j - _PROMPT_CONTEXT):j])
-            if text:
-                self._parts.append(text)
-                self._fixed_len += len(text)
+    def _append_text(self, text: str) -> None:
+        if text:
+            self._parts.append(text)
+            self._fixed_len += len(text)
 
-    def _stream_step(self, token_id: int) -> str | None:
-        """A token that does not decode on its own: through a DecodeStream primed with the whole-character
-        context before it, kept until the stream emits (the character is complete)."""
-        if not self._in_char:
-            self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=self._skip_special)
-        piece = self._stream.step(self._tokenizer, token_id)
-        self._in_char = piece is None
-        return piece
+    def _bytes_step(self, token_id: int) -> str | None:
+        """A token that does not decode on its own, or any token while such a token's character is unfinished:
+        its bytes join the pending run, whose text is emitted once it no longer ends in U+FFFD (a whole
+        character, or bytes that can never become one: DecodeStream's rule). An id past the vocabulary adds no
+        bytes (the tokenizer drops it)."""
+        texts = self._texts
+        text = texts[token_id] if token_id < len(texts) else ""
+        self._pending += self._partial[token_id] if text is None else text.encode()
+        piece = self._pending.decode("utf-8", "replace")
+        if piece and piece[-1] != "\ufffd":
+            self._pending, self._in_char = b"", False
+            return piece
+        self._in_char = True
+        return None
 
     def _cut_at_stop(self, search_from: int) -> bool:
         found = find_stop(self._tail, search_from, self._stops, self._matcher)

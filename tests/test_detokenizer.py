@@ -327,3 +327,23 @@ def test_fifty_thousand_stop_strings_stream_like_one():
     text = "The quick brown fox jumps over the lazy dog."
     _, at, final = _assert_holdback(text, stops)
     assert at is not None and final == "The quick brown fox"
+
+
+@pytest.mark.parametrize("text", TEXTS[1:])
+def test_extend_at_every_cut_equals_decode_stream(text):
+    """A text whose characters split over tokens, reported in two parts cut at every token: after each part the
+    text is what tokenizers' DecodeStream has emitted (a part ending inside a character holds its bytes back
+    until the next one completes it), and the whole is the tokenizer's decode."""
+    from tokenizers.decoders import DecodeStream
+
+    tok = tokenizer().backend_tokenizer
+    ids = ids_of(text)
+    for cut in range(1, len(ids)):
+        fast = IncrementalDetokenizer(tok, [], SamplingParams())
+        oracle = DecodeStream(ids=[], skip_special_tokens=True)
+        expected = ""
+        for part in (ids[:cut], ids[cut:]):
+            fast.extend(part)
+            expected += "".join(oracle.step(tok, t) or "" for t in part)
+            assert fast.text == expected, cut
+        assert fast.text == text
