@@ -70,10 +70,11 @@ def main() -> None:
     from tokenizers import Tokenizer
     from tokenizers.decoders import DecodeStream
 
-    import bench_sim
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine.detokenizer import IncrementalDetokenizer  # (before bench_sim, which puts this checkout first)
     from engine.models.from_gguf import smollm2_dir
     from engine.sampling_params import SamplingParams
+
+    import bench_sim
     from gpu_models import device_name
     from harness import write_results
 
@@ -115,7 +116,9 @@ def main() -> None:
                                                / sum(map(len, outs)), 3)
             rows.append(row)
             print(row, flush=True)
-    meta = {"machine": device_name("cpu"), "code": args.code, "repeats": args.repeats,
+    import engine.detokenizer
+
+    meta = {"machine": device_name("cpu"), "code": str(Path(engine.detokenizer.__file__).parents[1]), "repeats": args.repeats,
             "tokens_per_output": TOKENS, "outputs": OUTPUTS}
     print(meta)
     if args.name:
