@@ -200,7 +200,9 @@ class IncrementalDetokenizer:
             t = token_ids[0]
             piece = texts[t] if t < size else None
             if piece is not None:
-                self._append_text(piece)
+                if piece:  # (inline: every streamed token of every row passes here)
+                    self._parts.append(piece)
+                    self._fixed_len += len(piece)
                 return
         pieces = [texts[t] if t < size else None for t in token_ids]
         if not self._in_char and None not in pieces:  # the usual case: every token decodes on its own
