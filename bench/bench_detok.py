@@ -116,10 +116,9 @@ def main() -> None:
                                                / sum(map(len, outs)), 3)
             rows.append(row)
             print(row, flush=True)
-    import engine.detokenizer
-
-    meta = {"machine": device_name("cpu"), "code": str(Path(engine.detokenizer.__file__).parents[1]), "repeats": args.repeats,
-            "tokens_per_output": TOKENS, "outputs": OUTPUTS}
+    code = Path(sys.modules[IncrementalDetokenizer.__module__].__file__).parents[1]  # the checkout that ran
+    meta = {"machine": device_name("cpu"), "code": str(code), "repeats": args.repeats, "tokens_per_output": TOKENS,
+            "outputs": OUTPUTS}
     print(meta)
     if args.name:
         write_results(Path(args.out) / f"detok_{args.name}", "Detokenizer per token against DecodeStream", rows,
