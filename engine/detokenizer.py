@@ -14,11 +14,11 @@ token's bytes, so a token whose bytes are whole UTF-8 characters adds exactly it
 before. Those texts are decoded once per tokenizer (`token_texts`, one batched Rust call), and a commit
 takes a token's text from that table instead of a DecodeStream step (a lookup instead of a call into the
 tokenizer, on the engine thread, at every commit of every row). A token that does not decode on its own (part
-of a character) adds its raw bytes (read once off its vocabulary string through the GPT-2 byte map) to a
-pending run, which Python's UTF-8 codec decodes; the run's text goes out once it no longer ends in U+FFFD,
-DecodeStream's own rule, so every token adds the text a DecodeStream would. A report of many tokens is decoded
-as one byte string (bench/bench_detok.py measures both against DecodeStream). Other decoders (SentencePiece's
-Metaspace: a piece's leading space depends on its position) always use the stream.
+of a character) adds its raw bytes (read once off its vocabulary string through GPT-2's byte map, gguf's copy
+of it) to a pending run, which Python's UTF-8 codec decodes; the run's text goes out once it no longer ends in
+U+FFFD, DecodeStream's own rule, so every token adds the text a DecodeStream would. A report of many tokens is
+decoded as one byte string (bench/bench_detok.py measures both against DecodeStream). Other decoders
+(SentencePiece's Metaspace: a piece's leading space depends on its position) always use the stream.
 """
 
 from __future__ import annotations
@@ -63,27 +63,13 @@ def _byte_level_tables(tokenizer: Tokenizer, skip_special_tokens: bool):
     return cached[1]
 
 
-@functools.cache
-def _unicode_to_byte() -> dict[str, int]:
-    """The inverse of GPT-2's byte-to-unicode map, which the ByteLevel decoder undoes (tokenizers does not
-    expose it): bytes that are printable Latin-1 map to themselves, the other 68 to U+0100 onwards, in order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
 def _partial_bytes(tokenizer: Tokenizer, texts: list[str | None]) -> dict[int, bytes] | None:
     """The raw bytes of every token whose text is None (part of a character), read off its vocabulary string
     through the byte map; None when one cannot be, or when the map does not give the whole-character tokens'
     own texts (then the decoder is not GPT-2's byte level after all)."""
-    to_byte = _unicode_to_byte()
+    from gguf import bytes_to_unicode  # GPT-2's byte map (tokenizers does not expose it), read only here
+
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
 
     def raw(t: int) -> bytes | None:
         piece = tokenizer.id_to_token(t)
@@ -196,14 +182,15 @@ class IncrementalDetokenizer:
                 self.add(t)
             return
         size = len(texts)
-        if len(token_ids) == 1 and not self._in_char:  # a streamed report's usual one token: no lists built
+        if len(token_ids) == 1:  # a streamed report's usual one token: no lists built
             t = token_ids[0]
-            piece = texts[t] if t < size else None
-            if piece is not None:
-                if piece:  # (inline: every streamed token of every row passes here)
-                    self._parts.append(piece)
-                    self._fixed_len += len(piece)
-                return
+            piece = texts[t] if t < size and not self._in_char else None
+            if piece is None:  # part of a character, or one pending: its bytes (add)
+                self.add(t)
+            elif piece:  # (inline: every streamed token of every row passes here)
+                self._parts.append(piece)
+                self._fixed_len += len(piece)
+            return
         pieces = [texts[t] if t < size else None for t in token_ids]
         if not self._in_char and None not in pieces:  # the usual case: every token decodes on its own
             self._append_text("".join(pieces))
