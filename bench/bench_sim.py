@@ -211,7 +211,7 @@ def stream_run(model: str, kernels: str, depth: int, n: int, quick: bool, path: 
             llm.shutdown()
 
     async def go():
-        llm = AsyncLLM(cfg, core_process=path == "proc")
+        llm = AsyncLLM(cfg, core_process=path == "proc", core_own_cpu=True)  # as a Serve replica runs it
         try:
             await closed_loop(llm, [([1, 2, 3, 4] * 8, SamplingParams(max_tokens=8))] * 2, 2)  # warm-up
             settle()

@@ -44,10 +44,12 @@ class EngineReplica:
     """One engine per replica: one GPU when CUDA is visible (inside the actor it is cuda:0), else CPU."""
 
     def __init__(self, engine_config: dict, all_cores: bool = False, core_process: bool = False,
-                 stream_events_per_s: float | None = None):
+                 stream_events_per_s: float | None = None, core_own_cpu: bool = True):
+        """`core_own_cpu`: with the core in a process, this replica's threads keep off one CPU, left to the
+        core (AsyncLLM's core_own_cpu; the app's engine_core_own_cpu)."""
         self.config = replica_engine_config(engine_config, all_cores)
         self.llm = AsyncLLM(self.config, core_process=core_process, stream_events_per_s=stream_events_per_s,
-                            on_core_lost=self._core_lost)
+                            on_core_lost=self._core_lost, core_own_cpu=core_own_cpu)
         self.metrics = EngineMetrics(self.llm)
         # Everything alive now (model, tokenizer, libraries) lives as long as the replica: keep it out of the
         # cyclic GC's full collections, which otherwise scan it every few thousand steps and stall the loop

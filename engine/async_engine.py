@@ -48,7 +48,8 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, core_process: bool = False,
-                 stream_events_per_s: float | None = None, on_core_lost=None, **kwargs):
+                 stream_events_per_s: float | None = None, on_core_lost=None, core_own_cpu: bool = False,
+                 **kwargs):
         """`core_process`: run the engine core in a child process (what Serve replicas do). `stream_events_per_s`:
         pace streams so that all of them together get at most about this many outputs a second (a stream's
         interval is the number of open streams over it; its first output and its finish are never held): under
@@ -72,11 +73,12 @@ class AsyncLLM:
         self.core_process = core_process
         self._on_core_lost = on_core_lost
         if core_process:
-            from engine.core_client import CoreProcess  # (pyzmq only where a core process runs)
+            from engine.core_client import CoreProcess, CpuReservation  # (pyzmq only where a core process runs)
 
             self.engine = None
             self.config = config
             self._core = CoreProcess(config)
+            self._cpu_reservation = CpuReservation() if core_own_cpu else None
             self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
             self._processor = OutputProcessor(self.tokenizer.backend_tokenizer)
@@ -232,6 +234,8 @@ class AsyncLLM:
             with self._send_lock:
                 self._core.close()
             self._thread.join(timeout=30)
+            if self._cpu_reservation is not None:
+                self._cpu_reservation.release()
         else:
             self._wake.set()
             self._thread.join(timeout=30)

@@ -106,6 +106,46 @@ class CoreProcess:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class CpuReservation:
+    """Keeps this process's threads off one CPU, which the engine core process then has to itself among them.
+
+    On a host with few CPUs the frontend's threads (the callers' event loop, the output thread, ZeroMQ's and
+    Ray's) woke on whichever CPU the core was running on and preempted it: the core's host work per step grew
+    by a third and the device idled (docs/serving.md#the-engine-core-process has the figures). The frontend is
+    bound by its GIL to about one CPU's work anyway, so it loses little. The CPU left out is the highest-numbered
+    one this process may use; the core process, started before, keeps every CPU. Threads started later inherit
+    their creator's CPUs, so they stay off it too. Linux only (elsewhere, and with a single CPU, it does
+    nothing). `release()` gives the threads living then every CPU of the original set back."""
+
+    def __init__(self):
+        self.allowed: set[int] | None = None
+        self.cpu: int | None = None
+        if not hasattr(os, "sched_setaffinity"):
+            return
+        allowed = os.sched_getaffinity(0)
+        if len(allowed) < 2:
+            return
+        self.allowed, self.cpu = allowed, max(allowed)
+        self._set_all(allowed - {self.cpu})
+
+    def release(self) -> None:
+        if self.allowed is not None:
+            self._set_all(self.allowed)
+            self.allowed = None
+
+    @staticmethod
+    def _set_all(cpus: set[int]) -> None:
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            tids = [0]
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # the thread ended meanwhile
+                pass
+
+
 def _child_env() -> dict[str, str]:
     """The replica's environment, with this checkout importable (the child runs `python -m engine.core_proc`
     from wherever the replica runs)."""
@@ -115,4 +155,4 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-__all__ = ["CoreProcess", "CoreProcessError", "DEAD"]
+__all__ = ["CoreProcess", "CoreProcessError", "CpuReservation", "DEAD"]

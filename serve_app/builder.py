@@ -136,6 +136,10 @@ class AppConfig(BaseModel):
     # CPU (docs/serving.md#the-engine-core-process has the figures). Pipeline- and tensor-parallel engines drive
     # Ray actors from the core and always keep it on a replica thread.
     engine_core_process: bool | None = None
+    # With the engine core in a process: the engine replica's own threads (Serve's, Ray's, the frontend's) keep
+    # off one CPU, the highest-numbered it may use, which the core then has to itself among them; false lets
+    # them share every CPU (docs/serving.md#the-engine-core-process).
+    engine_core_own_cpu: bool = True
     # Streams are paced so that one engine replica's streams together get at most about this many chunks a
     # second (a stream's interval: open streams / this; its first chunk and its finish are never held). The
     # serving path (proxy, ingress, replica) costs per chunk, not per token: under load each chunk carries
@@ -312,9 +316,10 @@ def build_app(args: dict | None = None) -> serve.Application:
             _engine_max_ongoing(cfg, engine_cfg) + cfg.max_queued_requests
         return _colocated_deployment(cfg, engine_cfg, device).bind(
             dataclasses.asdict(engine_cfg), all_cores, max_in_flight, *ingress_args, core_process=core_process,
-            stream_events_per_s=cfg.stream_events_per_s, **ingress_kwargs)
+            stream_events_per_s=cfg.stream_events_per_s, core_own_cpu=cfg.engine_core_own_cpu, **ingress_kwargs)
     engine = _engine_deployment(cfg, engine_cfg, device).bind(dataclasses.asdict(engine_cfg), all_cores,
-                                                               core_process, cfg.stream_events_per_s)
+                                                               core_process, cfg.stream_events_per_s,
+                                                               cfg.engine_core_own_cpu)
     scaling: dict[str, Any] = {"num_replicas": cfg.ingress_replicas}
     if cfg.ingress_max_replicas is not None and cfg.ingress_max_replicas > cfg.ingress_replicas:
         scaling = {"autoscaling_config": AutoscalingConfig(

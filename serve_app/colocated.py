@@ -116,8 +116,9 @@ class ColocatedIngress(OpenAIIngress):
     are the engine's, as on an engine replica; /health counts this replica's engine."""
 
     async def __init__(self, engine_config: dict, all_cores: bool, max_in_flight: int | None, *args,
-                       core_process: bool = False, stream_events_per_s: float | None = None, **kwargs):
-        self.replica = EngineReplica(engine_config, all_cores, core_process, stream_events_per_s)
+                       core_process: bool = False, stream_events_per_s: float | None = None,
+                       core_own_cpu: bool = True, **kwargs):
+        self.replica = EngineReplica(engine_config, all_cores, core_process, stream_events_per_s, core_own_cpu)
         await super().__init__(LocalEngine(self.replica, max_in_flight), *args, **kwargs)
 
     async def check_health(self) -> None:

@@ -306,6 +306,53 @@ def test_no_core_process_outlives_a_killed_frontend(tmp_path):
             parent.kill()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU is left to the core only where there are two")
+def test_core_own_cpu_keeps_the_frontends_threads_off_one_cpu_until_shutdown():
+    """core_own_cpu: every thread of the frontend's process (one started before, and one started after) keeps
+    off the highest CPU, the core process keeps every CPU, requests still run, and shutdown gives the CPU back.
+    Without it nothing moves. In a child process, so this test process keeps its CPUs whatever happens."""
+    script = textwrap.dedent("""
+        import asyncio, json, os, threading
+        from engine import SamplingParams
+        from engine.async_engine import AsyncLLM
+        from engine.config import EngineConfig
+
+        def mine():
+            return sorted({cpu for t in os.listdir("/proc/self/task") for cpu in os.sched_getaffinity(int(t))})
+
+        async def text(llm):
+            out = None
+            async for out in llm.generate("Hello there", SamplingParams(max_tokens=4, temperature=0.0)):
+                pass
+            return out.text
+
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+        report = {"all": sorted(os.sched_getaffinity(0))}
+        plain = AsyncLLM(EngineConfig(max_model_len=256), core_process=True)
+        report["plain"] = mine()
+        plain.shutdown()
+        llm = AsyncLLM(EngineConfig(max_model_len=256), core_process=True, core_own_cpu=True)
+        threading.Thread(target=stop.wait, daemon=True).start()
+        report["frontend"] = mine()
+        report["core"] = sorted(os.sched_getaffinity(llm._core.proc.pid))
+        report["text"] = asyncio.run(text(llm))
+        llm.shutdown()
+        report["after"] = mine()
+        print(json.dumps(report), flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    cpus = report["all"]
+    assert report["plain"] == cpus == report["core"] == report["after"]
+    assert report["frontend"] == cpus[:-1]
+    assert report["text"] != ""
+
+
 def test_paced_streams_merge_commits_and_never_hold_the_first_output_or_the_finish():
     """stream_events_per_s=8 with one open stream: at most one output every 125 ms; the first output (TTFT) and
     the finish are handed out as soon as they are committed; the deltas add up to the same tokens and text."""

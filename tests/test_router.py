@@ -561,3 +561,17 @@ def test_engine_core_process_default_follows_device_and_topology():
     assert core_process({"device": "cpu"}) is False
     assert core_process({"device": "cpu", "engine_core_process": True}) is True
     assert core_process({"device": "sim", "engine_core_process": False}) is False
+
+
+def test_engine_core_own_cpu_reaches_the_engine_replica_in_both_topologies():
+    """`engine_core_own_cpu` (default true) is what the engine replica is built with, colocated or split."""
+    def own_cpu(args: dict) -> bool:
+        dep = build_app(args)._bound_deployment
+        if dep.name == COLOCATED_DEPLOYMENT:
+            return dep.init_kwargs["core_own_cpu"]
+        return dep.init_args[0]._bound_deployment.init_args[4]  # EngineReplica(..., stream_events_per_s, own_cpu)
+
+    assert own_cpu({"device": "sim"}) is True
+    assert own_cpu({"device": "sim", "engine_core_own_cpu": False}) is False
+    assert own_cpu({"device": "sim", "colocated": False, "engine_core_process": True}) is True
+    assert own_cpu({"device": "sim", "colocated": False, "engine_core_own_cpu": False}) is False
