@@ -78,7 +78,6 @@ class AsyncLLM:
             self.engine = None
             self.config = config
             self._core = CoreProcess(config)
-            self._cpu_reservation = CpuReservation() if core_own_cpu else None
             self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
             self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
             self._processor = OutputProcessor(self.tokenizer.backend_tokenizer)
@@ -87,6 +86,8 @@ class AsyncLLM:
             self._core_health: str | None = None
             self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
             self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
+            # (last: nothing after it raises, so a frontend that failed to start never holds the reservation)
+            self._cpu_reservation = CpuReservation() if core_own_cpu else None
             target, name = self._run_outputs, "tandem-core-outputs"
         else:
             self.engine = create_engine(config)

@@ -111,7 +111,7 @@ class CpuReservation:
 
     On a host with few CPUs the frontend's threads (the callers' event loop, the output thread, ZeroMQ's and
     Ray's) woke on whichever CPU the core was running on and preempted it: the core's host work per step grew
-    by a third and the device idled (docs/serving.md#the-engine-core-process has the figures). The frontend is
+    and the device idled (docs/serving.md#the-engine-core-process has the figures). The frontend is
     bound by its GIL to about one CPU's work anyway, so it loses little. The CPU left out is the highest-numbered
     one this process may use; the core process, started before, keeps every CPU. Threads started later inherit
     their creator's CPUs, so they stay off it too. Linux only (elsewhere, and with a single CPU, it does
