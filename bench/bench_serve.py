@@ -48,7 +48,7 @@ from ray import serve
 
 from engine import LLM, AsyncLLM, SamplingParams
 from serve_app import build_app
-from serve_app.builder import (COLOCATED_DEPLOYMENT, app_is_colocated, apply_cluster_env, core_process_by_default,
+from serve_app.builder import (COLOCATED_DEPLOYMENT, app_core_process, app_is_colocated, apply_cluster_env,
                                engine_transport)
 
 APP = "tandem_bench"
@@ -361,12 +361,6 @@ def level_prompts(prompts: list[str], concurrency: int, args) -> list[str]:
     return [prompts[i % len(prompts)] + f" {i}" for i in range(n)]
 
 
-def core_process_of(app_args: dict, device: str) -> bool:
-    """Whether build_app(app_args) runs its engine core in a process of its own."""
-    chosen = app_args.get("engine_core_process")
-    return core_process_by_default(device, app_is_colocated(app_args)) if chosen is None else chosen
-
-
 def other_transport(args) -> str:
     """The engine_transport that "auto" does not pick for this device."""
     return "ray" if engine_transport("auto", args.device) == "grpc" else "grpc"
@@ -396,7 +390,7 @@ def bench_path(args, prompts, warm) -> list[dict]:
         defaults = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
         settings = [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem)),
                     (CORE_IN_REPLICA, build_app({**tandem, "engine_core_process": False}))]
-        if core_process_of(tandem, args.device):  # the replica off the core's CPU (the default), or sharing it
+        if app_core_process(tandem):  # the replica off the core's CPU (the default), or sharing it
             settings.append((CORE_SHARES_CPUS, build_app({**tandem, "engine_core_own_cpu": False})))
         if not app_is_colocated(tandem):  # colocated (one CPU replica by default): no engine hop to transport
             settings.append((OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})))

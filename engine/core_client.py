@@ -118,15 +118,14 @@ class CpuReservation:
     nothing). `release()` gives the threads living then every CPU of the original set back."""
 
     def __init__(self):
-        self.allowed: set[int] | None = None
-        self.cpu: int | None = None
+        self.allowed: set[int] | None = None  # the CPUs to give back; None: nothing was moved
         if not hasattr(os, "sched_setaffinity"):
             return
         allowed = os.sched_getaffinity(0)
         if len(allowed) < 2:
             return
-        self.allowed, self.cpu = allowed, max(allowed)
-        self._set_all(allowed - {self.cpu})
+        self.allowed = allowed
+        self._set_all(allowed - {max(allowed)})
 
     def release(self) -> None:
         if self.allowed is not None:

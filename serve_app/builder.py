@@ -278,6 +278,22 @@ def app_is_colocated(args: dict | None = None) -> bool:
     return AppConfig(**(args or {})).is_colocated
 
 
+def app_core_process(args: dict | None = None) -> bool:
+    """Whether build_app(args) runs its engine replica's core in a process of its own."""
+    cfg = AppConfig(**(args or {}))
+    device = _resolve_device(cfg.device)
+    return _core_process(cfg, EngineConfig(model=cfg.model, device=device, **cfg.engine), device)
+
+
+def _core_process(cfg: AppConfig, engine_cfg: EngineConfig, device: str) -> bool:
+    """engine_core_process resolved: its default (core_process_by_default), or the value given; pipeline- and
+    tensor-parallel engines (but tensor parallelism on the simulated device) keep the core on a replica thread."""
+    chosen = core_process_by_default(device, cfg.is_colocated) if cfg.engine_core_process is None \
+        else cfg.engine_core_process
+    return chosen and engine_cfg.pipeline_parallel_size == 1 and \
+        (engine_cfg.tensor_parallel_size == 1 or device == "sim")
+
+
 def engine_transport(choice: str, device: str) -> str:
     """AppConfig.engine_transport resolved for a device: "auto" is grpc on CPU, ray elsewhere."""
     if choice != "auto":
@@ -308,9 +324,7 @@ def build_app(args: dict | None = None) -> serve.Application:
                           tool_parser=cfg.tool_parser, sampling_defaults=engine_cfg.sampling_defaults(),
                           chat_template=cfg.chat_template and load_chat_template(cfg.chat_template))
     colocated = cfg.is_colocated
-    core_process = (core_process_by_default(device, colocated) if cfg.engine_core_process is None
-                    else cfg.engine_core_process) and \
-        engine_cfg.pipeline_parallel_size == 1 and (engine_cfg.tensor_parallel_size == 1 or device == "sim")
+    core_process = _core_process(cfg, engine_cfg, device)
     if colocated:
         max_in_flight = None if cfg.max_queued_requests < 0 else \
             _engine_max_ongoing(cfg, engine_cfg) + cfg.max_queued_requests

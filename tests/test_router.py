@@ -24,7 +24,7 @@ from engine import LLM, EngineConfig, EngineStats, SamplingParams, cpu_alloc
 from engine.block_manager import prefix_hashes
 from engine.lora import LoRARequest
 from serve_app import AppConfig, build_app
-from serve_app.builder import COLOCATED_DEPLOYMENT, app_is_colocated
+from serve_app.builder import COLOCATED_DEPLOYMENT, app_core_process, app_is_colocated
 from test_engine_stats import make_stats
 
 DEPLOYMENT = DeploymentID(name="EngineReplica", app_name="app")
@@ -553,8 +553,11 @@ def test_engine_core_process_default_follows_device_and_topology():
     def core_process(args: dict) -> bool:
         dep = build_app(args)._bound_deployment
         if dep.name == COLOCATED_DEPLOYMENT:
-            return dep.init_kwargs["core_process"]
-        return dep.init_args[0]._bound_deployment.init_args[2]  # EngineReplica(config, all_cores, core_process, ...)
+            built = dep.init_kwargs["core_process"]
+        else:
+            built = dep.init_args[0]._bound_deployment.init_args[2]  # EngineReplica(config, all_cores, core_process)
+        assert app_core_process(args) is built  # what the benchmarks ask about the app, the same answer
+        return built
 
     assert core_process({"device": "sim"}) is True
     assert core_process({"device": "sim", "colocated": False}) is False
