@@ -78,17 +78,25 @@ class AsyncLLM:
             self.engine = None
             self.config = config
             self._core = CoreProcess(config)
-            self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
-            self._processor = OutputProcessor(self.tokenizer.backend_tokenizer)
-            self._stats_blob: bytes = self._core.stats_blob  # the core's snapshot as it started
-            self._stats_cache: tuple[bytes | None, EngineStats | None] = (None, None)
-            self._core_health: str | None = None
-            self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
-            self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
-            # (last: nothing after it raises, so a frontend that failed to start never holds the reservation)
-            self._cpu_reservation = CpuReservation() if core_own_cpu else None
-            target, name = self._run_outputs, "tandem-core-outputs"
+            self._cpu_reservation = None
+            try:  # a frontend that fails to start stops its core process now, not when this process exits
+                self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
+                self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+                self._processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+                self._stats_blob: bytes = self._core.stats_blob  # the core's snapshot as it started
+                self._stats_cache: tuple[bytes | None, EngineStats | None] = (None, None)
+                self._core_health: str | None = None
+                self._records: deque[StepRecord] = deque(maxlen=STEP_RECORDS_MAX)
+                self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
+                self._thread = threading.Thread(target=self._run_outputs, name="tandem-core-outputs", daemon=True)
+                self._thread.start()
+            except BaseException:
+                self._core.close(timeout_s=0)
+                raise
+            # (last: nothing after it raises, so a frontend that failed to start never holds the reservation; it
+            # moves the output thread too, as every thread of the process)
+            if core_own_cpu:
+                self._cpu_reservation = CpuReservation()
         else:
             self.engine = create_engine(config)
             self.config = self.engine.config
@@ -96,9 +104,8 @@ class AsyncLLM:
             self._inbox: queue.SimpleQueue = queue.SimpleQueue()
             self._wake = threading.Event()
             self._stats: EngineStats = self.engine.stats()
-            target, name = self._run, "tandem-engine-loop"
-        self._thread = threading.Thread(target=target, name=name, daemon=True)
-        self._thread.start()
+            self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
+            self._thread.start()
 
     # ---- caller side (asyncio) ---------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -17,14 +17,15 @@ tokenizer, on the engine thread, at every commit of every row). A token that doe
 of a character) adds its raw bytes (read once off its vocabulary string through GPT-2's byte map, gguf's copy
 of it) to a pending run, which Python's UTF-8 codec decodes; the run's text goes out once it no longer ends in
 U+FFFD, DecodeStream's own rule, so every token adds the text a DecodeStream would. A report of many tokens is
-decoded as one byte string (bench/bench_detok.py measures both against DecodeStream). Other decoders
+its tokens' bytes (a second table: every token's, whole or not) joined and decoded at once, one C-level join
+and one UTF-8 decode instead of a Python step per token (bench/bench_detok.py measures both against
+DecodeStream). Other decoders
 (SentencePiece's Metaspace: a piece's leading space depends on its position) always use the stream.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 
 import ahocorasick
@@ -47,8 +48,8 @@ def token_texts(tokenizer: Tokenizer, skip_special_tokens: bool) -> list[str | N
 
 
 def _byte_level_tables(tokenizer: Tokenizer, skip_special_tokens: bool):
-    """(token_texts, the bytes of each token that does not decode on its own), or None where the decoder is not
-    byte-level or a token's bytes cannot be read off its vocabulary string (then every token uses the stream)."""
+    """(token_texts, every token's raw bytes), or None where the decoder is not byte-level or a token's bytes
+    cannot be read off its vocabulary string (then every token uses the stream)."""
     key = (id(tokenizer), skip_special_tokens)
     cached = _TABLES.get(key)
     if cached is None or cached[0] is not tokenizer:
@@ -58,7 +59,9 @@ def _byte_level_tables(tokenizer: Tokenizer, skip_special_tokens: bool):
             texts = tokenizer.decode_batch([[t] for t in range(n)], skip_special_tokens=skip_special_tokens)
             table = [None if "\ufffd" in t else t for t in texts]
             partial = _partial_bytes(tokenizer, table)
-            tables = None if partial is None else (table, partial)
+            # A whole token's bytes are its text's; a part of a character's, its vocabulary string's through the map
+            tables = None if partial is None else (table, [partial[t] if text is None else text.encode()
+                                                           for t, text in enumerate(table)])
         cached = _TABLES[key] = (tokenizer, tables)
     return cached[1]
 
@@ -100,7 +103,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self._skip_special = params.skip_special_tokens
         tables = _byte_level_tables(tokenizer, params.skip_special_tokens)
-        self._texts, self._partial = tables if tables is not None else (None, None)
+        self._texts, self._bytes = tables if tables is not None else (None, None)
         self._in_char = False  # bytes of an unfinished character are waiting (_pending, or the stream's)
         self._pending = b""  # byte level: the raw bytes of a character not yet whole
         self._stream = None
@@ -174,8 +177,8 @@ class IncrementalDetokenizer:
 
     def extend(self, token_ids: list[int]) -> None:
         """Append tokens of a request without stop strings: the text add() would build one token at a time, as
-        one join over the decoded-text table when every token decodes on its own, else one decode of the
-        report's bytes (_extend_bytes)."""
+        one decode of the report's joined bytes (and of the bytes still pending from the last report); where
+        those end inside a character, _extend_bytes."""
         texts = self._texts
         if texts is None or self._stops:
             for t in token_ids:
@@ -191,24 +194,29 @@ class IncrementalDetokenizer:
                 self._parts.append(piece)
                 self._fixed_len += len(piece)
             return
-        pieces = [texts[t] if t < size else None for t in token_ids]
-        if not self._in_char and None not in pieces:  # the usual case: every token decodes on its own
-            self._append_text("".join(pieces))
+        raw = self._bytes
+        try:
+            data = self._pending + b"".join(map(raw.__getitem__, token_ids))
+        except IndexError:  # an id past the tokenizer's vocabulary (the model's may be larger): it adds no bytes
+            data = self._pending + b"".join([raw[t] if t < size else b"" for t in token_ids])
+        text = data.decode("utf-8", "replace")
+        if text[-1:] != "\ufffd":  # the usual case: the report ends on a whole character (add()'s rule)
+            self._pending, self._in_char = b"", False
+            self._append_text(text)
         else:
-            self._extend_bytes(token_ids, pieces)
+            self._extend_bytes(token_ids, data)
 
-    def _extend_bytes(self, token_ids: list[int], pieces: list[str | None]) -> None:
-        """Tokens among which some are parts of characters: the pending bytes and theirs, decoded at once up to
-        the last token after which the text ends on a whole character (add()'s rule: not in U+FFFD), and the
-        few tokens after it through add(). add() cuts its runs only where the decoder is between characters, so
-        decoding them apart or together gives the same text."""
-        partial = self._partial
-        chunks = [p.encode() if p is not None else partial.get(t, b"") for t, p in zip(token_ids, pieces)]
-        ends = list(itertools.accumulate(map(len, chunks), initial=len(self._pending)))
-        data = self._pending + b"".join(chunks)
-        n = len(token_ids)
-        for k in range(n, max(0, n - _BACKTRACK), -1):  # a character is at most 4 bytes: a few tokens back
-            text = data[:ends[k]].decode("utf-8", "replace")
+    def _extend_bytes(self, token_ids: list[int], data: bytes) -> None:
+        """A report whose bytes (`data`, the pending bytes and its tokens') end inside a character: decoded at
+        once up to the last token after which the text ends on a whole character (add()'s rule: not in U+FFFD),
+        and the few tokens after it through add(). add() cuts its runs only where the decoder is between
+        characters, so decoding them apart or together gives the same text."""
+        raw, size, n = self._bytes, len(self._bytes), len(token_ids)
+        end = len(data)  # where token k's bytes end, walking back from the last token
+        for k in range(n - 1, max(0, n - _BACKTRACK), -1):  # a character is at most 4 bytes: a few tokens back
+            t = token_ids[k]
+            end -= len(raw[t]) if t < size else 0
+            text = data[:end].decode("utf-8", "replace")
             if text and text[-1] != "\ufffd":
                 self._pending, self._in_char = b"", False
                 self._append_text(text)
@@ -227,9 +235,7 @@ class IncrementalDetokenizer:
         its bytes join the pending run, whose text is emitted once it no longer ends in U+FFFD (a whole
         character, or bytes that can never become one: DecodeStream's rule). An id past the vocabulary adds no
         bytes (the tokenizer drops it)."""
-        texts = self._texts
-        text = texts[token_id] if token_id < len(texts) else ""
-        self._pending += self._partial[token_id] if text is None else text.encode()
+        self._pending += self._bytes[token_id] if token_id < len(self._bytes) else b""
         piece = self._pending.decode("utf-8", "replace")
         if piece and piece[-1] != "\ufffd":
             self._pending, self._in_char = b"", False

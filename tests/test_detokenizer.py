@@ -209,8 +209,8 @@ def test_prompt_ending_inside_a_character_does_not_leak_into_the_output():
 
 
 def random_ids(seed: int, n: int = 120) -> list[int]:
-    """Words of the test texts (characters split over tokens), special tokens and arbitrary ids (possibly
-    invalid UTF-8)."""
+    """Words of the test texts (characters split over tokens), special tokens, arbitrary ids (possibly
+    invalid UTF-8) and ids past the tokenizer's vocabulary (a model's may be larger; they add no text)."""
     import random
 
     rng = random.Random(seed)
@@ -224,6 +224,8 @@ def random_ids(seed: int, n: int = 120) -> list[int]:
             ids += words[a:a + rng.randint(1, 12)]
         elif kind < 0.75:
             ids.append(rng.randrange(3))  # the special tokens (tiny_models: ids 0-2)
+        elif kind < 0.78:
+            ids.append(vocab + rng.randrange(8))
         else:
             ids.append(rng.randrange(vocab))
     return ids
