@@ -283,6 +283,30 @@ def test_shutdown_stops_the_core_process():
     assert _wait_gone(pid, 5)
 
 
+def test_a_frontend_that_fails_to_start_stops_the_core_it_started(monkeypatch):
+    """The core process is up and the frontend's own start-up then fails (its tokenizer does not load): the
+    error reaches the caller and the core process is gone at once, not when the caller's process exits."""
+    import engine.async_engine as async_engine
+    import engine.core_client as core_client
+
+    started = []
+
+    class Recorded(core_client.CoreProcess):
+        def __init__(self, config):
+            super().__init__(config)
+            started.append(self)
+
+    def fail(*args, **kwargs):
+        raise OSError("tokenizer files unreadable")
+
+    monkeypatch.setattr(core_client, "CoreProcess", Recorded)
+    monkeypatch.setattr(async_engine.AutoTokenizer, "from_pretrained", fail)
+    with pytest.raises(OSError, match="tokenizer files unreadable"):
+        AsyncLLM(EngineConfig(max_model_len=256), core_process=True)
+    assert len(started) == 1, "the core process started before the failure"
+    assert _wait_gone(started[0].proc.pid, 5), "the core process outlived its frontend's failed start"
+
+
 def test_no_core_process_outlives_a_killed_frontend(tmp_path):
     """The replica's process killed outright (SIGKILL: no shutdown, no atexit): its core goes too."""
     script = textwrap.dedent("""
