@@ -25,8 +25,9 @@ def tokenize(tokenizer, prompt) -> tuple[str | None, list[int]]:
         if not prompt:
             raise ValueError("prompt must not be empty")
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
-    if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    # (the element types gathered in C first: the per-element check in Python runs only where one is not int)
+    if not isinstance(prompt, (list, tuple)) or (set(map(type, prompt)) - {int} and not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
         raise ValueError("prompt must be a string or a list of integer token ids")
     return None, list(prompt)
 
