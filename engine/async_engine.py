@@ -78,7 +78,6 @@ class AsyncLLM:
             self.engine = None
             self.config = config
             self._core = CoreProcess(config)
-            self._cpu_reservation = None
             try:  # a frontend that fails to start stops its core process now, not when this process exits
                 self._limits, self.eos_token_ids = self._core.limits, self._core.eos_token_ids
                 self.tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
@@ -95,8 +94,7 @@ class AsyncLLM:
                 raise
             # (last: nothing after it raises, so a frontend that failed to start never holds the reservation; it
             # moves the output thread too, as every thread of the process)
-            if core_own_cpu:
-                self._cpu_reservation = CpuReservation()
+            self._cpu_reservation = CpuReservation() if core_own_cpu else None
         else:
             self.engine = create_engine(config)
             self.config = self.engine.config
