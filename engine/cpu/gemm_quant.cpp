@@ -7,7 +7,9 @@
 // default: gemm_quant_int8.cpp) or fp32 activations, the exact path, here: each block of 32 weights (a K-quant's
 // sub-block, with its super-block's header) is dequantized in registers into two vectors of 16 fp32 values (one
 // zmm register under AVX-512, two ymm under AVX2, four xmm under SSE2), used for MR rows of x at once, then
-// dropped. Every product in a weight is exact in fp32 (d has 11 significant bits, d * sc at most 18, q at most 8),
+// dropped; with more than MR rows of x (a prefill, a batch) a tile's NR rows are dequantized once a 64-row chunk
+// of x into a small buffer every MR rows then read, the same values summed in the same order (the dequantization,
+// not the multiply-adds, is what the exact path's time went to). Every product in a weight is exact in fp32 (d has 11 significant bits, d * sc at most 18, q at most 8),
 // so d * q (+ m), d * (q - 16), (d * sc) * q - dmin * m and (d * sc) * (q - 32) (one rounding where there is a
 // min, whether contracted to an FMA or not) are bit for bit the fp32 weights the `gguf` package's dequantize gives
 // (numpy's products are exact too): the result is the fp32 GEMM of those weights, summed in this kernel's order
@@ -23,6 +25,8 @@
 #include "ops.h"
 
 #include "quant_blocks.h"
+
+#include <vector>
 
 namespace {
 
@@ -173,12 +177,63 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byte
     for (int r = 0; r < nr; ++r) y[m * ldy + r] = lanes_sum(acc[m][r]) + (bias ? bias[r] : 0.f);
 }
 
+// A tile's NR weight rows, every block dequantized once (rows past `nr` repeat the last) into `buf`: block b of
+// row r is buf[2 (b NR + r)] and the vector after it, the w0 and w1 tile() computes in registers.
+template <int64_t QT>
+inline void dequant_tile(const uint8_t* w, int64_t row_bytes, int nr, int64_t blocks, v16f* buf) {
+  const uint8_t* rows[kNR];
+  for (int r = 0; r < kNR; ++r) rows[r] = w + std::min(r, nr - 1) * row_bytes;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int r = 0; r < kNR; ++r) dequant<QT>(rows[r], b, buf[2 * (b * kNR + r)], buf[2 * (b * kNR + r) + 1]);
+}
+
+// tile() with the weights taken from dequant_tile's buffer: the same products summed in the same order.
+template <int R>
+inline void tile_dequantized(const float* x, int64_t ldx, const v16f* buf, int nr, int64_t blocks,
+                             const float* bias, float* y, int64_t ldy) {
+  v16f acc[R][kNR] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const v16f* wb = buf + 2 * b * kNR;
+    for (int m = 0; m < R; ++m) {
+      const v16f x0 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock);
+      const v16f x1 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock + 16);
+      for (int r = 0; r < kNR; ++r) {
+        acc[m][r] += x0 * wb[2 * r];
+        acc[m][r] += x1 * wb[2 * r + 1];
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int r = 0; r < nr; ++r) y[m * ldy + r] = lanes_sum(acc[m][r]) + (bias ? bias[r] : 0.f);
+}
+
 template <int64_t QT>
 void run(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = K / kBlock, row_bytes = K / kQK<QT> * kBlockBytes<QT>;
+  if (M > kMR) {  // several tiles of x: each weight tile is dequantized once a chunk of x, not once a tile of it
+    using Tile = void (*)(const float*, int64_t, const v16f*, int, int64_t, const float*, float*, int64_t);
+    static constexpr Tile table[4] = {tile_dequantized<1>, tile_dequantized<kMR >= 2 ? 2 : 1>,
+                                      tile_dequantized<kMR >= 3 ? 3 : 1>, tile_dequantized<kMR >= 4 ? 4 : 1>};
+    const int64_t tiles = (N + kNR - 1) / kNR;
+    for (int64_t c0 = 0; c0 < M; c0 += kChunk) {  // for_tiles' chunks and split, a tile's rows of x together
+      const int64_t c1 = std::min(M, c0 + kChunk);
+      at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+        std::vector<v16f> buf(2 * blocks * kNR);
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t n0 = t * kNR;
+          const int nr = int(std::min<int64_t>(kNR, N - n0));
+          dequant_tile<QT>(w + n0 * row_bytes, row_bytes, nr, blocks, buf.data());
+          for (int64_t m0 = c0; m0 < c1; m0 += kMR)
+            table[std::min<int64_t>(kMR, c1 - m0) - 1](x + m0 * K, K, buf.data(), nr, blocks,
+                                                        bias ? bias + n0 : nullptr, y + m0 * N + n0, N);
+        }
+      });
+    }
+    return;
+  }
   using Tile = void (*)(const float*, int64_t, const uint8_t*, int64_t, int, int64_t, const float*, float*, int64_t);
   static constexpr Tile table[4] = {tile<QT, 1>, tile<QT, kMR >= 2 ? 2 : 1>, tile<QT, kMR >= 3 ? 3 : 1>,
                                     tile<QT, kMR >= 4 ? 4 : 1>};
-  const int64_t blocks = K / kBlock, row_bytes = K / kQK<QT> * kBlockBytes<QT>;
   for_tiles<kMR, kNR>(M, N, [&](int64_t m0, int r, int64_t n0, int nr) {
     table[r - 1](x + m0 * K, K, w + n0 * row_bytes, row_bytes, nr, blocks, bias ? bias + n0 : nullptr,
                  y + m0 * N + n0, N);
