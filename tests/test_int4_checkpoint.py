@@ -300,7 +300,8 @@ def test_real_smollm2_gptq_greedy_matches_hf(tmp_path):
                  "How do plants make food?", "Why is the sky blue?"]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                   tokenize=False), add_special_tokens=False) for q in questions]
-    llm = LLM(str(qdir))
+    # Sized for these prompts: the default sizing profiles 256 sequences and zeroes a KV pool of half the free RAM.
+    llm = LLM(str(qdir), max_num_seqs=8, max_num_batched_tokens=512, num_kv_blocks=128)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert_matches_hf(hf, list(prompt), out.token_ids)
