@@ -152,7 +152,7 @@ def hf_q8(q8_file, prompts):
 
 
 def q8_greedy(q8_file, texts: list[str]):
-    llm = LLM(str(q8_file), device="cpu", max_num_seqs=8)
+    llm = LLM(str(q8_file), device="cpu", max_num_seqs=8, max_num_batched_tokens=512, num_kv_blocks=64)
     try:
         assert all(p.qtype == "Q8_0" for layer in model_of(llm).layers for p in layer.mlp.down_proj.parts)
         return llm.generate(texts, SamplingParams(max_tokens=TOKENS, temperature=0))
