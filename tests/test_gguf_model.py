@@ -96,8 +96,8 @@ def prompts(hf_dir):
 
 def hf_greedy(hf, tok, texts: list[str]) -> list[tuple[list[int], list[torch.Tensor]]]:
     """HF's greedy tokens (up to and including its EOS) and the logits it chose each from. Prompts of the same
-    length run as one batch, so nothing is padded: a decode step of this fp32 model streams its 540 MB of
-    weights from memory (about 0.1 s on a 2-core VM), once per batch instead of once per prompt."""
+    length run as one batch, so nothing is padded: a decode step of this fp32 model is bound by streaming its
+    weights from memory, so a batch's step costs little more than one prompt's."""
     ids = [tok(text, add_special_tokens=False).input_ids for text in texts]
     eos = hf.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos)
