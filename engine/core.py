@@ -403,8 +403,15 @@ class EngineCore:
                 outputs.append(self._finish(seq, seq.finish_reason))
             elif not seq.final_only:
                 emitted = seq.num_emitted_tokens  # (lengths read directly: num_output_tokens is a property call)
-                new = len(seq.token_ids) - len(seq.prompt_token_ids) - emitted
-                if new and (new >= interval or not emitted):
+                start = len(seq.prompt_token_ids) + emitted
+                new = len(seq.token_ids) - start
+                if not new or (new < interval and emitted):
+                    continue
+                if emitted and seq.logprobs is None and (seq.prompt_logprobs is None or seq.prompt_logprobs_sent):
+                    # _output's common case inlined (a streamed request's every step): only the new token ids
+                    seq.num_emitted_tokens = emitted + new
+                    outputs.append(CoreOutput(seq.request_id, seq.index, seq.token_ids[start:]))
+                else:
                     outputs.append(self._output(seq))
         return outputs
 
