@@ -3,19 +3,18 @@
 // (engine/cpu/quant.py), so a model's linears read its quantized bytes and nothing else. Each row of W is K / QK
 // blocks (QK = 32, or 256 for the K-quants' super-blocks), rows one after the other ([N, K / QK * bytes] uint8).
 //
-// Two arithmetics; quant.py picks one per call (TANDEM_QUANT_ACTIVATIONS): int8 activations (llama.cpp's, the
-// default: gemm_quant_int8.cpp) or fp32 activations, the exact path, here: each block of 32 weights (a K-quant's
-// sub-block, with its super-block's header) is dequantized in registers into two vectors of 16 fp32 values (one
-// zmm register under AVX-512, two ymm under AVX2, four xmm under SSE2), used for MR rows of x at once, then
-// dropped; with more than MR rows of x (a prefill, a batch) a tile's NR rows are dequantized once a 64-row chunk
-// of x into a small buffer every MR rows then read, the same values summed in the same order (the dequantization,
-// not the multiply-adds, is what the exact path's time went to). Every product in a weight is exact in fp32 (d has 11 significant bits, d * sc at most 18, q at most 8),
-// so d * q (+ m), d * (q - 16), (d * sc) * q - dmin * m and (d * sc) * (q - 32) (one rounding where there is a
-// min, whether contracted to an FMA or not) are bit for bit the fp32 weights the `gguf` package's dequantize gives
-// (numpy's products are exact too): the result is the fp32 GEMM of those weights, summed in this kernel's order
-// (per output, 16 lane-wise fp32 multiply-add chains over k, then a fixed tree over the lanes, + bias), within
-// gamma_{K+1} of the exact sum relative to sum |x| |w| (tests/test_cpu_gemm_quant.py checks that bound against
-// gguf's dequantize).
+// Two arithmetics; quant.py picks one per call (TANDEM_QUANT_ACTIVATIONS): int8 activations (llama.cpp's, the default:
+// gemm_quant_int8.cpp) or fp32 activations, the exact path, here: each block of 32 weights (a K-quant's sub-block, with
+// its super-block's header) is dequantized in registers into two vectors of 16 fp32 values (one zmm register under
+// AVX-512, two ymm under AVX2, four xmm under SSE2), used for MR rows of x at once, then dropped; with more than MR
+// rows of x (a prefill, a batch) a tile's NR rows are dequantized once a 64-row chunk of x into a small buffer every MR
+// rows then read, the same values summed in the same order (the dequantization, not the multiply-adds, is what the
+// exact path's time went to). Every product in a weight is exact in fp32 (d has 11 significant bits, d * sc at most 18,
+// q at most 8), so d * q (+ m), d * (q - 16), (d * sc) * q - dmin * m and (d * sc) * (q - 32) (one rounding where there
+// is a min, whether contracted to an FMA or not) are bit for bit the fp32 weights the `gguf` package's dequantize gives
+// (numpy's products are exact too): the result is the fp32 GEMM of those weights, summed in this kernel's order (per
+// output, 16 lane-wise fp32 multiply-add chains over k, then a fixed tree over the lanes, + bias), within gamma_{K+1}
+// of the exact sum relative to sum |x| |w| (tests/test_cpu_gemm_quant.py checks that bound against gguf's dequantize).
 //
 // One source in GCC vectors and per-level intrinsics, compiled at every level as the rest of engine/cpu/.
 // Work: tiles of NR rows of W (NR blocks' dequantized weights in registers) by MR rows of x; x is taken 64 rows
