@@ -146,6 +146,26 @@ inline void dequant<kGgmlQ6_K>(const uint8_t* row, int64_t b, v16f& w0, v16f& w1
   w1 = bytes_to_float<false>(q6k_bytes16(sb, s, 1)) * (v16f{} + d * float(sc[1]));
 }
 
+// Block b of R rows of x (ldx apart) times NR weight rows' block b (w0, w1: its two 16-lane halves), into acc.
+template <int R>
+inline void madd_block(const float* x, int64_t ldx, int64_t b, const v16f* w0, const v16f* w1,
+                       v16f (&acc)[R][kNR]) {
+  for (int m = 0; m < R; ++m) {
+    const v16f x0 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock);
+    const v16f x1 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock + 16);
+    for (int r = 0; r < kNR; ++r) {
+      acc[m][r] += x0 * w0[r];
+      acc[m][r] += x1 * w1[r];
+    }
+  }
+}
+
+template <int R>
+inline void store_tile(const v16f (&acc)[R][kNR], int nr, const float* bias, float* y, int64_t ldy) {
+  for (int m = 0; m < R; ++m)
+    for (int r = 0; r < nr; ++r) y[m * ldy + r] = lanes_sum(acc[m][r]) + (bias ? bias[r] : 0.f);
+}
+
 // y[m, r] (+ bias[r]) for R rows of x (ldx apart) by NR rows of W at `w` (row_bytes apart; rows past `nr` repeat
 // the last and are not stored).
 template <int64_t QT, int R>
@@ -162,28 +182,20 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byte
       const int64_t b = g * subs + j;
       v16f w0[kNR], w1[kNR];
       for (int r = 0; r < kNR; ++r) dequant<QT>(rows[r], b, w0[r], w1[r]);
-      for (int m = 0; m < R; ++m) {
-        const v16f x0 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock);
-        const v16f x1 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock + 16);
-        for (int r = 0; r < kNR; ++r) {
-          acc[m][r] += x0 * w0[r];
-          acc[m][r] += x1 * w1[r];
-        }
-      }
+      madd_block<R>(x, ldx, b, w0, w1, acc);
     }
   }
-  for (int m = 0; m < R; ++m)
-    for (int r = 0; r < nr; ++r) y[m * ldy + r] = lanes_sum(acc[m][r]) + (bias ? bias[r] : 0.f);
+  store_tile<R>(acc, nr, bias, y, ldy);
 }
 
-// A tile's NR weight rows, every block dequantized once (rows past `nr` repeat the last) into `buf`: block b of
-// row r is buf[2 (b NR + r)] and the vector after it, the w0 and w1 tile() computes in registers.
+// A tile's NR weight rows, every block dequantized once (rows past `nr` repeat the last) into `buf`, as tile()
+// holds them in registers: block b's w0 of the NR rows at buf + 2 NR b, their w1 right after.
 template <int64_t QT>
 inline void dequant_tile(const uint8_t* w, int64_t row_bytes, int nr, int64_t blocks, v16f* buf) {
   const uint8_t* rows[kNR];
   for (int r = 0; r < kNR; ++r) rows[r] = w + std::min(r, nr - 1) * row_bytes;
   for (int64_t b = 0; b < blocks; ++b)
-    for (int r = 0; r < kNR; ++r) dequant<QT>(rows[r], b, buf[2 * (b * kNR + r)], buf[2 * (b * kNR + r) + 1]);
+    for (int r = 0; r < kNR; ++r) dequant<QT>(rows[r], b, buf[2 * kNR * b + r], buf[2 * kNR * b + kNR + r]);
 }
 
 // tile() with the weights taken from dequant_tile's buffer: the same products summed in the same order.
@@ -191,19 +203,8 @@ template <int R>
 inline void tile_dequantized(const float* x, int64_t ldx, const v16f* buf, int nr, int64_t blocks,
                              const float* bias, float* y, int64_t ldy) {
   v16f acc[R][kNR] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
-    const v16f* wb = buf + 2 * b * kNR;
-    for (int m = 0; m < R; ++m) {
-      const v16f x0 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock);
-      const v16f x1 = *reinterpret_cast<const v16f_u*>(x + m * ldx + b * kBlock + 16);
-      for (int r = 0; r < kNR; ++r) {
-        acc[m][r] += x0 * wb[2 * r];
-        acc[m][r] += x1 * wb[2 * r + 1];
-      }
-    }
-  }
-  for (int m = 0; m < R; ++m)
-    for (int r = 0; r < nr; ++r) y[m * ldy + r] = lanes_sum(acc[m][r]) + (bias ? bias[r] : 0.f);
+  for (int64_t b = 0; b < blocks; ++b) madd_block<R>(x, ldx, b, buf + 2 * kNR * b, buf + 2 * kNR * b + kNR, acc);
+  store_tile<R>(acc, nr, bias, y, ldy);
 }
 
 template <int64_t QT>
