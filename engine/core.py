@@ -433,7 +433,9 @@ class EngineCore:
         return outputs
 
     def _output(self, seq: Sequence) -> CoreOutput:
-        """What is new for `seq` since its last output: O(new tokens), whatever the request's length."""
+        """What is new for `seq` since its last output: O(new tokens), whatever the request's length. (_outputs
+        builds the common case, a streamed sample's later reports without logprobs, itself: a field added here
+        that such a report carries must be added there too.)"""
         first = not seq.num_emitted_tokens
         start = len(seq.prompt_token_ids) + seq.num_emitted_tokens
         new = seq.token_ids[start:]
