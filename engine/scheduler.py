@@ -218,6 +218,7 @@ class Scheduler:
             prompt_logprobs.commit(result.prompt_logprobs)  # scored prompt positions, into their sequences
         tokens, changed = result.tokens, []
         row = generated = zombies = 0
+        caching, bs = self._caching, self.bm.block_size
         for c in step.chunks + step.forks if step.forks else step.chunks:  # forks' rows come last
             seq = c.seq
             seq.inflight_refs -= 1
@@ -234,6 +235,19 @@ class Scheduler:
                 seq.num_pending -= 1
                 if seq.finalized:
                     zombies += 1  # rode along after finishing: nothing to commit
+                elif seq.constraint is None and seq.logprobs is None and seq.first_token_time is not None:
+                    # _append_token's common case inlined: this runs for every decoding row every step
+                    token = tokens[row]
+                    ids = seq.token_ids
+                    ids.append(token)
+                    n = len(ids)
+                    if caching:
+                        known = seq.num_computed if seq.num_computed < n else n
+                        if known // bs > len(seq.block_hashes):
+                            self.bm.cache_full_blocks(seq, known)
+                    if token in seq.stop_ids or n >= seq.max_total_len:
+                        self._set_finish(seq, token, n)
+                    generated += 1
                 elif self._append_token(seq, tokens[row], result, row):
                     generated += 1
                 row += 1
@@ -291,16 +305,21 @@ class Scheduler:
             known = seq.num_computed if seq.num_computed < n else n
             if known // self.bm.block_size > len(seq.block_hashes):
                 self.bm.cache_full_blocks(seq, known)  # a block just filled up
+        self._set_finish(seq, token, n)
+        return True
+
+    @staticmethod
+    def _set_finish(seq: Sequence, token: int, n: int) -> None:
+        """The finish, if any, that committing `token` (the sequence now `n` tokens long) sets."""
         if token in seq.stop_ids:  # an EOS or one of stop_token_ids
             p = seq.params
             if not p.min_tokens or n - len(seq.prompt_token_ids) >= p.min_tokens:
                 seq.finish_reason, seq.stop_token = "stop", True
-                return True
+                return
         if seq.constraint is not None and seq.constraint.terminated:
             seq.finish_reason = "stop"  # the grammar ended on its stop token (also under ignore_eos)
         elif n >= seq.max_total_len:
             seq.finish_reason = "length"
-        return True
 
     def _accept_constrained(self, seq: Sequence, token: int) -> bool:
         """Advance the request's matcher with its newly committed token (the only place it advances).
