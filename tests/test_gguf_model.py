@@ -293,6 +293,51 @@ def test_unsupported_architecture_and_tensor_types_are_refused_by_name(tmp_path)
         tensors.float("output.weight")
 
 
+def _same_as_gguf_reader(path) -> list[str]:
+    """Check engine.models.gguf_loader's reader against gguf.GGUFReader on `path`: every tensor (name, type,
+    shape, offset, bytes) and every field but the arrays equal; returns the array fields' names."""
+    from engine.models.gguf_loader import reader
+
+    ours, oracle = reader(path), gguf.GGUFReader(str(path))
+    assert ours.data_offset == oracle.data_offset
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, int(t.n_bytes)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset, int(t.n_bytes)) for t in oracle.tensors]
+    for a, b in zip(ours.tensors, oracle.tensors):
+        assert bytes(a.data.reshape(-1).view("uint8")) == bytes(b.data.reshape(-1).view("uint8"))
+    arrays = sorted(k for k, f in oracle.fields.items() if f.types[0] == gguf.GGUFValueType.ARRAY)
+    assert sorted(ours.arrays) == arrays and set(ours.fields) == set(oracle.fields) - set(arrays)
+    assert all(ours.fields[k].contents() == oracle.fields[k].contents() for k in ours.fields)
+    return arrays
+
+
+def test_tensor_reader_steps_over_metadata_arrays_as_gguf_reads_them(q4_file, tmp_path):
+    """The loader's reader skips the elements of metadata arrays (the vocabulary) instead of parsing them: its
+    tensors and scalar fields equal gguf.GGUFReader's, on arrays of every kind and on the real file."""
+    import numpy as np
+
+    T = gguf.GGMLQuantizationType
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("t.strings", ["", "a", "héllo", "x" * 300])
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, 1.5])
+    writer.add_array("t.nested", [["ab", "c"], ["d"]])
+    writer.add_string("t.after", "after the arrays")
+    writer.add_uint32("t.count", 7)
+    writer.add_tensor("blk.0.attn_norm.weight", np.arange(256, dtype=np.float32), raw_dtype=T.F32)
+    writer.add_tensor("x", np.arange(34, dtype=np.uint8).reshape(1, 34), raw_dtype=T.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert {"t.strings", "t.ints", "t.floats", "t.nested"} <= set(_same_as_gguf_reader(path))
+    assert "tokenizer.ggml.tokens" in _same_as_gguf_reader(q4_file)
+    from engine.models.gguf_loader import reader
+
+    with pytest.raises(KeyError, match="'tokenizer.ggml.tokens' is not parsed"):
+        reader(q4_file).get_field("tokenizer.ggml.tokens")
+
+
 def test_app_args_carry_the_tokenizer_to_the_engine(q4_file, hf_dir):
     """`serve run serve_app:app model=FILE.gguf tokenizer=DIR`: tokenizer is an engine field like any other."""
     from serve_app.builder import AppConfig

@@ -57,14 +57,66 @@ def is_gguf(model: str) -> bool:
 
 
 def reader(gguf_file: str | Path):
-    """The file's gguf.GGUFReader; ValueError naming the file when it is not a GGUF file. Reading one parses every
-    metadata field (Gemma 3's 262,144-token vocabulary: seconds), so a load reads the file once."""
-    import gguf
-
+    """The file's tensors and scalar metadata (_TensorReader, a gguf.GGUFReader); ValueError naming the file when
+    it is not a GGUF file."""
     try:
-        return gguf.GGUFReader(str(gguf_file))
+        return _tensor_reader_class()(str(gguf_file))
     except Exception as exc:  # noqa: BLE001 - the gguf package raises ValueError, OSError, struct errors...
         raise ValueError(f"cannot read GGUF file {str(gguf_file)!r}: {type(exc).__name__}: {exc}") from exc
+
+
+@functools.cache
+def _tensor_reader_class():
+    """gguf.GGUFReader, less the parsing of metadata arrays (vocabulary, merges, scores, token types).
+
+    GGUFReader makes two numpy views of every element of every array field, which is most of its time: 5 s
+    for SmolLM2's 49,152 tokens and 48,900 merges, 15 s for Gemma 3's 262,144 tokens (bench/README.md). Loading
+    weights reads none of them (the tokenizer comes from the model directory gguf_model_dir writes once), so
+    this reader steps over each array by its lengths and leaves it out of `fields`; get_field of one raises
+    KeyError naming it rather than answering None. Scalars, strings and tensors are GGUFReader's own."""
+    import struct
+
+    import gguf
+
+    vt = gguf.GGUFValueType
+
+    class _TensorReader(gguf.GGUFReader):
+        def __init__(self, path: str):
+            super().__init__(path)
+            self.arrays = [name for name, f in self.fields.items() if f.types and f.types[0] == vt.ARRAY]
+            for name in self.arrays:
+                del self.fields[name]
+
+        def get_field(self, key: str):
+            if key in self.arrays:
+                raise KeyError(f"GGUF metadata array {key!r} is not parsed by engine.models.gguf_loader's "
+                               "reader (gguf.GGUFReader reads it)")
+            return super().get_field(key)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if vt(raw_type) != vt.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            return self._array_size(orig_offs), [], [], [vt.ARRAY]  # (the field is dropped in __init__)
+
+        def _array_size(self, offs: int) -> int:
+            """Bytes of the array value at `offs` (its item type, count and items), nested arrays included."""
+            order = "<" if self.endianess == gguf.GGUFEndian.LITTLE else ">"
+            item, count = struct.unpack_from(order + "IQ", self.data, offs)
+            end, item = offs + 12, vt(item)
+            scalar = self.gguf_scalar_to_np.get(item)
+            if scalar is not None:
+                return end + count * np.dtype(scalar).itemsize - offs
+            length = struct.Struct(order + "Q").unpack_from
+            for _ in range(count):
+                if item == vt.STRING:
+                    end += 8 + length(self.data, end)[0]
+                elif item == vt.ARRAY:
+                    end += self._array_size(end)
+                else:
+                    raise ValueError(f"unknown GGUF value type {item} in an array at byte {offs}")
+            return end - offs
+
+    return _TensorReader
 
 
 def check_architecture(gguf_file: str | Path, file_reader=None) -> str:
