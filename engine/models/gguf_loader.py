@@ -69,11 +69,11 @@ def reader(gguf_file: str | Path):
 def _tensor_reader_class():
     """gguf.GGUFReader, less the parsing of metadata arrays (vocabulary, merges, scores, token types).
 
-    GGUFReader makes two numpy views of every element of every array field, which is most of its time: 5 s
-    for SmolLM2's 49,152 tokens and 48,900 merges, 15 s for Gemma 3's 262,144 tokens (bench/README.md). Loading
-    weights reads none of them (the tokenizer comes from the model directory gguf_model_dir writes once), so
-    this reader steps over each array by its lengths and leaves it out of `fields`; get_field of one raises
-    KeyError naming it rather than answering None. Scalars, strings and tensors are GGUFReader's own."""
+    GGUFReader makes two numpy views of every element of every array field, which is most of its time on a
+    file with a large vocabulary (seconds: bench/README.md, GGUF load time). Loading weights reads none of them
+    (the tokenizer comes from the model directory gguf_model_dir writes once), so this reader steps over each
+    array by its lengths and leaves it out of `fields`; get_field of one raises KeyError naming it rather than
+    answering None. Scalars, strings and tensors are GGUFReader's own."""
     import struct
 
     import gguf
