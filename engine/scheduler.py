@@ -289,7 +289,9 @@ class Scheduler:
         self.release_if_idle(seq)
 
     def _append_token(self, seq: Sequence, token: int, result, row: int) -> bool:
-        """Commit one sampled token (False when its constraint rejected it and the request ends)."""
+        """Commit one sampled token (False when its constraint rejected it and the request ends).
+        update_from_output commits a decoding row without constraint or logprobs itself (the append and the
+        block hashing, then _set_finish): a change to what a commit does goes in both places."""
         if seq.constraint is not None and not self._accept_constrained(seq, token):
             return False
         ids = seq.token_ids

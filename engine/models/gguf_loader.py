@@ -73,7 +73,8 @@ def _tensor_reader_class():
     file with a large vocabulary (seconds: bench/README.md, GGUF load time). Loading weights reads none of them
     (the tokenizer comes from the model directory gguf_model_dir writes once), so this reader steps over each
     array by its lengths and leaves it out of `fields`; get_field of one raises KeyError naming it rather than
-    answering None. Scalars, strings and tensors are GGUFReader's own."""
+    answering None. Scalars, strings and tensors are GGUFReader's own. (Built on first use, so that `gguf` is
+    imported only when a GGUF file is read: engine/models/loader.py imports this module on every start.)"""
     import struct
 
     import gguf
