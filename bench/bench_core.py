@@ -2,7 +2,7 @@
 """The engine core's targets (issue "engine core in its own process") on the simulated H100. Every figure is
 SIMULATED: the host work is real and measured on this machine, the device's time comes from the cost model.
 
-    python bench/bench_core.py busy|length|all [--out bench/results] [--repeats 3]
+    python bench/bench_core.py busy|length|all|compare|instructions|gc [--out bench/results] [--repeats 3]
 
 busy    Qwen2.5-0.5B shape, the "streams" workload of bench_sim.py (n requests of 128-512 prompt and
         128-512 output tokens at once): device busy fraction and tok/s through `LLM.generate` at 256 streams,
@@ -25,6 +25,10 @@ instructions  the same pair of checkouts (--base DIR), counted instead of timed:
         `LLM.generate` at 256 streams under valgrind's cachegrind (the whole run, less a run that only builds the
         engine, over its steps). Independent of the host's speed, so a small change shows on a noisy VM; about
         12 minutes on 2 cores (valgrind runs Python some 20-50x slower).
+
+gc      the garbage collector's pauses on the loop thread: `LLM.generate` at 256 streams, --runs runs (default 4)
+        after a warm-up, each collection timed (gc.callbacks): per run the pauses' total and the longest, by
+        generation, and the busy fraction. With --base DIR, alternating with that checkout, --repeats pairs.
 
 Writes core_<name>.json and .md under --out, with the machine.
 """
@@ -175,8 +179,69 @@ def instructions(args) -> list[dict]:
     return rows
 
 
+def gc_pauses(args) -> list[dict]:
+    import json
+    import subprocess
+
+    trees = {"this": ROOT} | ({"base": Path(args.base).resolve()} if args.base else {})
+    rows = []
+    for pair in range(args.repeats):
+        for name in (list(trees) if pair % 2 == 0 else list(trees)[::-1]):
+            cmd = [sys.executable, __file__, "one", "--variant", "engine/engine/256", "--gc", str(args.runs or 4)]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name],
+                                 env=os.environ | {"TANDEM_BENCH_CODE": str(trees[name])})
+            lines = [x for x in out.stdout.splitlines() if x.startswith("[")]
+            if out.returncode or not lines:
+                raise SystemExit(f"{name} run failed:\n{out.stderr[-2000:]}")
+            for i, run in enumerate(json.loads(lines[-1])):
+                rows.append({"tree": name, "git": git_rev(trees[name]), "pair": pair, "run": i} | run)
+                print(f"{name:4} pair {pair} run {i}: busy {run['busy']:.3f}  GC {run['gc_ms']:6.1f} ms in "
+                      f"{run['collections']} collections (by generation), longest {run['gc_max_ms']:5.1f} ms",
+                      flush=True)
+    return rows
+
+
+def _gc_child(args) -> None:
+    """gc_pauses' child: this checkout's engine, --gc runs of the 256-stream workload, each collection timed."""
+    import dataclasses
+    import gc
+    import json
+
+    from engine import LLM
+
+    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=2,
+                       max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=2048)
+    reqs = bench_sim.stream_requests(256, False, "steady")
+    llm = LLM(**dataclasses.asdict(cfg))
+    bench_sim.warm(llm)
+    bench_sim.settle()
+    pauses, start = [], [0.0]
+
+    def timed(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - start[0]))
+    gc.callbacks.append(timed)
+    runs = []
+    for _ in range(args.gc):
+        pauses.clear()
+        before = llm.engine.stats()
+        llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+        d = bench_sim.delta(llm.engine.stats(), before)
+        runs.append({"busy": round(bench_sim.busy_fraction(d), 3), "gc_ms": round(1e3 * sum(t for _, t in pauses), 1),
+                     "gc_max_ms": round(1e3 * max((t for _, t in pauses), default=0.0), 1),
+                     "collections": [sum(1 for g, _ in pauses if g == k) for k in range(3)]})
+    gc.callbacks.remove(timed)
+    print(json.dumps(runs), flush=True)
+    llm.shutdown()
+
+
 def one(args) -> None:
     import json
+
+    if args.gc:
+        return _gc_child(args)
 
     kernels, path, n = args.variant.split("/")
     if args.runs is None:
@@ -203,29 +268,31 @@ def one(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "one"])
+    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", help="compare: the other checkout")
     ap.add_argument("--variants", nargs="*", help="compare: kernels/path/streams of busy's variants (default all)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)  # one: a single run, as JSON (compare's child)
-    ap.add_argument("--runs", type=int, help=argparse.SUPPRESS)  # one: instructions' child
+    ap.add_argument("--runs", type=int, help="gc: runs per process (default 4)")  # also instructions' child
+    ap.add_argument("--gc", type=int, help=argparse.SUPPRESS)  # one: gc's child, this many runs
     args = ap.parse_args()
     if args.what == "one":
         return one(args)
     info = machine("cpu") | {"device": "simulated h100 (host: " + machine("cpu")["device"] + ")",
                              "git": git_rev()}
     print(info, flush=True)
-    for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("instructions", instructions)):
+    for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("instructions", instructions),
+                     ("gc", gc_pauses)):
         if args.what == name or (args.what == "all" and name in ("length", "busy")):
             rows = fn(args)
             write_results(args.out / f"core_{name}", f"engine core: {name} (SIMULATED h100)", rows, info)
 
 
-def git_rev() -> str:
+def git_rev(tree: Path = ROOT) -> str:
     import subprocess
 
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
                           text=True).stdout.strip()
 
 

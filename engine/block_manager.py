@@ -20,10 +20,28 @@ def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
     """Content hash of one full block, chained on its parent's hash.
 
     blake2b rather than Python's hash(): prefix-cache keys are shared between tenants, so they must not be
-    cheap to collide on purpose.
+    cheap to collide on purpose. The bytes hashed are the parent's 16 little-endian bytes and the ids as int64:
+    a sequence's `array("q")` slice gives them as they are (Sequence.token_ids).
     """
-    data = parent_hash.to_bytes(16, "little") + array("q", token_ids).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+    ids = token_ids.tobytes() if type(token_ids) is array else array("q", token_ids).tobytes()
+    return int.from_bytes(hashlib.blake2b(parent_hash.to_bytes(16, "little") + ids, digest_size=16).digest(),
+                          "little")
+
+
+def chain_hashes(parent_hash: int, token_ids: array, first: int, count: int, block_size: int) -> list[int]:
+    """hash_block over blocks first .. first + count - 1 of an int64 array, chained from `parent_hash`: one copy
+    of the ids, and each digest is the next block's parent bytes as it is (half the cost of a hash_block loop,
+    which matters where a whole prompt is hashed on the engine loop)."""
+    out = []
+    if count <= 0:
+        return out
+    width = 8 * block_size
+    data = token_ids[first * block_size:(first + count) * block_size].tobytes()
+    parent, blake, from_bytes = parent_hash.to_bytes(16, "little"), hashlib.blake2b, int.from_bytes
+    for i in range(0, count * width, width):
+        parent = blake(parent + data[i:i + width], digest_size=16).digest()
+        out.append(from_bytes(parent, "little"))
+    return out
 
 
 def prefix_hashes(token_ids: Seq[int], block_size: int, max_blocks: int, root: int = _ROOT_HASH) -> list[int]:
@@ -138,11 +156,8 @@ class BlockManager:
             return None
         n = len(seq.token_ids)
         if seq.prompt_hashes is None or seq.prompt_hashes[0] != n:
-            hashes, parent, bs, ids = [], seq.hash_root, self.block_size, seq.token_ids
-            for i in range((n - 1) // bs):
-                parent = hash_block(parent, ids[i * bs:(i + 1) * bs])
-                hashes.append(parent)
-            seq.prompt_hashes = (n, hashes)
+            bs = self.block_size
+            seq.prompt_hashes = (n, chain_hashes(seq.hash_root, seq.token_ids, 0, (n - 1) // bs, bs))
         return seq.prompt_hashes[1]
 
     def cached_prefix(self, token_ids: Seq[int], known: list[int] | None = None,

@@ -410,7 +410,8 @@ class EngineCore:
                 if emitted and seq.logprobs is None and (seq.prompt_logprobs is None or seq.prompt_logprobs_sent):
                     # _output's common case inlined (a streamed request's every step): only the new token ids
                     seq.num_emitted_tokens = emitted + new
-                    outputs.append(CoreOutput(seq.request_id, seq.index, seq.token_ids[start:]))
+                    new_ids = seq.token_ids[start:].tolist()  # host memory (an int64 array)
+                    outputs.append(CoreOutput(seq.request_id, seq.index, new_ids))
                 else:
                     outputs.append(self._output(seq))
         return outputs
@@ -438,7 +439,7 @@ class EngineCore:
         that such a report carries must be added there too.)"""
         first = not seq.num_emitted_tokens
         start = len(seq.prompt_token_ids) + seq.num_emitted_tokens
-        new = seq.token_ids[start:]
+        new = seq.token_ids[start:].tolist()  # host memory (an int64 array)
         seq.num_emitted_tokens += len(new)
         out = CoreOutput(seq.request_id, seq.index, new, seq.finish_reason, seq.stop_token)
         if first:  # what does not change after the first report is sent once (the frontend keeps it)

@@ -69,8 +69,9 @@ class LLMEngine:
         if not stream and not seq.params.stop_strings:  # nothing reads its tokens before the end
             for s in samples:
                 s.final_only = True
-        self.processor.add(seq.request_id, seq.prompt, seq.prompt_token_ids, seq.params, seq.arrival_time,
-                           stream, [s.params for s in samples])
+        prompt_ids = seq.prompt_token_ids.tolist()  # host memory (an int64 array; outputs carry a list)
+        self.processor.add(seq.request_id, seq.prompt, prompt_ids, seq.params, seq.arrival_time, stream,
+                           [s.params for s in samples])
         try:
             self.core.add_sequence(seq)
         except BaseException:

@@ -10,6 +10,7 @@ the stop (it runs a step or more ahead) is dropped here. Every output costs O(ne
 from __future__ import annotations
 
 import time
+from array import array
 
 from tokenizers import Tokenizer
 
@@ -30,7 +31,7 @@ class RequestState:
         self.request_id, self.index = request_id, index
         self.prompt, self.prompt_token_ids, self.params = prompt, prompt_token_ids, params
         self.detok = detok
-        self.token_ids: list[int] = []
+        self.token_ids = array("q")  # not a list: the collector need not visit each token (Sequence)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finished = False
         self.arrival_time = arrival_time
@@ -104,7 +105,7 @@ class OutputProcessor:
         last = len(new) - 1 if co.stop_token else len(new)  # an EOS / stop token id adds no text
         stopped = False
         if not state.params.stop_strings:  # nothing to look for: every token's text at once
-            ids += new
+            ids.extend(new)
             detok.extend(new[:last] if last < len(new) else new)
         else:
             min_tokens = state.params.min_tokens

@@ -150,7 +150,7 @@ class _Snapshot:
         self.state, self.num_tokens, self.num_chars = state, num_tokens, num_chars
 
     def token_ids(self) -> list[int]:
-        return self.state.token_ids[:self.num_tokens]
+        return self.state.token_ids[:self.num_tokens].tolist()  # host memory (an int64 array there)
 
     def text(self) -> str:
         return self.state.detok.text_upto(self.num_chars)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 
 import torch
 
@@ -35,7 +36,11 @@ class Sequence:
     """One request.
 
     Token accounting (the pipeline runs one step ahead of the CPU):
-      token_ids      prompt + committed output tokens, known on the host.
+      token_ids      prompt + committed output tokens, known on the host: an int64 `array` (as is
+                     prompt_token_ids), not a list. A list holds one object per token, and the garbage collector
+                     visits every one of them each time it scans a young sequence; an array is one untracked
+                     object. With hundreds of running sequences that made each collection on the engine loop cost
+                     milliseconds, growing with their lengths (docs/engine.md#host-work-per-step).
       num_pending    tokens sampled by a launched step but not yet committed (0 or 1). The next forward
                      reads a pending token straight from the device buffer it was sampled into.
       num_computed   positions whose KV has been written by a launched forward (scheduled, in stream order).
@@ -73,8 +78,8 @@ class Sequence:
         self.params = params
         self.sample_row = sample_row(params)
         self.prompt = prompt
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.prompt_token_ids = array("q", prompt_token_ids)
+        self.token_ids = array("q", prompt_token_ids)
         self.num_pending = 0
         self.num_computed = 0
         self.num_cached = 0  # prompt tokens served from the prefix cache
@@ -138,7 +143,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids):].tolist()  # host memory
 
     @property
     def num_output_tokens(self) -> int:

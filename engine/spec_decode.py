@@ -155,5 +155,5 @@ def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n  # the token after the most recent match
-            return token_ids[start:start + k]
+            return list(token_ids[start:start + k])
     return []

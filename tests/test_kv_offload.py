@@ -125,7 +125,7 @@ def test_victim_is_offloaded_once_its_step_drains_and_swapped_in_before_new_requ
     commit(sched, step1)  # c's step drained: offloaded now
     assert c.status is SeqStatus.SWAPPED and sched.swapped == [c] and sched.num_offloads == 1
     assert c.block_table == [] and c.cpu_blocks == [0] and c.num_computed == 3
-    assert c.token_ids == c.prompt_token_ids + [TOKEN]
+    assert c.token_ids.tolist() == c.prompt_token_ids.tolist() + [TOKEN]
     late = make_seq("late", 2)
     sched.add(late)
     step3 = sched.schedule()

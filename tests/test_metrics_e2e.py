@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -290,7 +291,8 @@ def test_client_disconnects_are_counted_499_abort_never_5xx(cluster, exported):
     # once counted one disconnect of the two, most likely a request still in Serve's proxy, which no part of the
     # app had seen.) The stream above is aborted first, so a running request is this one.
     wait_for(lambda: replica_stats(cluster).num_running == 0, 60, 0.05, what="the left stream's abort")
-    asyncio.run(_give_up_once_running(cluster, {**body, "max_tokens": 1000}))
+    asyncio.run(give_up_once_running(cluster, {**body, "max_tokens": 1000},
+                                     lambda: replica_stats(cluster).num_running > 0))
     # the event itself: both counted and exported (Ray's export runs every few seconds; a slow host takes longer)
     counted = wait_for(lambda: total(scrape(cluster), name, status_code="499") == 2 or None, timeout_s=180,
                        interval_s=2, what="both disconnects to be exported")
@@ -299,12 +301,13 @@ def test_client_disconnects_are_counted_499_abort_never_5xx(cluster, exported):
     assert not [lab for lab, v in s[name] if lab["status_code"].startswith("5") and v > 0]
 
 
-async def _give_up_once_running(cluster, body: dict) -> None:
-    """POST `body` (not streamed) and cancel the call once the engine runs a request: the client leaves."""
+async def give_up_once_running(cluster, body: dict, running: Callable[[], bool]) -> None:
+    """POST `body` (not streamed) and cancel the call once `running()` says the engine runs a request: the client
+    leaves."""
     async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
         call = asyncio.create_task(client.post("/v1/completions", json=body))
-        await asyncio.to_thread(wait_for, lambda: call.done() or replica_stats(cluster).num_running > 0,
-                                60, 0.02, what="the engine to run the request")  # (raises when it never does)
+        await asyncio.to_thread(wait_for, lambda: call.done() or running(), 60, 0.02,
+                                what="the engine to run the request")  # (raises when it never does)
         assert not call.done(), f"the 1000-token response came back before the client could leave: {call.result()}"
         call.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -96,7 +96,7 @@ def test_sequence_token_accounting():
     seq.num_pending = 0
     seq.token_ids.append(9)                   # committed
     assert seq.output_token_ids == [9] and seq.num_output_tokens == 1
-    assert seq.prompt_token_ids == [5, 6, 7]
+    assert seq.prompt_token_ids.tolist() == [5, 6, 7]
     assert (seq.num_total, seq.num_uncomputed, seq.is_decoding) == (4, 1, True)  # same at depth 1
 
 
@@ -366,7 +366,7 @@ def test_preemption_picks_newest_and_defers_reset_until_inflight_drains():
     commit(sched, step1)  # c's step drains: now it is soft-reset
     assert list(sched.waiting) == [c, e]
     assert c.block_table == [] and c.num_computed == 0 and not c.preempted
-    assert c.token_ids == c.prompt_token_ids + [TOKEN]  # generated token kept
+    assert c.token_ids.tolist() == c.prompt_token_ids.tolist() + [TOKEN]  # generated token kept
     sched.bm.check_integrity([a, b])
 
     step3 = sched.schedule()
