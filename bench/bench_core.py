@@ -26,9 +26,11 @@ instructions  the same pair of checkouts (--base DIR), counted instead of timed:
         engine, over its steps). Independent of the host's speed, so a small change shows on a noisy VM; about
         12 minutes on 2 cores (valgrind runs Python some 20-50x slower).
 
-gc      the garbage collector's pauses on the loop thread: `LLM.generate` at 256 streams, --runs runs (default 4)
-        after a warm-up, each collection timed (gc.callbacks): per run the pauses' total and the longest, by
-        generation, and the busy fraction. With --base DIR, alternating with that checkout, --repeats pairs.
+gc      the loop thread's stalls: `LLM.generate` at 256 streams, --runs runs (default 4) after a warm-up, each
+        garbage collection timed (gc.callbacks): per run the pauses' total and the longest, by generation; the
+        time the scheduler took in the run's first two steps, which admit the 256 requests (their prompts
+        cached by the run before); and the busy fraction. With --base DIR, alternating with that checkout,
+        --repeats pairs.
 
 Writes core_<name>.json and .md under --out, with the machine.
 """
@@ -196,8 +198,8 @@ def gc_pauses(args) -> list[dict]:
             for i, run in enumerate(json.loads(lines[-1])):
                 rows.append({"tree": name, "git": git_rev(trees[name]), "pair": pair, "run": i} | run)
                 print(f"{name:4} pair {pair} run {i}: busy {run['busy']:.3f}  GC {run['gc_ms']:6.1f} ms in "
-                      f"{run['collections']} collections (by generation), longest {run['gc_max_ms']:5.1f} ms",
-                      flush=True)
+                      f"{run['collections']} collections (by generation), longest {run['gc_max_ms']:5.1f} ms; "
+                      f"admitting steps' schedule {run['admit_ms']} ms", flush=True)
     return rows
 
 
@@ -223,15 +225,28 @@ def _gc_child(args) -> None:
         else:
             pauses.append((info["generation"], time.perf_counter() - start[0]))
     gc.callbacks.append(timed)
+    scheduler, admit = llm.engine.core.scheduler, []
+    schedule = scheduler.schedule
+
+    def timed_schedule():
+        t0 = time.perf_counter()
+        try:
+            return schedule()
+        finally:
+            if len(admit) < 2:
+                admit.append(round(1e3 * (time.perf_counter() - t0), 2))
+    scheduler.schedule = timed_schedule
     runs = []
     for _ in range(args.gc):
         pauses.clear()
+        admit.clear()
         before = llm.engine.stats()
         llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
         d = bench_sim.delta(llm.engine.stats(), before)
         runs.append({"busy": round(bench_sim.busy_fraction(d), 3), "gc_ms": round(1e3 * sum(t for _, t in pauses), 1),
                      "gc_max_ms": round(1e3 * max((t for _, t in pauses), default=0.0), 1),
-                     "collections": [sum(1 for g, _ in pauses if g == k) for k in range(3)]})
+                     "collections": [sum(1 for g, _ in pauses if g == k) for k in range(3)],
+                     "admit_ms": list(admit)})
     gc.callbacks.remove(timed)
     print(json.dumps(runs), flush=True)
     llm.shutdown()

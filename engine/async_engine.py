@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 from transformers import AutoTokenizer
 
+from engine.block_manager import prompt_block_hashes
 from engine.config import EngineConfig
 from engine.llm_engine import create_engine, tokenize
 from engine.output_processor import OutputProcessor
@@ -171,6 +172,10 @@ class AsyncLLM:
         text, ids = tokenize(self.tokenizer, prompt)
         self._limits.check(ids, params)
         samples = [params] + [sibling_params(params, i) for i in range(1, params.n)]
+        # The prompt's block hashes, made here rather than on the core's loop (EngineCore.make_sequence); an
+        # adapter's requests hash from the adapter's root, which the core knows.
+        hashes = prompt_block_hashes(ids, self.config.block_size) \
+            if self.config.enable_prefix_caching and lora_request is None else None
         arrival = time.monotonic()
         with self._lock:
             if request_id in self._streams or self._processor.has(request_id):
@@ -178,7 +183,7 @@ class AsyncLLM:
             self._streams[request_id] = q
             self._processor.add(request_id, text, ids, params, arrival, True, samples)
         try:
-            self._send("add", (request_id, ids, params, lora_request, arrival))
+            self._send("add", (request_id, ids, params, lora_request, arrival, hashes))
         except EngineDeadError:
             with self._lock:
                 self._streams.pop(request_id, None)

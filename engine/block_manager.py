@@ -54,6 +54,13 @@ def prefix_hashes(token_ids: Seq[int], block_size: int, max_blocks: int, root: i
     return out
 
 
+def prompt_block_hashes(token_ids: Seq[int], block_size: int, root: int = _ROOT_HASH) -> list[int]:
+    """BlockManager.prompt_hashes of a prompt, for a frontend in another process to send with the request: the
+    chained hashes of its full blocks before its last token."""
+    ids = token_ids if type(token_ids) is array else array("q", token_ids)
+    return chain_hashes(root, ids, 0, (len(ids) - 1) // block_size, block_size)
+
+
 class BlockManager:
     """Allocates fixed-size KV blocks to sequences.
 

@@ -211,10 +211,15 @@ class EngineCore:
 
     def make_sequence(self, prompt_token_ids: list[int], params: SamplingParams | None, request_id: str,
                       lora_request: LoRARequest | str | None = None, prompt: str | None = None,
-                      arrival_time: float | None = None) -> Sequence:
+                      arrival_time: float | None = None, prompt_hashes: list[int] | None = None) -> Sequence:
         """Validate a tokenized request and build its sequence (and its n > 1 siblings); raises ValueError
         naming the problem. Reads only immutable engine state and the adapter registry (which locks): safe
-        from any thread."""
+        from any thread.
+
+        The prompt's block hashes (prefix caching) are made here, where the request is made (the caller's thread,
+        or before `LLM.generate`'s loop starts), not on the loop when it is admitted: hashing a 2,000-token prompt
+        takes about 0.3 ms. `prompt_hashes`: the same hashes made by a frontend in another process
+        (`prompt_block_hashes`), used as they are for a base-model request when their count fits the prompt."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -228,6 +233,11 @@ class EngineCore:
         if arrival_time is not None:
             for s in [seq, *(seq.forks or ())]:
                 s.arrival_time = arrival_time
+        bm = self.block_manager
+        if prompt_hashes is not None and adapter is None and len(prompt_hashes) == (len(ids) - 1) // bm.block_size:
+            seq.prompt_hashes = (len(ids), prompt_hashes)
+        else:
+            bm.prompt_hashes(seq)  # (siblings take sample 0's when they fork off it)
         return seq
 
     def _sequence(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, adapter,

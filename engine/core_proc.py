@@ -11,7 +11,7 @@ SamplingParams and LoRA requests, a few per step at most); each tick's outputs g
 CoreOutputs in it msgspec Structs encoded as msgpack arrays and decoded straight back into Structs
 (docs/engine.md#the-engine-core-process says what was measured).
 
-Messages in: ("add", (request_id, prompt_token_ids, params, lora_request, arrival_time)), ("abort",
+Messages in: ("add", (request_id, prompt_token_ids, params, lora_request, arrival_time, prompt_hashes)), ("abort",
 request_id), ("finish", [keys]) for stop strings the frontend found, ("shutdown", None).
 Messages out (msgpack): [OUT, outputs_or_none (encode_outputs' bytes), stats_or_none, step_records,
 prefix_hashes_or_none, health_error], where `stats` is a pickled EngineStats and health_error the core's (None
@@ -123,15 +123,17 @@ class CoreLoop:
                 self._loader.shutdown(wait=False, cancel_futures=True)
                 return False
 
-    def _add(self, request_id, ids, params, lora_request, arrival_time) -> list[CoreOutput]:
+    def _add(self, request_id, ids, params, lora_request, arrival_time, prompt_hashes) -> list[CoreOutput]:
         """Queue a request; one the core refuses comes back as a rejected output (the frontend raises it).
-        One under an adapter is built on the loader thread and queued when it is ready (_add_loaded)."""
+        One under an adapter is built on the loader thread and queued when it is ready (_add_loaded). The
+        frontend hashed a base-model prompt's blocks (prompt_hashes; None without prefix caching): that work
+        stays off this loop."""
         if lora_request is not None:
             self._loading[request_id] = (self._loader.submit(
                 self.core.make_sequence, ids, params, request_id, lora_request, arrival_time=arrival_time), params)
             return []
         return self._queue(request_id, params, lambda: self.core.make_sequence(
-            ids, params, request_id, None, arrival_time=arrival_time))
+            ids, params, request_id, None, arrival_time=arrival_time, prompt_hashes=prompt_hashes))
 
     def _add_loaded(self) -> list[CoreOutput]:
         """Queue the requests whose adapters are loaded, in arrival order among themselves."""

@@ -5,9 +5,14 @@ out 0, 1, 2, ...; a freed table goes to the free-queue tail in reverse order; a 
 ancestor hits; the last token is never served from cache; partial blocks are never cached).
 """
 
+import hashlib
+import random
+import struct
+from array import array
+
 import pytest
 
-from engine.block_manager import BlockManager, hash_block
+from engine.block_manager import BlockManager, chain_hashes, hash_block, prompt_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -171,6 +176,38 @@ def test_hash_is_chained_on_parent():
     assert hash_block(0, [1, 2, 3, 4]) == hash_block(0, [1, 2, 3, 4])
     assert hash_block(0, [1, 2, 3, 4]) != hash_block(0, [1, 2, 3, 5])
     assert hash_block(0, [1, 2, 3, 4]) != hash_block(hash_block(0, [9, 9, 9, 9]), [1, 2, 3, 4])
+
+
+def _oracle_chain(ids: list[int], block_size: int, root: int = 0) -> list[int]:
+    """The documented hash, from its definition: blake2b-128 over the parent's 16 little-endian bytes and the
+    block's ids as little-endian int64, chained from `root`, the full blocks before the last token."""
+    out, parent = [], root
+    for i in range((len(ids) - 1) // block_size):
+        data = parent.to_bytes(16, "little") + struct.pack(f"<{block_size}q", *ids[i * block_size:(i + 1) * block_size])
+        parent = int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 8, 9, 33, 200])
+def test_prompt_hashes_match_the_definition_from_a_list_an_array_and_a_frontend(n):
+    """The sequence's array, a frontend's list (prompt_block_hashes, sent with a request to a core process) and
+    hash_block one block at a time all give the definition's hashes: the prefix cache and the router agree."""
+    rng = random.Random(n)
+    ids = [rng.randrange(200_000) for _ in range(n)]
+    want = _oracle_chain(ids, BS)
+    assert len(want) == (n - 1) // BS
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    assert bm.prompt_hashes(make_seq(ids)) == want
+    assert prompt_block_hashes(ids, BS) == want == prompt_block_hashes(array("q", ids), BS)
+    chained, parent = [], 0
+    for i in range(len(want)):
+        parent = hash_block(parent, ids[i * BS:(i + 1) * BS])
+        chained.append(parent)
+    assert chained == want
+    assert chain_hashes(7, array("q", ids), 0, len(want), BS) == _oracle_chain(ids, BS, root=7)
+    if len(want) > 1:  # from a later block on, chained on the block before it
+        assert chain_hashes(want[0], array("q", ids), 1, len(want) - 1, BS) == want[1:]
 
 
 def test_hit_covers_longest_matching_full_block_prefix():

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.block_manager import prompt_block_hashes
 from engine.sampling_params import StructuredOutputsParams
 from engine.async_engine import AsyncLLM, EngineDeadError
 from engine.llm_engine import LLMEngine
@@ -140,6 +141,38 @@ def test_a_caller_that_leaves_frees_its_blocks_in_the_core(proc_llm):
         time.sleep(0.05)
     s = proc_llm.stats()
     assert (s.num_running, s.num_waiting, s.kv_blocks_free) == (0, 0, s.kv_blocks_total)
+
+
+def test_a_prompt_is_hashed_where_its_request_is_made_and_a_frontends_hashes_are_used():
+    """make_sequence hashes the prompt's blocks (prefix caching), so the loop does not when it admits the request;
+    hashes a frontend in another process sent with it are taken as they are, and a list whose length cannot be
+    the prompt's is not (hashed again)."""
+    engine = LLMEngine(EngineConfig(max_model_len=512))
+    core, bs = engine.core, engine.core.config.block_size
+    ids = list(range(100, 100 + 3 * bs + 2))  # 3 full blocks before the last token
+    want = prompt_block_hashes(ids, bs)
+    made = core.make_sequence(ids, SamplingParams(max_tokens=4), "a")
+    assert made.prompt_hashes == (len(ids), want) and len(want) == 3
+    sent = list(want)
+    assert core.make_sequence(ids, SamplingParams(max_tokens=4), "b", prompt_hashes=sent).prompt_hashes[1] is sent
+    short = core.make_sequence(ids, SamplingParams(max_tokens=4), "c", prompt_hashes=want[:1])
+    assert short.prompt_hashes == (len(ids), want)
+    engine.shutdown()
+
+
+def test_a_core_process_serves_prefix_hits_from_the_hashes_its_frontend_sent(proc_llm, offline, monkeypatch):
+    """The same prompt twice through a core process: the frontend sends the prompt's hashes with each request, and
+    the second finds the first's blocks in the cache and gives the in-process engine's tokens."""
+    prompt = list(range(300, 300 + 5 * 16 + 3))  # 5 full blocks of 16 before the last token
+    params = SamplingParams(max_tokens=8, temperature=0)
+    sent, send = [], proc_llm._send
+    monkeypatch.setattr(proc_llm, "_send", lambda kind, arg: (sent.append((kind, arg)), send(kind, arg))[1])
+    first = _final(asyncio.run(_collect(proc_llm, prompt, params)))[0]
+    adds = [arg for kind, arg in sent if kind == "add"]
+    assert len(adds) == 1 and adds[0][1] == prompt and adds[0][5] == prompt_block_hashes(prompt, 16)
+    second = _final(asyncio.run(_collect(proc_llm, prompt, params)))[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == 5 * 16
+    assert first.token_ids == second.token_ids == offline.generate([prompt], params)[0].token_ids
 
 
 def test_the_core_reports_only_new_tokens_at_every_step():
