@@ -217,8 +217,8 @@ class EngineCore:
         from any thread.
 
         The prompt's block hashes (prefix caching) are made here, where the request is made (the caller's thread,
-        or before `LLM.generate`'s loop starts), not on the loop when it is admitted: hashing a 2,000-token prompt
-        takes about 0.3 ms. `prompt_hashes`: the same hashes made by a frontend in another process
+        or before `LLM.generate`'s loop starts), not on the loop when it is admitted
+        (docs/engine.md#host-work-per-step). `prompt_hashes`: the same hashes made by a frontend in another process
         (`prompt_block_hashes`), used as they are for a base-model request when their count fits the prompt."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):

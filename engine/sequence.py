@@ -38,9 +38,9 @@ class Sequence:
     Token accounting (the pipeline runs one step ahead of the CPU):
       token_ids      prompt + committed output tokens, known on the host: an int64 `array` (as is
                      prompt_token_ids), not a list. A list holds one object per token, and the garbage collector
-                     visits every one of them each time it scans a young sequence; an array is one untracked
-                     object. With hundreds of running sequences that made each collection on the engine loop cost
-                     milliseconds, growing with their lengths (docs/engine.md#host-work-per-step).
+                     visits every one of them each time it scans a young sequence; it never looks into an
+                     array's elements. With hundreds of running sequences that made each collection on the engine
+                     loop cost milliseconds, growing with their lengths (docs/engine.md#host-work-per-step).
       num_pending    tokens sampled by a launched step but not yet committed (0 or 1). The next forward
                      reads a pending token straight from the device buffer it was sampled into.
       num_computed   positions whose KV has been written by a launched forward (scheduled, in stream order).
