@@ -23,9 +23,8 @@ def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
     cheap to collide on purpose. The bytes hashed are the parent's 16 little-endian bytes and the ids as int64:
     a sequence's `array("q")` slice gives them as they are (Sequence.token_ids).
     """
-    ids = token_ids.tobytes() if type(token_ids) is array else array("q", token_ids).tobytes()
-    return int.from_bytes(hashlib.blake2b(parent_hash.to_bytes(16, "little") + ids, digest_size=16).digest(),
-                          "little")
+    data = parent_hash.to_bytes(16, "little") + _int64(token_ids).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=16).digest(), "little")
 
 
 def chain_hashes(parent_hash: int, token_ids: array, first: int, count: int, block_size: int) -> list[int]:
@@ -47,18 +46,18 @@ def chain_hashes(parent_hash: int, token_ids: array, first: int, count: int, blo
 def prefix_hashes(token_ids: Seq[int], block_size: int, max_blocks: int, root: int = _ROOT_HASH) -> list[int]:
     """Chained hashes of the first full blocks of `token_ids` (63-bit, as in `recent_hashes`); `root` seeds
     the chain (a LoRA adapter's hash_root, engine/lora/request.py; 0 for the base model)."""
-    out, parent = [], root
-    for i in range(min(len(token_ids) // block_size, max_blocks)):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
-        out.append(parent & _MASK63)
-    return out
+    count = min(len(token_ids) // block_size, max_blocks)
+    return [h & _MASK63 for h in chain_hashes(root, _int64(token_ids), 0, count, block_size)]
 
 
 def prompt_block_hashes(token_ids: Seq[int], block_size: int, root: int = _ROOT_HASH) -> list[int]:
-    """BlockManager.prompt_hashes of a prompt, for a frontend in another process to send with the request: the
-    chained hashes of its full blocks before its last token."""
-    ids = token_ids if type(token_ids) is array else array("q", token_ids)
-    return chain_hashes(root, ids, 0, (len(ids) - 1) // block_size, block_size)
+    """Chained hashes of a prompt's full blocks before its last token: what BlockManager.prompt_hashes keeps on a
+    sequence, and what a frontend in another process sends with the request."""
+    return chain_hashes(root, _int64(token_ids), 0, (len(token_ids) - 1) // block_size, block_size)
+
+
+def _int64(token_ids: Seq[int]) -> array:
+    return token_ids if type(token_ids) is array else array("q", token_ids)
 
 
 class BlockManager:
@@ -163,8 +162,7 @@ class BlockManager:
             return None
         n = len(seq.token_ids)
         if seq.prompt_hashes is None or seq.prompt_hashes[0] != n:
-            bs = self.block_size
-            seq.prompt_hashes = (n, chain_hashes(seq.hash_root, seq.token_ids, 0, (n - 1) // bs, bs))
+            seq.prompt_hashes = (n, prompt_block_hashes(seq.token_ids, self.block_size, seq.hash_root))
         return seq.prompt_hashes[1]
 
     def cached_prefix(self, token_ids: Seq[int], known: list[int] | None = None,

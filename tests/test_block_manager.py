@@ -12,7 +12,7 @@ from array import array
 
 import pytest
 
-from engine.block_manager import BlockManager, chain_hashes, hash_block, prompt_block_hashes
+from engine.block_manager import BlockManager, chain_hashes, hash_block, prefix_hashes, prompt_block_hashes
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -208,6 +208,9 @@ def test_prompt_hashes_match_the_definition_from_a_list_an_array_and_a_frontend(
     assert chain_hashes(7, array("q", ids), 0, len(want), BS) == _oracle_chain(ids, BS, root=7)
     if len(want) > 1:  # from a later block on, chained on the block before it
         assert chain_hashes(want[0], array("q", ids), 1, len(want) - 1, BS) == want[1:]
+    # the router's: every full block (the last token's too), 63 bits, at most max_blocks
+    full = [h & ((1 << 63) - 1) for h in _oracle_chain(ids + [0], BS)]
+    assert prefix_hashes(ids, BS, 64) == full and prefix_hashes(ids, BS, 2) == full[:2]
 
 
 def test_hit_covers_longest_matching_full_block_prefix():
