@@ -7,6 +7,7 @@ Never `ray stop` or pkill: other Ray clusters may run on the same machine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -18,6 +19,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
+import pytest
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 
@@ -110,6 +114,19 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: floa
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}"
                          + (f" (last error: {last_exc!r})" if last_exc else ""))
+
+
+async def give_up_once_running(cluster, body: dict, running: Callable[[], bool]) -> None:
+    """POST `body` (not streamed) and cancel the call once `running()` says the engine runs a request: the client
+    leaves."""
+    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
+        call = asyncio.create_task(client.post("/v1/completions", json=body))
+        await asyncio.to_thread(wait_for, lambda: call.done() or running(), 60, 0.02,
+                                what="the engine to run the request")  # (raises when it never does)
+        assert not call.done(), f"the 1000-token response came back before the client could leave: {call.result()}"
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
 
 
 @contextlib.contextmanager

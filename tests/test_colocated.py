@@ -23,8 +23,8 @@ from serve_app.builder import COLOCATED_DEPLOYMENT
 from serve_app.colocated import LocalEngine
 from serve_app.errors import from_engine_failure
 from dashboards import metrics as m
-from serve_cluster import serve_cluster, wait_for
-from test_metrics_e2e import give_up_once_running, scrape, total
+from serve_cluster import give_up_once_running, serve_cluster, wait_for
+from test_metrics_e2e import scrape, total
 from test_serve_app import MODEL, PROMPTS, all_idle, replica_stats
 
 

@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from transformers import AutoTokenizer
 from dashboards import grafana, provision
 from dashboards import metrics as m
 from engine import DEFAULT_MODEL_DIR
-from serve_cluster import free_port, serve_cluster, wait_for
+from serve_cluster import free_port, give_up_once_running, serve_cluster, wait_for
 from test_dashboard import selectors, targets
 
 MAX_TOKENS = 8
@@ -299,16 +298,3 @@ def test_client_disconnects_are_counted_499_abort_never_5xx(cluster, exported):
     s = scrape(cluster)
     assert counted and total(s, name, status_code="499", finish_reason="abort") == 2
     assert not [lab for lab, v in s[name] if lab["status_code"].startswith("5") and v > 0]
-
-
-async def give_up_once_running(cluster, body: dict, running: Callable[[], bool]) -> None:
-    """POST `body` (not streamed) and cancel the call once `running()` says the engine runs a request: the client
-    leaves."""
-    async with httpx.AsyncClient(base_url=cluster.base_url, timeout=60) as client:
-        call = asyncio.create_task(client.post("/v1/completions", json=body))
-        await asyncio.to_thread(wait_for, lambda: call.done() or running(), 60, 0.02,
-                                what="the engine to run the request")  # (raises when it never does)
-        assert not call.done(), f"the 1000-token response came back before the client could leave: {call.result()}"
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
