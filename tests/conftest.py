@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
     # checks them against the PyTorch reference. Must be set before engine.attention is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    # scripts/test.sh runs test files side by side (pytest-xdist): each worker's intra-op threads take its share
+    # of the CPUs. With every worker at torch's default (one thread per CPU), the OpenMP teams outnumber the CPUs
+    # and wait at every op for each other's preempted threads (docs/architecture.md#tests). Processes the tests
+    # start (Ray actors, servers, core processes) keep their own settings.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 import tiny_models  # noqa: E402
 
