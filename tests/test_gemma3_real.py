@@ -143,8 +143,10 @@ def test_greedy_equals_hf_after_preemption_and_on_prefix_hits(model_dir, hf, pro
     shifted = tok.encode(PASSAGE * 60)[7:607]  # no block in common with the others
     cases = [(prompts[i][0], prompts[i][1], want[i]) for i in (0, len(SHORT), len(SHORT) + 1)]
     cases.append((shifted, LONG_TOKENS, hf_greedy(hf, shifted, LONG_TOKENS)))
+    # pipeline_depth 1 pinned: which pages are preempted, and so which cached ones the second run finds, depends on
+    # the steps in flight, and the default depth on CPU follows the process's threads (EngineConfig.pipeline_depth).
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=300, max_num_seqs=4, admission_margin=0.0,
-              max_num_batched_tokens=128)
+              max_num_batched_tokens=128, pipeline_depth=1)
     try:
         assert llm.engine.core.kv_layout.num_window_groups == 5
         params = [SamplingParams(max_tokens=n, temperature=0) for _, n, _ in cases]

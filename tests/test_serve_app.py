@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -546,6 +547,17 @@ def _core_processes() -> dict[int, int]:
     return found
 
 
+def _core_of_busiest_replica(cluster, cores: dict[int, int], n: int) -> int:
+    """The pid of the core process (among `cores`, pid -> replica pid) of the engine replica that runs the most of
+    the `n` requests just started, once all `n` run."""
+    actors = cluster.engine_replica_actors()
+    stats = wait_for(lambda: (st := replica_stats(cluster, actors)) and sum(s["num_running"] for s in st) == n
+                     and st, 30, 0.05, what=f"{n} running requests")
+    busiest = max(zip(actors, stats), key=lambda a_s: a_s[1]["num_running"])[0]
+    pid = ray.get(busiest.__ray_call__.remote(lambda _: os.getpid()), timeout=20)
+    return next(core for core, parent in cores.items() if parent == pid)
+
+
 def test_killing_a_replicas_core_process_mid_stream(cluster, client):
     """The engine core process of one replica dies (SIGKILL) while it streams: that replica's streams end with a
     replica_died error, the other's complete, new requests succeed, Serve replaces the replica (it exits once
@@ -556,7 +568,9 @@ def test_killing_a_replicas_core_process_mid_stream(cluster, client):
     assert len(set(cores.values())) == 2, f"one core process per replica: {cores}"
     n = 6
     threads, results = _start_streams(cluster, n, "c")
-    victim = next(iter(cores))
+    # The victim is the core of a replica running streams now: routing may place every stream on one replica, and
+    # a short stream can end before the client's threads are all under way.
+    victim = _core_of_busiest_replica(cluster, cores, n)
     psutil.Process(victim).kill()
     killed = time.monotonic()
     wait_for(lambda: not psutil.pid_exists(cores[victim]), 15, 0.2, what="the replica whose core died to exit")
@@ -585,7 +599,8 @@ def test_killing_a_replicas_core_process_mid_stream(cluster, client):
 def test_killing_one_replica_mid_stream(cluster, client):
     """Runs last: kills an engine replica. Streams end (completed or with an error event) instead of hanging,
     new requests succeed, and Serve restores two running replicas."""
-    wait_for(lambda: len(cluster.engine_replica_actors()) == 2, 30, what="two engine replicas")
+    wait_for(lambda: cluster.running_replicas() == 2 and len(cluster.engine_replica_actors()) == 2, 90,
+             what="two running engine replicas")
     n = 6
     threads, results = _start_streams(cluster, n, "x")
     actors = cluster.engine_replica_actors()
