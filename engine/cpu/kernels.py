@@ -39,6 +39,11 @@ import sys
 import time
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: torch's own lock file only
+    fcntl = None
+
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
@@ -64,8 +69,8 @@ def load(isa: str | None = None):
     `gemm_linear` (for the dtypes in `gemm_dtypes`) and `gemm_silu_mul` (where `gemm_silu`), gemm_quant.cpp's
     `gemm_q_linear` (GGUF weights of the types in `gemm_q_types`; x fp32 or quantized to int8 blocks) and
     `quantize_q8_0` (that quantization, for tests); `isa` names the level it was built for. Every op runs
-    without the GIL. Concurrent first calls may both reach the build; cpp_extension's lock file makes the second
-    wait and reuse it."""
+    without the GIL. Concurrent first calls may both reach the build; the second waits for it and reuses it
+    (`_load_locked`)."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
     isa = isa or current_isa()
@@ -145,9 +150,8 @@ def _build(isa: str):
             print(f"tandem: compiling the CPU kernels for {isa} (first use after install or a change; "
                   f"about a minute)...", file=sys.stderr, flush=True)
         start = time.monotonic()
-        module = cpp_extension.load(name=name, sources=[str(src) for src in _SOURCES],
-                                    extra_cflags=_CFLAGS + _flags_for(isa), extra_ldflags=["-fopenmp"],
-                                    verbose=False)
+        module = _load_locked(cpp_extension, name, sources=[str(src) for src in _SOURCES],
+                              extra_cflags=_CFLAGS + _flags_for(isa), extra_ldflags=["-fopenmp"], verbose=False)
         if not built:
             print(f"tandem: CPU kernels for {isa} built in {time.monotonic() - start:.0f} s", file=sys.stderr,
                   flush=True)
@@ -157,6 +161,27 @@ def _build(isa: str):
         logger.warning("CPU kernels (%s) unavailable (%s: %s); using the torch paths", isa,
                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
+
+
+def _load_locked(cpp_extension, name: str, **kwargs):
+    """cpp_extension.load(name, **kwargs) holding an flock of Tandem's own on the build directory.
+
+    torch's lock is a `lock` file in that directory that only the process that made it removes, and every load
+    takes it, even of a module already built. A process killed while holding it (Ctrl-C during the minute-long
+    first compile, a CI job cancelled) left it behind, and every later load waited on it forever. The kernel
+    drops an flock when its holder dies, so while this process holds it no live Tandem process is inside load()
+    for this build: a `lock` file found then is stale and removed. A second process still waits for the first
+    one's build, on the flock instead of the file."""
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with open(build_dir / "tandem.flock", "a") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s: an interrupted build left it, and torch's load would wait on it "
+                               "forever", stale)
+                stale.unlink(missing_ok=True)
+        return cpp_extension.load(name=name, build_directory=str(build_dir), **kwargs)
 
 
 def _built(cpp_extension, name: str) -> bool:
