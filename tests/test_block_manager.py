@@ -400,3 +400,31 @@ def test_integrity_catches_block_hash_unknown_to_map():
     bm.block_hash[3] = 12345
     with pytest.raises(AssertionError):
         bm.check_integrity([a, b])
+
+
+def test_append_block_is_allocate_of_one_block_and_refuses_what_it_cannot_do():
+    """append_block (the scheduler's decode fast path) takes the same page allocate would, evicting the same cached
+    block; it refuses, changing nothing, with window groups or no free page, where allocate's general path runs."""
+    managers = [BlockManager(num_blocks=3, block_size=BS) for _ in range(2)]
+    seqs = []
+    for bm in managers:
+        old = computed_seq(bm, toks(100, 2 * BS), "old")  # blocks 0 and 1, cached; freed: the queue is 2, 1, 0
+        bm.free(old)
+        seq = computed_seq(bm, toks(0, BS), "s")  # takes block 2; its table is full
+        seq.num_computed = BS
+        seqs.append(seq)
+        assert len(bm.hash_to_block) == 3
+    assert managers[0].allocate(seqs[0], BS + 1)
+    assert managers[1].append_block(seqs[1])
+    assert seqs[0].block_table == seqs[1].block_table == [2, 1]  # block 1 handed out again: its hash evicted
+    assert managers[0].hash_to_block == managers[1].hash_to_block and len(managers[1].hash_to_block) == 2
+    assert list(managers[0].free_queue) == list(managers[1].free_queue) == [0]
+    assert managers[0].ref_counts == managers[1].ref_counts
+    bm, seq = managers[1], seqs[1]
+    assert bm.append_block(seq) and seq.block_table == [2, 1, 0]
+    assert not bm.append_block(seq) and seq.block_table == [2, 1, 0]  # nothing free
+    windowed = BlockManager(num_blocks=8, block_size=BS, window_groups=1, window=BS)
+    wseq = make_seq(toks(0, BS))
+    assert windowed.allocate(wseq, BS)
+    free = windowed.num_free
+    assert not windowed.append_block(wseq) and windowed.num_free == free and len(wseq.block_table) == 1
