@@ -83,6 +83,9 @@ class SchedulerOutput:
     prompt_logprobs: bool = False
     # Draft tokens the step's chunks verify (speculative decoding): the runner looks for them only when there are.
     num_draft_tokens: int = 0
+    # Chunks that sample: all of them in a decode step, which the runner then stages without a pass over the chunks
+    # to find its sampling rows.
+    num_samples: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
@@ -472,6 +475,7 @@ class Scheduler:
                     self.bm.cache_full_blocks(seq, known)
         budget[0] -= taken
         out.num_tokens += taken
+        out.num_samples += taken
 
     def _schedule_running(self, seqs: list[Sequence], out: SchedulerOutput, budget: list[int]) -> None:
         for seq in seqs:
@@ -536,6 +540,7 @@ class Scheduler:
         start = seq.num_computed
         samples = start + n == seq.num_total
         out.chunks.append(ScheduledChunk(seq, start, n, samples))
+        out.num_samples += samples
         if seq.params.prompt_logprobs is not None and start < len(seq.prompt_token_ids) - 1:
             out.prompt_logprobs = True
         out.num_tokens += n

@@ -153,7 +153,7 @@ class StepBuffers:
 
     # ---- host side (engine thread) ----------------------------------------------------------------------
     def stage_step(self, chunks, tables: BlockTables, block_size: int, pad_to: int | None = None,
-                   forks=(), pad_seqs: int | None = None) -> None:
+                   forks=(), pad_seqs: int | None = None, decode: bool | None = None) -> None:
         """Stage a step's chunks (engine.scheduler.ScheduledChunk): what only the sequences know (their table
         rows, known token ids, pending tokens) gathered in Python (list comprehensions for a decode step, a loop
         over the chunks for any other), numpy for the rest. A chunk's last position may be a token the previous
@@ -164,16 +164,21 @@ class StepBuffers:
         seq_len 0) that write no KV and attend to nothing. With pad_seqs, a mixed-step graph's token count and
         pad_seqs its sequence count (_pad).
         forks: sampling rows that compute nothing (n > 1 siblings, engine.scheduler.Scheduler._fork): each
-        reads the logits of its parent chunk's last position, after the chunks' own rows."""
+        reads the logits of its parent chunk's last position, after the chunks' own rows.
+        decode: whether every chunk is one position that samples, with no forks (the caller knows from its step's
+        counts; None: found here)."""
         n, lim = self.np, self.limits
         s = len(chunks)
         seqs = [c.seq for c in chunks]
         rows = tables.rows(seqs)
-        lens = [c.num_tokens for c in chunks]
-        t = sum(lens)
-        if t == s and not forks and False not in [c.samples for c in chunks]:  # decodes only: numpy per field
+        if decode is None:
+            decode = not forks and False not in [c.samples and c.num_tokens == 1 for c in chunks]
+        if decode:  # decodes only: numpy per field
+            lens, t = [1] * s, s
             starts, ids, logits, gdst, gsrc = self._decode_rows(chunks, seqs)
         else:
+            lens = [c.num_tokens for c in chunks]
+            t = sum(lens)
             starts, ids, logits, gdst, gsrc = self._chunk_rows(chunks, forks)
         if t > lim.max_tokens or len(logits) > lim.max_seqs or (pad_to or 0) > lim.max_tokens \
                 or (pad_seqs or pad_to or 0) > lim.max_seqs:

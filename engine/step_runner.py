@@ -87,8 +87,12 @@ class StepRunner:
 
     def _new_step(self, sched: SchedulerOutput, slot: DecodeSlot) -> Step:
         # One entry per sampling row: a chunk verifying k drafts has k + 1 rows (engine/spec_decode.py).
-        rows = [c for c in sched.chunks for _ in range(c.num_rows)] if sched.num_draft_tokens \
-            else [c for c in sched.chunks if c.samples]
+        if sched.num_draft_tokens:
+            rows = [c for c in sched.chunks for _ in range(c.num_rows)]
+        elif sched.num_samples == len(sched.chunks):  # every chunk samples (a decode step): no pass to find them
+            rows = list(sched.chunks)  # (a copy: forks are appended to it)
+        else:
+            rows = [c for c in sched.chunks if c.samples]
         step = Step(self._next_step_id, slot, sched.chunks, rows, sched.num_tokens, time.monotonic())
         if sched.forks:
             step.forks = sched.forks
@@ -104,7 +108,8 @@ class StepRunner:
 
     def _stage(self, step: Step, pad_to: int | None = None, pad_seqs: int | None = None) -> None:
         """Stage `step` into its slot (engine/step_buffers.py); its sampling rows' tokens will be pending there."""
-        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs)
+        decode = step.num_tokens == len(step.chunks) == len(step.sample_chunks) and not step.forks
+        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs, decode)
         for row, c in enumerate(step.sample_chunks):
             c.seq.pending_src = row
 
