@@ -244,7 +244,7 @@ class BlockManager:
     def append_block(self, seq: Sequence) -> bool:
         """allocate() in its most common case, a decode step opening a new block: one page appended to `seq`'s
         table, without window groups. False (nothing changed) where there are window groups or no page is free:
-        the caller then takes the general path (engine/scheduler.py _fit). A step of many decode rows opens blocks
+        Scheduler._fit then takes the general path. A step of many decode rows opens blocks
         for a few of them every step; the cost is in docs/engine.md#host-work-per-step."""
         if self.window_groups or not self.free_queue:
             return False

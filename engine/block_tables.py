@@ -55,12 +55,11 @@ class BlockTables:
             self._lists[r] = table
             self.width[r] = 0
         old, new = self.width[r], len(table)
-        if new == old + 1 and not self.window_groups:  # a decode step's new block: one entry, set as a scalar
-            self.host[r, old] = table[old]
-            self._add_delta(r * self.row_width + old, 1)
-            self.width[r] = new
-        elif new > old:
-            self.host[r, old:new] = table[old:new]
+        if new > old:
+            if new == old + 1:  # a decode step's new block: a scalar store (a slice assigned from a list is dearer)
+                self.host[r, old] = table[old]
+            else:
+                self.host[r, old:new] = table[old:new]
             flat = r * self.row_width
             self._add_delta(flat + old, new - old)
             k, m = self.window_groups, self.max_blocks

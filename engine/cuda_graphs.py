@@ -100,9 +100,7 @@ class GraphPlan:
         decode graph, (tokens, seqs) for a mixed one; None: eager. A step scoring prompt tokens reads every
         position's hidden state, which no graph returns."""
         chunks = step.chunks
-        # One token a chunk (the tokens are the chunks' sum, each at least one) and every chunk sampling (no
-        # drafts then: a chunk with drafts has more than one token): a decode step, without a pass over the rows
-        if not step.forks and step.num_tokens == len(chunks) == len(step.sample_chunks):
+        if step.is_decode:
             size = self.padded_size(len(chunks))
             if size is not None or not self.mixed:
                 return None if size is None else (size, None)

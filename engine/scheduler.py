@@ -450,18 +450,14 @@ class Scheduler:
         has room needs no allocation, and hashes a block only when one just filled up."""
         bs, chunks, caching = self.bm.block_size, out.chunks, self.bm.enable_prefix_caching
         taken, limit, running = 0, budget[0], SeqStatus.RUNNING  # (an enum member read once, not per row)
-        append_block = self.bm.append_block
         for seq in seqs:
             if taken == limit:
                 break
             if seq.status is not running:  # preempted earlier in this same pass
                 continue
             start = seq.num_computed
-            if start >= len(seq.block_table) * bs or seq.cow:
-                # A new block (or a shared one to copy): one free page, appended, is the common case; the rest
-                # (copy-on-write, window groups, no page free: preemption) is _fit's.
-                if (seq.cow or start != len(seq.block_table) * bs or not append_block(seq)) and not self._fit(seq, 1):
-                    continue
+            if (start >= len(seq.block_table) * bs or seq.cow) and not self._fit(seq, 1):
+                continue
             chunks.append(ScheduledChunk(seq, start, 1, True))
             seq.num_computed = start + 1
             seq.inflight_refs += 1
@@ -587,6 +583,8 @@ class Scheduler:
         shrinks to what the free blocks hold.
         """
         bs, per_block = self.bm.block_size, self.bm.pages_per_block
+        if n == 1 and not seq.cow and seq.num_computed == len(seq.block_table) * bs and self.bm.append_block(seq):
+            return 1  # the common case, a decode opening a block with a page free: none of the accounting below
         cow = seq.cow and self.bm.shares_block(seq, seq.num_computed // bs)  # the block written is shared
         if not cow:
             seq.cow = False

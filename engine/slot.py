@@ -81,3 +81,10 @@ class Step:
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)
     prompt_logprobs: object | None = None  # engine.prompt_logprobs.PromptLogprobPlan; None for most steps
     forks: list[ScheduledChunk] = ()  # SchedulerOutput.forks: sampling rows past the chunks' (n > 1 siblings)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token a chunk (the tokens are the chunks' sum, each at least one) and every chunk sampling (no
+        drafts then: a chunk with drafts has more than one token), no forks: told from the counts, without a pass
+        over the rows."""
+        return not self.forks and self.num_tokens == len(self.chunks) == len(self.sample_chunks)

@@ -108,8 +108,8 @@ class StepRunner:
 
     def _stage(self, step: Step, pad_to: int | None = None, pad_seqs: int | None = None) -> None:
         """Stage `step` into its slot (engine/step_buffers.py); its sampling rows' tokens will be pending there."""
-        decode = step.num_tokens == len(step.chunks) == len(step.sample_chunks) and not step.forks
-        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs, decode)
+        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs,
+                                    step.is_decode)
         for row, c in enumerate(step.sample_chunks):
             c.seq.pending_src = row
 
