@@ -32,6 +32,10 @@ gc      the loop thread's stalls: `LLM.generate` at 256 streams, --runs runs (de
         cached by the run before); and the busy fraction. With --base DIR, alternating with that checkout,
         --repeats pairs.
 
+behind  a stream whose caller falls behind: AsyncLLM's collector merges each new output into the one the caller
+        has not taken; the time to merge 1k-16k one-token outputs and hand them out as one, per output (flat when
+        merging is O(new tokens)). With --base DIR, alternating with that checkout, --repeats pairs. Seconds.
+
 Writes core_<name>.json and .md under --out, with the machine.
 """
 
@@ -135,7 +139,7 @@ def compare(args) -> list[dict]:
                                      env=os.environ | {"TANDEM_BENCH_CODE": str(trees[name])})
                 lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
                 if out.returncode or not lines:
-                    raise SystemExit(f"{name} run failed:\n{out.stderr[-2000:]}")
+                    raise SystemExit(f"{name} run failed ({out.returncode}):\n{out.stderr[-2000:]}{out.stdout[-500:]}")
                 r = json.loads(lines[-1])
                 row = {"tree": name, "git": revs[name], "pair": pair, "kernels": kernels, "path": path,
                        "streams": n, "busy": r["busy"], "host_mops": r["host_mops"], "tok_s": r["tok_s"],
@@ -181,26 +185,73 @@ def instructions(args) -> list[dict]:
     return rows
 
 
-def gc_pauses(args) -> list[dict]:
+def _alternate(args, cmd: list[str]):
+    """Run the child `cmd` from this checkout and from --base (if given) alternately, --repeats pairs, each a
+    fresh process of its own checkout; yield (pair, tree name, the JSON of the child's last line that is a
+    list)."""
     import json
     import subprocess
 
     trees = {"this": ROOT} | ({"base": Path(args.base).resolve()} if args.base else {})
-    rows = []
     for pair in range(args.repeats):
         for name in (list(trees) if pair % 2 == 0 else list(trees)[::-1]):
-            cmd = [sys.executable, __file__, "one", "--variant", "engine/engine/256", "--gc", str(args.runs or 4)]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name],
+            out = subprocess.run([sys.executable, __file__, *cmd], capture_output=True, text=True, cwd=trees[name],
                                  env=os.environ | {"TANDEM_BENCH_CODE": str(trees[name])})
             lines = [x for x in out.stdout.splitlines() if x.startswith("[")]
             if out.returncode or not lines:
-                raise SystemExit(f"{name} run failed:\n{out.stderr[-2000:]}")
-            for i, run in enumerate(json.loads(lines[-1])):
-                rows.append({"tree": name, "git": git_rev(trees[name]), "pair": pair, "run": i} | run)
-                print(f"{name:4} pair {pair} run {i}: busy {run['busy']:.3f}  GC {run['gc_ms']:6.1f} ms in "
-                      f"{run['collections']} collections (by generation), longest {run['gc_max_ms']:5.1f} ms; "
-                      f"admitting steps' schedule {run['admit_ms']} ms", flush=True)
+                raise SystemExit(f"{name} run failed ({out.returncode}):\n{out.stderr[-2000:]}{out.stdout[-500:]}")
+            yield pair, name, git_rev(trees[name]), json.loads(lines[-1])
+
+
+def gc_pauses(args) -> list[dict]:
+    rows = []
+    cmd = ["one", "--variant", "engine/engine/256", "--gc", str(args.runs or 4)]
+    for pair, name, rev, runs in _alternate(args, cmd):
+        for i, run in enumerate(runs):
+            rows.append({"tree": name, "git": rev, "pair": pair, "run": i} | run)
+            print(f"{name:4} pair {pair} run {i}: busy {run['busy']:.3f}  GC {run['gc_ms']:6.1f} ms in "
+                  f"{run['collections']} collections (by generation), longest {run['gc_max_ms']:5.1f} ms; "
+                  f"admitting steps' schedule {run['admit_ms']} ms", flush=True)
     return rows
+
+
+BEHIND_OUTPUTS = (1000, 4000, 16000)
+
+
+def behind(args) -> list[dict]:
+    rows = []
+    for pair, name, rev, runs in _alternate(args, ["one", "--variant", "behind"]):
+        for k, seconds in runs:
+            rows.append({"tree": name, "git": rev, "pair": pair, "outputs": k, "ms": round(1e3 * seconds, 2),
+                         "us_per_output": round(1e6 * seconds / k, 3)})
+            print(f"{name:4} pair {pair}: {k:6} outputs merged in {1e3 * seconds:9.2f} ms "
+                  f"({1e6 * seconds / k:8.3f} us each)", flush=True)
+    return rows
+
+
+def _behind_child() -> None:
+    """behind's child: this checkout's AsyncLLM collector (engine/async_engine.py) for one stream whose caller takes
+    nothing while k one-token outputs arrive, then takes them as one: the wall time of the k puts and that get."""
+    import asyncio
+    import json
+
+    from engine.async_engine import _Collector
+    from engine.outputs import RequestOutput
+
+    times = []
+    for k in BEHIND_OUTPUTS:
+        loop = asyncio.new_event_loop()
+        collector = _Collector(loop)
+        outs = [RequestOutput("r", None, [1], [], "", delta_token_ids=[1000 + i % 30000], delta_text=" tok")
+                for i in range(k)]
+        t0 = time.perf_counter()
+        for out in outs:
+            collector.put(out)
+        got = loop.run_until_complete(collector.get())
+        times.append((k, time.perf_counter() - t0))
+        loop.close()
+        assert len(got) == 1 and len(got[0].delta_token_ids) == k and len(got[0].delta_text) == 4 * k
+    print(json.dumps(times), flush=True)
 
 
 def _gc_child(args) -> None:
@@ -257,6 +308,8 @@ def one(args) -> None:
 
     if args.gc:
         return _gc_child(args)
+    if args.variant == "behind":
+        return _behind_child()
 
     kernels, path, n = args.variant.split("/")
     if args.runs is None:
@@ -283,7 +336,7 @@ def one(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "one"])
+    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "behind", "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", help="compare: the other checkout")
@@ -298,7 +351,7 @@ def main() -> None:
                              "git": git_rev()}
     print(info, flush=True)
     for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("instructions", instructions),
-                     ("gc", gc_pauses)):
+                     ("gc", gc_pauses), ("behind", behind)):
         if args.what == name or (args.what == "all" and name in ("length", "busy")):
             rows = fn(args)
             write_results(args.out / f"core_{name}", f"engine core: {name} (SIMULATED h100)", rows, info)

@@ -405,13 +405,16 @@ class _Collector:
     what waits. An exception ends the stream (raised by get() before anything pending). Lives on the caller's
     event loop: put() and get() run only there."""
 
-    __slots__ = ("loop", "items", "error", "_pending", "_waiter", "_interval", "_next_at", "_finished")
+    __slots__ = ("loop", "items", "error", "_pending", "_texts", "_waiter", "_interval", "_next_at", "_finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int = 1, interval=None):
         self.loop = loop
         self.items: list[RequestOutput | None] = [None] * n  # by RequestOutput.index
         self.error: BaseException | None = None
         self._pending = 0  # slots holding an output
+        # The text pieces of a slot whose output merged later ones (None: it did not), joined once by get():
+        # joining them at every merge would copy the text so far each time, O(k^2) over k merges
+        self._texts: list[list[str] | None] = [None] * n
         self._waiter: asyncio.Future | None = None
         self._interval = interval  # () -> seconds between handed-out batches; None: no pacing
         self._next_at = 0.0  # loop time before which get() holds what is pending (pacing)
@@ -422,10 +425,17 @@ class _Collector:
         if isinstance(item, BaseException):
             self.error = item
         else:
-            pending = self.items[item.index]
+            i = item.index
+            pending = self.items[i]
             if pending is None:
                 self._pending += 1
-            self.items[item.index] = item if pending is None else merge_outputs(pending, item)
+                self.items[i] = item
+            else:
+                parts = self._texts[i]
+                if parts is None:
+                    parts = self._texts[i] = [pending.delta_text]
+                parts.append(item.delta_text)
+                self.items[i] = merge_outputs(pending, item, join_text=False)
             self._finished |= item.finished
         waiter = self._waiter
         if waiter is not None and not waiter.done() and (
@@ -449,6 +459,11 @@ class _Collector:
         if self._interval is not None:
             self._next_at = self.loop.time() + self._interval()
         self._finished = False
+        texts = self._texts
+        for i, parts in enumerate(texts):
+            if parts is not None:
+                self.items[i].delta_text = "".join(parts)
+                texts[i] = None
         if len(self.items) == 1:
             item, self.items[0], self._pending = self.items[0], None, 0
             return [item]

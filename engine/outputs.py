@@ -175,13 +175,24 @@ class StepRecord:
     period_s: float | None
 
 
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+def merge_outputs(older: RequestOutput, newer: RequestOutput, join_text: bool = True) -> RequestOutput:
     """`newer` extended with `older`'s deltas: what a consumer that never saw `older` must receive (the
-    cumulative fields are newer's already). Mutates and returns `newer`, a fresh object of the engine's."""
-    newer.delta_token_ids = older.delta_token_ids + newer.delta_token_ids  # (deltas: O(new tokens))
-    newer.delta_text = older.delta_text + newer.delta_text
+    cumulative fields are newer's already). Mutates and returns `newer`, a fresh object of the engine's, and
+    takes over `older`'s delta lists, extended in place with newer's: both outputs are the merging caller's own
+    and `older` is dropped, so merging k outputs one after another costs O(k) in all, not O(k^2) (a consumer that
+    falls behind a long stream). join_text=False leaves the text to the caller, who keeps the pieces of many
+    merges in a row and joins them once (a str cannot grow in place: AsyncLLM's collector)."""
+    ids = older.delta_token_ids
+    ids += newer.delta_token_ids
+    newer.delta_token_ids = ids
+    if join_text:
+        newer.delta_text = older.delta_text + newer.delta_text
     if newer.delta_logprobs is not None:
-        newer.delta_logprobs = (older.delta_logprobs or []) + newer.delta_logprobs
+        lps = older.delta_logprobs
+        if lps is None:
+            lps = older.delta_logprobs = []
+        lps += newer.delta_logprobs
+        newer.delta_logprobs = lps
     if newer.prompt_logprobs is None:
         newer.prompt_logprobs = older.prompt_logprobs  # sent once: a merged-away first output carried them
     return newer

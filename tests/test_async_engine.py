@@ -236,3 +236,45 @@ def test_shutdown_fails_open_streams_instead_of_leaving_them_waiting(model_dir):
                 pass
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_consumer_behind_gets_every_merged_delta_and_merging_copies_nothing_already_merged():
+    """The collector between the engine and a caller that has not taken its last output merges each new output
+    into the pending one. The merged output carries every delta in order (token ids, text, logprobs, the prompt
+    logprobs of the first), per sample; the pending token and logprob lists grow in place, so k merges cost O(k)
+    (a slow client of a 16k-token stream used to cost its replica's event loop over a second: concatenating the
+    lists and text so far at every merge)."""
+    from engine.async_engine import _Collector
+    from engine.outputs import RequestOutput, TokenLogprob
+
+    def out(index: int, i: int) -> RequestOutput:
+        token = 1000 * index + i
+        return RequestOutput("r", None, [1, 2], [], "", delta_token_ids=[token], delta_text=f"<{index}:{i}>",
+                             delta_logprobs=[TokenLogprob(token, -float(i), [])], index=index,
+                             prompt_logprobs=[None, TokenLogprob(2, -0.5, [])] if i == 0 else None,
+                             finished=i == 99)
+
+    loop = asyncio.new_event_loop()
+    try:
+        c = _Collector(loop, n=2)
+        first = [out(0, 0), out(1, 0)]
+        for o in first:
+            c.put(o)
+        held = [first[0].delta_token_ids, first[0].delta_logprobs]
+        for i in range(1, 100):
+            for index in (1, 0):
+                c.put(out(index, i))
+        assert c.items[0].delta_token_ids is held[0] and c.items[0].delta_logprobs is held[1]
+        got = loop.run_until_complete(c.get())
+        assert [o.index for o in got] == [0, 1]
+        for o in got:
+            assert o.delta_token_ids == [1000 * o.index + i for i in range(100)]
+            assert o.delta_text == "".join(f"<{o.index}:{i}>" for i in range(100))
+            assert [lp.logprob for lp in o.delta_logprobs] == [-float(i) for i in range(100)]
+            assert o.prompt_logprobs[1].logprob == -0.5 and o.finished
+        # the next output after a hand-out starts afresh: nothing of the merged text is left over
+        c.put(RequestOutput("r", None, [1, 2], [], "", delta_token_ids=[7], delta_text="next"))
+        again = loop.run_until_complete(c.get())
+        assert [(o.delta_token_ids, o.delta_text) for o in again] == [([7], "next")]
+    finally:
+        loop.close()
