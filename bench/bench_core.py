@@ -32,9 +32,10 @@ gc      the loop thread's stalls: `LLM.generate` at 256 streams, --runs runs (de
         cached by the run before); and the busy fraction. With --base DIR, alternating with that checkout,
         --repeats pairs.
 
-behind  a stream whose caller falls behind: AsyncLLM's collector merges each new output into the one the caller
-        has not taken; the time to merge 1k-16k one-token outputs and hand them out as one, per output (flat when
-        merging is O(new tokens)). With --base DIR, alternating with that checkout, --repeats pairs. Seconds.
+outputs  one long output's cost per output in the frontend and the ingress, for 1k-16k one-token outputs: AsyncLLM's
+        collector merging what a caller that fell behind has not taken, the ingress gathering a non-streamed
+        response's text, and streaming a chat answer with tools on (flat per output when each costs O(new
+        tokens)). With --base DIR, alternating with that checkout, --repeats pairs. Seconds.
 
 Writes core_<name>.json and .md under --out, with the machine.
 """
@@ -215,31 +216,39 @@ def gc_pauses(args) -> list[dict]:
     return rows
 
 
-BEHIND_OUTPUTS = (1000, 4000, 16000)
+OUTPUT_COUNTS = (1000, 4000, 16000)
+OUTPUT_PARTS = {"collector": "AsyncLLM's collector, caller behind", "body": "non-streamed body (Accumulated)",
+                "tools": "tool streamer, hermes, content"}
 
 
-def behind(args) -> list[dict]:
+def outputs(args) -> list[dict]:
     rows = []
-    for pair, name, rev, runs in _alternate(args, ["one", "--variant", "behind"]):
-        for k, seconds in runs:
-            rows.append({"tree": name, "git": rev, "pair": pair, "outputs": k, "ms": round(1e3 * seconds, 2),
-                         "us_per_output": round(1e6 * seconds / k, 3)})
-            print(f"{name:4} pair {pair}: {k:6} outputs merged in {1e3 * seconds:9.2f} ms "
+    for pair, name, rev, runs in _alternate(args, ["one", "--variant", "outputs"]):
+        for part, k, seconds in runs:
+            rows.append({"tree": name, "git": rev, "pair": pair, "part": part, "outputs": k,
+                         "ms": round(1e3 * seconds, 2), "us_per_output": round(1e6 * seconds / k, 3)})
+            print(f"{name:4} pair {pair}: {OUTPUT_PARTS[part]:36} {k:6} outputs {1e3 * seconds:9.2f} ms "
                   f"({1e6 * seconds / k:8.3f} us each)", flush=True)
     return rows
 
 
-def _behind_child() -> None:
-    """behind's child: this checkout's AsyncLLM collector (engine/async_engine.py) for one stream whose caller takes
-    nothing while k one-token outputs arrive, then takes them as one: the wall time of the k puts and that get."""
+def _outputs_child() -> None:
+    """outputs' child, this checkout's code: for k one-token outputs of one request, the wall time of
+    - collector: AsyncLLM's collector (engine/async_engine.py) when the caller takes nothing while they arrive,
+      then takes them as one (k puts, one get);
+    - body: the ingress gathering a non-streamed response's text from k chunks (serve_app/responses.py);
+    - tools: the ingress streaming a chat answer with tools on (hermes parser) whose k deltas are all content."""
     import asyncio
     import json
 
+    from cluster.protocol import GenerateChunk
     from engine.async_engine import _Collector
     from engine.outputs import RequestOutput
+    from serve_app.responses import Accumulated
+    from serve_app.tool_parsers import HermesParser, ToolStreamer
 
     times = []
-    for k in BEHIND_OUTPUTS:
+    for k in OUTPUT_COUNTS:
         loop = asyncio.new_event_loop()
         collector = _Collector(loop)
         outs = [RequestOutput("r", None, [1], [], "", delta_token_ids=[1000 + i % 30000], delta_text=" tok")
@@ -248,9 +257,24 @@ def _behind_child() -> None:
         for out in outs:
             collector.put(out)
         got = loop.run_until_complete(collector.get())
-        times.append((k, time.perf_counter() - t0))
+        times.append(("collector", k, time.perf_counter() - t0))
         loop.close()
         assert len(got) == 1 and len(got[0].delta_token_ids) == k and len(got[0].delta_text) == 4 * k
+
+        chunks = [GenerateChunk("r", " tok", [1000 + i % 30000], None, i == k - 1, None, 8, i + 1, 0) for i in range(k)]
+        acc = Accumulated()
+        t0 = time.perf_counter()
+        for chunk in chunks:
+            acc.add(chunk)
+        text = acc.text
+        times.append(("body", k, time.perf_counter() - t0))
+        assert len(text) == 4 * k
+
+        streamer = ToolStreamer(HermesParser())
+        t0 = time.perf_counter()
+        deltas = [d for chunk in chunks for d in streamer.feed(chunk.delta_text)] + streamer.finish()
+        times.append(("tools", k, time.perf_counter() - t0))
+        assert "".join(d["content"] for d in deltas) == " tok" * k
     print(json.dumps(times), flush=True)
 
 
@@ -308,8 +332,8 @@ def one(args) -> None:
 
     if args.gc:
         return _gc_child(args)
-    if args.variant == "behind":
-        return _behind_child()
+    if args.variant == "outputs":
+        return _outputs_child()
 
     kernels, path, n = args.variant.split("/")
     if args.runs is None:
@@ -336,7 +360,7 @@ def one(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "behind", "one"])
+    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "outputs", "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", help="compare: the other checkout")
@@ -351,7 +375,7 @@ def main() -> None:
                              "git": git_rev()}
     print(info, flush=True)
     for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("instructions", instructions),
-                     ("gc", gc_pauses), ("behind", behind)):
+                     ("gc", gc_pauses), ("outputs", outputs)):
         if args.what == name or (args.what == "all" and name in ("length", "busy")):
             rows = fn(args)
             write_results(args.out / f"core_{name}", f"engine core: {name} (SIMULATED h100)", rows, info)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from cluster.protocol import GenerateChunk
 from engine.outputs import TokenLogprob
-from serve_app.tool_parsers import ToolParser, ToolStreamer
+from serve_app.tool_parsers import ToolParser, ToolStreamer, joined
 from serve_app.logprobs_format import CompletionLogprobs, prompt_logprobs_json
 
 
@@ -16,7 +16,7 @@ from serve_app.logprobs_format import CompletionLogprobs, prompt_logprobs_json
 class Accumulated:
     """Everything a non-streaming response needs, gathered from the chunks."""
 
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text's, joined when read (O(new text) per chunk)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -27,12 +27,16 @@ class Accumulated:
     def add(self, chunk: GenerateChunk) -> None:
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = chunk.prompt_logprobs
-        self.text += chunk.delta_text
+        self.pieces.append(chunk.delta_text)
         self.token_ids += chunk.delta_token_ids
         self.logprobs += chunk.delta_logprobs or []
         self.finish_reason = chunk.finish_reason
         self.num_prompt_tokens = chunk.num_prompt_tokens
         self.num_output_tokens = chunk.num_output_tokens
+
+    @property
+    def text(self) -> str:
+        return joined(self.pieces)
 
 
 def usage(num_prompt: int, num_output: int) -> dict:

@@ -134,6 +134,9 @@ class ToolParser:
 
     name = ""
     keep_special_tokens = False  # the format's markers are special tokens (skip_special_tokens=False)
+    # The marker that starts the calls after the content (None: the format has no content before its calls).
+    # Until it appears, `partial` gives the text less a held prefix of the marker and trailing space, as content.
+    content_marker: str | None = None
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         content, calls, valid = self._parse(text, final=True)
@@ -144,6 +147,11 @@ class ToolParser:
     def partial(self, text: str) -> tuple[str, list[PartialCall]]:
         content, calls, _ = self._parse(text, final=False)
         return content or "", calls
+
+    def plain(self, text: str) -> bool:
+        """Whether `text`, a prefix of the output, already decides that the whole output is content (no call
+        can follow, and `partial` of any longer output gives it whole as content)."""
+        return False
 
     def _parse(self, text: str, final: bool) -> tuple[str | None, list[PartialCall], bool]:
         raise NotImplementedError
@@ -156,6 +164,7 @@ def _content(prefix: str) -> str | None:
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    content_marker = START
 
     def _parse(self, text, final):
         start = text.find(self.START)
@@ -178,6 +187,11 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
+    def plain(self, text):
+        i = _skip_ws(text, 0)  # decided by the first character that is not space: not "{" and no tag (prefix)
+        return i < len(text) and text[i] != "{" and not text.startswith(self.TAG, i) and \
+            not self.TAG.startswith(text[i:i + len(self.TAG)])
+
     def _parse(self, text, final):
         i = _skip_ws(text, 0)
         if text.startswith(self.TAG, i):
@@ -194,6 +208,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     keep_special_tokens = True
     TAG = "[TOOL_CALLS]"
+    content_marker = TAG
 
     def _parse(self, text, final):
         start = text.find(self.TAG)
@@ -249,22 +264,55 @@ def get_tool_parser(name: str) -> ToolParser:
 class ToolStreamer:
     """Turns successive output text deltas into OpenAI chat deltas: content until a call starts, then
     `tool_calls` deltas (a call's first one carries index, id, type, name and arguments ""; later ones
-    argument pieces). `finish()` sends what the final parse adds (held-back text, a call's last piece)."""
+    argument pieces). `finish()` sends what the final parse adds (held-back text, a call's last piece).
+
+    Each delta costs O(its length) while the output is content: a parser with a `content_marker` (hermes,
+    mistral) is not asked to parse the whole text again until the marker appears, since only the text not sent
+    yet can hold it (what was sent was never a prefix of the marker); once `plain()` says no call can follow
+    (llama3_json), a delta is content as it is. Parsing the whole text at every delta cost a 16,000-token
+    answer with tools on about half a second of the ingress's event loop (bench/README.md). Once a call has
+    started, each delta parses the whole text (the calls are short)."""
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
-        self.text = ""
-        self.sent_content = ""
+        self._pieces: list[str] = []  # the text so far, joined when a parse needs it whole
+        self._sent_pieces: list[str] = []  # the content sent so far
+        self._unsent = ""  # content phase: the text after the content sent (trailing space, a held marker prefix)
+        self._content_phase = parser.content_marker is not None
+        self._plain = False  # the whole output is content: every delta goes out as it is
         self.sent: list[tuple[str, str]] = []  # per announced call: (id, arguments sent)
 
     @property
     def made_calls(self) -> bool:
         return bool(self.sent)
 
+    @property
+    def text(self) -> str:
+        return joined(self._pieces)
+
     def feed(self, delta: str) -> list[dict]:
-        self.text += delta
-        content, calls = self.parser.partial(self.text)
-        return self._diff(content, [(c.name, c.arguments) for c in calls])
+        self._pieces.append(delta)
+        if self._plain:
+            if not delta:
+                return []
+            self._sent_pieces.append(delta)
+            return [{"content": delta}]
+        if self._content_phase:
+            marker, unsent = self.parser.content_marker, self._unsent + delta
+            if marker not in unsent:  # the content before a possible marker prefix, less trailing space
+                content = unsent[:len(unsent) - _held_prefix(unsent, marker)].rstrip()
+                self._unsent = unsent[len(content):]
+                if not content:
+                    return []
+                self._sent_pieces.append(content)
+                return [{"content": content}]
+            self._content_phase = False  # a call starts: from here on the whole text is parsed
+        text = self.text
+        content, calls = self.parser.partial(text)
+        deltas = self._diff(content, [(c.name, c.arguments) for c in calls])
+        if not self.sent and self.parser.plain(text):
+            self._plain = True  # (the diff just sent the whole text as content)
+        return deltas
 
     def finish(self) -> list[dict]:
         content, calls = self.parser.extract(self.text)
@@ -272,9 +320,10 @@ class ToolStreamer:
 
     def _diff(self, content: str, calls: list[tuple[str | None, str]], ids: list[str] | None = None) -> list[dict]:
         deltas: list[dict] = []
-        if not self.sent and content.startswith(self.sent_content) and len(content) > len(self.sent_content):
-            deltas.append({"content": content[len(self.sent_content):]})
-            self.sent_content = content
+        sent_content = joined(self._sent_pieces)
+        if not self.sent and content.startswith(sent_content) and len(content) > len(sent_content):
+            deltas.append({"content": content[len(sent_content):]})
+            self._sent_pieces[:] = [content]
         for index, (name, args) in enumerate(calls):
             if name is None:
                 break
@@ -288,3 +337,10 @@ class ToolStreamer:
                 deltas.append({"tool_calls": [{"index": index, "function": {"arguments": args[len(sent_args):]}}]})
                 self.sent[index] = (call_id, args)
         return deltas
+
+
+def joined(pieces: list[str]) -> str:
+    """The pieces' concatenation, kept as the list's one piece (later calls join only what was added since)."""
+    if len(pieces) > 1:
+        pieces[:] = ["".join(pieces)]
+    return pieces[0] if pieces else ""

@@ -127,3 +127,48 @@ def test_registry_names_the_valid_parsers():
     assert isinstance(get_tool_parser("hermes"), HermesParser)
     with pytest.raises(ValueError, match=r"nope.*hermes.*llama3_json.*mistral"):
         get_tool_parser("nope")
+
+
+def _long_outputs():
+    """Long answers with tools on: content with runs of space and near-markers, and the same followed by calls."""
+    rng = random.Random(1)
+    words = ["the", "weather", "<tool", "<tool_ca", "[TOOL", "[TOOL_CALLS", "{x}", "<|python", "a<b", "\n\n", "   "]
+    body = "".join(rng.choice(words) + rng.choice([" ", "", "\n", "  "]) for _ in range(400))
+    return [  # (parser, content only, with calls)
+        (HermesParser(), body, body + "\n" + HERMES_ONE),
+        (MistralParser(), body, body + " " + MISTRAL_TWO),
+        (Llama3JsonParser(), "Sure. " + body, "  " + LLAMA_TWO),
+    ]
+
+
+@pytest.mark.parametrize("parser,content,with_calls", _long_outputs(), ids=["hermes", "mistral", "llama3_json"])
+def test_streamed_content_is_the_parse_of_each_prefix_and_each_delta_costs_its_own_length(parser, content,
+                                                                                           with_calls):
+    """At every delta the content streamed so far is exactly what the parser's stateless parse of that prefix
+    gives, and the output reassembles as the whole parse. While the output is content the streamer does not hand
+    the parser the whole text again (it did at every delta: O(n^2) characters over a long answer)."""
+    for text in (content, with_calls):
+        scanned = [0]
+        base = type(parser)
+
+        class Counting(base):
+            def _parse(self, t, final):
+                scanned[0] += len(t)
+                return base._parse(self, t, final)
+
+        s = ToolStreamer(Counting())
+        rng = random.Random(len(text))
+        i, streamed, deltas = 0, "", []
+        while i < len(text):
+            j = min(len(text), i + rng.randint(1, 4))
+            for d in s.feed(text[i:j]):
+                streamed += d.get("content", "")
+                deltas.append(d)
+            i = j
+            assert streamed == parser.partial(text[:i])[0], i
+        deltas += s.finish()
+        whole = _expected(parser, text)
+        assert "".join(d.get("content", "") for d in deltas) == whole[0]
+        assert [c[0] for c in stream(parser, [text])[1]] == [name for name, _ in whole[1]]
+        if text is content:
+            assert scanned[0] <= 2 * len(text), (scanned[0], len(text))  # the final parse, and little more
