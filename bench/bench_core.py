@@ -37,6 +37,10 @@ outputs  one long output's cost per output in the frontend and the ingress, for 
         response's text, and streaming a chat answer with tools on (flat per output when each costs O(new
         tokens)). With --base DIR, alternating with that checkout, --repeats pairs. Seconds.
 
+penalties  `LLM.generate` at 256 streams with no repetition penalty and with Qwen2.5-Instruct's default (1.05,
+        which every request of that model gets from its generation_config): busy and host time per step. With
+        --base DIR, alternating with that checkout, --repeats pairs.
+
 Writes core_<name>.json and .md under --out, with the machine.
 """
 
@@ -278,6 +282,47 @@ def _outputs_child() -> None:
     print(json.dumps(times), flush=True)
 
 
+PENALTY_RUNS = (1.0, 1.05)  # repetition_penalty: none, and Qwen2.5-Instruct's default (its generation_config)
+
+
+def penalties(args) -> list[dict]:
+    rows = []
+    for pair, name, rev, runs in _alternate(args, ["one", "--variant", "penalties"]):
+        for run in runs:
+            rows.append({"tree": name, "git": rev, "pair": pair} | run)
+            print(f"{name:4} pair {pair}: repetition_penalty {run['repetition_penalty']:4}: busy {run['busy']:.3f} "
+                  f"{run['tok_s']:>7} tok/s  host/step: schedule {run['schedule_us']} prepare {run['prepare_us']} "
+                  f"commit {run['commit_us']} finalize {run['finalize_us']} us; modelled launches "
+                  f"{run['launch_us']} us", flush=True)
+    return rows
+
+
+def _penalties_child() -> None:
+    """penalties' child: `LLM.generate` at 256 streams (busy's steady workload) with each PENALTY_RUNS value."""
+    import dataclasses
+    import json
+
+    from engine import LLM
+
+    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=2,
+                       max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=2048)
+    reqs = bench_sim.stream_requests(256, False, "steady")
+    llm = LLM(**dataclasses.asdict(cfg))
+    bench_sim.warm(llm)
+    runs = []
+    for penalty in PENALTY_RUNS:
+        bench_sim.settle()
+        before, t0 = llm.engine.stats(), time.perf_counter()
+        outs = llm.generate([p for p, _ in reqs], [dataclasses.replace(sp, repetition_penalty=penalty)
+                                                   for _, sp in reqs])
+        wall = time.perf_counter() - t0
+        d = bench_sim.delta(llm.engine.stats(), before)
+        runs.append({"repetition_penalty": penalty, "busy": round(bench_sim.busy_fraction(d), 4),
+                     **bench_sim.rates(sum(len(o.token_ids) for o in outs), wall, d), **bench_sim.host_per_step(d)})
+    llm.shutdown()
+    print(json.dumps(runs), flush=True)
+
+
 def _gc_child(args) -> None:
     """gc_pauses' child: this checkout's engine, --gc runs of the 256-stream workload, each collection timed."""
     import dataclasses
@@ -334,6 +379,8 @@ def one(args) -> None:
         return _gc_child(args)
     if args.variant == "outputs":
         return _outputs_child()
+    if args.variant == "penalties":
+        return _penalties_child()
 
     kernels, path, n = args.variant.split("/")
     if args.runs is None:
@@ -360,7 +407,8 @@ def one(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "outputs", "one"])
+    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "outputs", "penalties",
+                                     "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", help="compare: the other checkout")
@@ -375,7 +423,7 @@ def main() -> None:
                              "git": git_rev()}
     print(info, flush=True)
     for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("instructions", instructions),
-                     ("gc", gc_pauses), ("outputs", outputs)):
+                     ("gc", gc_pauses), ("outputs", outputs), ("penalties", penalties)):
         if args.what == name or (args.what == "all" and name in ("length", "busy")):
             rows = fn(args)
             write_results(args.out / f"core_{name}", f"engine core: {name} (SIMULATED h100)", rows, info)

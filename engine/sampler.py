@@ -27,6 +27,7 @@ from engine.sequence import ROW_GREEDY, ROW_MIN_P, ROW_SPECIAL, ROW_TEMPERATURE,
 from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmask
 
 _NEG_INF = float("-inf")
+_CPU = torch.device("cpu")
 # CPU top-p: the candidate counts searched for a row's nucleus before it falls back to a full sort (_top_p). A
 # small topk is much cheaper than sorting a row and holds almost every nucleus of ordinary text; the larger
 # counts catch flatter distributions (random-token prompts) before the sort. Chosen by measurement:
@@ -43,7 +44,7 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [R] int64, TOP_K_OFF where disabled; None if no row uses it
     top_p: torch.Tensor | None  # [R] float32
     min_p: torch.Tensor | None  # [R] float32
-    penalties: list["_RowPenalty"]  # rows with repetition/presence/frequency penalties
+    penalties: "PenaltyRows | None"  # rows with repetition/presence/frequency penalties, together
     banned: list[tuple[int, torch.Tensor]]  # (row, token ids) masked to -inf (min_tokens: eos + stop ids)
     generators: dict[int, torch.Generator]  # seeded rows' own generators; other rows use the engine's
     num_logprobs: int  # -1: no row wants logprobs; else max top-k asked (0 = chosen token only)
@@ -62,8 +63,11 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
-              bitmask_buffer: torch.Tensor | None = None, draw_seeded: bool = False) -> "SamplingBatch":
+              bitmask_buffer: torch.Tensor | None = None, draw_seeded: bool = False,
+              penalty_pool: "PenaltyPool | None" = None) -> "SamplingBatch":
         """buffers: the slot's StepBuffers (per-row fields are staged and uploaded there); None allocates.
+        penalty_pool: the runner's PenaltyPool on `device`, where penalized sequences keep their state from step
+        to step (None: one for this batch alone, filled from each penalized sequence's whole text).
         bitmask_buffer: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's; pinned on CUDA).
         draw_seeded: make seeded rows' draws now (`drawn`) instead of handing over their generators, for a
         batch that is sampled in another process (sampling draws once per non-greedy row and step, so the
@@ -89,23 +93,24 @@ class SamplingBatch:
                                                                            if r[ROW_SPECIAL]]
         if buffers is not None:
             buffers.upload_sampling()  # one copy for every field, in stream order before the sampling
-        batch = cls(temperature, greedy, top_k, top_p, min_p, [], [], {}, -1, all_greedy, [], None, [],
+        batch = cls(temperature, greedy, top_k, top_p, min_p, None, [], {}, -1, all_greedy, [], None, [],
                     any_greedy=any_greedy)
         if top_k is not None:
             batch.top_k_max = cols[ROW_TOP_K] if uniform else max(v for v in cols[ROW_TOP_K] if v != TOP_K_OFF)
         if special:
-            batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded)
+            batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded, penalty_pool)
         return batch
 
     def _add_special(self, seqs: list[Sequence], special, device: torch.device,
-                     bitmask_buffer: torch.Tensor | None, draw_seeded: bool) -> None:
+                     bitmask_buffer: torch.Tensor | None, draw_seeded: bool, penalty_pool) -> None:
         """Penalties, min_tokens bans, logit_bias, seeds, logprobs and constraints of the special rows."""
         constraints = None
+        penalized = []
         for i in special:
             s = seqs[i]
             p = s.params
             if p.needs_penalties:
-                self.penalties.append(_RowPenalty.build(i, s, device))
+                penalized.append(i)
             if p.min_tokens and s.num_output_tokens < p.min_tokens:
                 self.banned.append((i, to_device(sorted(s.eos_token_ids | set(p.stop_token_ids)), torch.long,
                                                  device)))
@@ -127,6 +132,9 @@ class SamplingBatch:
         if constraints is not None:
             self.bitmask, self.bitmask_rows = _constraint_bitmask(constraints, device, bitmask_buffer,
                                                                   seqs[0].vocab_size)
+        if penalized:
+            pool = penalty_pool or PenaltyPool(len(penalized), seqs[0].vocab_size, device)
+            self.penalties = pool.take(penalized, [seqs[i] for i in penalized])
 
     @classmethod
     def worst_case(cls, rows: int, device: torch.device, vocab: int) -> "SamplingBatch":
@@ -135,7 +143,7 @@ class SamplingBatch:
         def full(value, dtype):
             return torch.full((rows,), value, dtype=dtype, device=device)
         return cls(full(1.0, torch.float32), full(False, torch.bool), full(50, torch.long), full(0.9, torch.float32),
-                   None, [], [], {}, MAX_LOGPROBS, False, [], None, [], top_k_max=min(50, vocab), any_greedy=False)
+                   None, None, [], {}, MAX_LOGPROBS, False, [], None, [], top_k_max=min(50, vocab), any_greedy=False)
 
     def to(self, device: torch.device) -> "SamplingBatch":
         """This batch with every tensor on `device` (the last pipeline stage's). Request generators cannot
@@ -149,7 +157,9 @@ class SamplingBatch:
         return dataclasses.replace(
             self, temperature=move(self.temperature), greedy=move(self.greedy), top_k=move(self.top_k),
             top_p=move(self.top_p), min_p=move(self.min_p), bitmask=move(self.bitmask),
-            penalties=[dataclasses.replace(p, seen=move(p.seen), counts=move(p.counts)) for p in self.penalties],
+            penalties=None if self.penalties is None else dataclasses.replace(
+                self.penalties, **{f.name: move(getattr(self.penalties, f.name))
+                                   for f in dataclasses.fields(self.penalties)}),
             banned=[(row, move(ids)) for row, ids in self.banned],
             logit_bias=[(row, move(ids), move(values)) for row, ids, values in self.logit_bias],
             drawn={row: move(u) for row, u in self.drawn.items()})
@@ -164,36 +174,167 @@ def _constraint_bitmask(constraints: list, device: torch.device, buffer: torch.T
     return host.to(device, non_blocking=True), rows
 
 
-@dataclass(slots=True)
-class _RowPenalty:
-    """A snapshot of one row's penalty inputs, taken on the engine thread when the batch is built."""
+class PenaltyPool:
+    """The penalty inputs of penalized sequences, one row each, kept on the device from step to step and brought
+    up to date with the tokens each sequence committed since its last step: a step's host work is O(new tokens)
+    and its device work a few kernels, whatever the sequences' lengths and the number of penalized rows.
+    It replaced rebuilding every row's inputs from its whole sequence at every step, then applying them a row at a
+    time: O(length) of host work per row and step, and kernels per row, for every request of a model whose
+    generation_config sets a repetition_penalty (Qwen2.5-Instruct: 1.05); docs/engine.md#sampler measures both.
 
-    row: int
-    repetition: float
-    presence: float
-    frequency: float
-    seen: torch.Tensor | None  # [n] unique token ids of prompt + output (repetition penalty)
-    counts: torch.Tensor | None  # [V] occurrences of each token in the output (presence/frequency)
+    `seen` [rows, V] bool: the tokens of prompt + output (repetition penalty); `counts` [rows, V] int32: each
+    token's occurrences in the output (presence / frequency); `values` [rows, 3]: each row's repetition, presence
+    and frequency penalties. `seen` and `counts` are allocated when a sequence first needs them, and all are
+    grown by doubling up to `max_rows` (the runner's: twice max_num_seqs, as the block tables). A sequence's row
+    is `Sequence.penalty_row` while the pool's owner of that row is the sequence; rows of sequences that left
+    (finished, or holding no blocks with nothing in flight) are reclaimed when the pool runs short, and a
+    sequence that lost its row (preempted meanwhile) gets a new one filled from its whole text. Each step's
+    batch reads copies of its rows (`take`), so reusing a row never changes an in-flight step."""
 
-    @classmethod
-    def build(cls, row: int, seq: Sequence, device: torch.device) -> "_RowPenalty":
+    GROWTH_MIN = 16
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, device
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        # device "meta": the simulated device's pool (engine/sim/runner.py), its rows and the host's work only
+        self.modelled = device.type == "meta"
+        self.values = torch.zeros(0, 3, dtype=torch.float32, device=device)  # [rows, 3]: each row's penalties
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self.capacity = 0
+        self._owner: list[Sequence | None] = []
+        self._applied: list[int] = []  # token ids of the row's sequence already in its row
+        self._kinds: list[tuple[bool, bool, int]] = []  # (repetition, presence or frequency, prompt length)
+        self._free: list[int] = []
+
+    def take(self, rows: list[int], seqs: list[Sequence]) -> PenaltyRows:
+        """The penalties of batch rows `rows` (of sequences `seqs`), their pool rows updated first. Per row only
+        a few list operations (the common row adds the one token its last step committed); the rest is a few
+        device operations for every row at once."""
+        owner, applied, kinds = self._owner, self._applied, self._kinds
+        slots, seen_rows, seen_ids, count_rows, count_ids = [], [], [], [], []
+        any_rep = any_count = False
+        for seq in seqs:
+            r = seq.penalty_row
+            if r is None or r >= self.capacity or owner[r] is not seq:
+                r = self._assign(seq)
+            slots.append(r)
+            rep, counted, prompt_len = kinds[r]
+            any_rep, any_count = any_rep or rep, any_count or counted
+            ids, start = seq.token_ids, applied[r]
+            end = len(ids)
+            if start == end:
+                continue
+            applied[r] = end
+            if end - start == 1:  # a decode step's row: the token its previous step committed
+                token = ids[start]
+                if rep:
+                    seen_rows.append(r)
+                    seen_ids.append(token)
+                if counted and start >= prompt_len:
+                    count_rows.append(r)
+                    count_ids.append(token)
+                continue
+            if rep:  # a row new to the pool (its prompt and output), or one that committed several tokens
+                new = ids[start:].tolist()
+                seen_rows += [r] * len(new)
+                seen_ids += new
+            if counted:
+                new = ids[max(start, prompt_len):].tolist()
+                count_rows += [r] * len(new)
+                count_ids += new
+        if self.modelled:  # the simulated device: the host's work here is real, the kernels below are priced
+            to_device(slots, torch.long, _CPU)  # (the slots' upload, as below)
+            values = torch.empty(len(slots), 3)  # not read: the simulated sampler applies no penalties
+            return PenaltyRows(to_device(rows, torch.long, _CPU), values[:, 0:1], values[:, 1:2], values[:, 2:3],
+                               None, None)
+        if seen_ids:
+            where = to_device([seen_rows, seen_ids], torch.long, self.device)
+            self._table("seen").index_put_((where[0], where[1]), self._true)
+        if count_ids:
+            where = to_device([count_rows, count_ids], torch.long, self.device)
+            # accumulate: a token twice among the new ones counts twice (no bincount: on CUDA it reads back a size)
+            self._table("counts").index_put_((where[0], where[1]),
+                                             torch.ones(where.shape[1], dtype=torch.int32, device=self.device),
+                                             accumulate=True)
+        slot = to_device(slots, torch.long, self.device)
+        values = self.values[slot]  # [r, 3]: repetition, presence, frequency
+        return PenaltyRows(to_device(rows, torch.long, self.device), values[:, 0:1], values[:, 1:2], values[:, 2:3],
+                           self._table("seen")[slot] if any_rep else None,
+                           self._table("counts")[slot] if any_count else None)  # (none yet: no output so far)
+
+    def _table(self, name: str) -> torch.Tensor:
+        t = getattr(self, name)
+        if t is None:
+            t = torch.zeros(self.capacity, self.vocab_size, dtype=torch.bool if name == "seen" else torch.int32,
+                            device=self.device)
+            setattr(self, name, t)
+        return t
+
+    def _assign(self, seq: Sequence) -> int:
+        if not self._free:
+            self._reclaim()
+        if not self._free:
+            self._grow()
+        r = self._free.pop()
         p = seq.params
-        seen = counts = None
-        if p.repetition_penalty != 1.0:
-            seen = to_device(sorted(set(seq.token_ids)), torch.long, device)
-        if p.presence_penalty or p.frequency_penalty:
-            out = to_device(seq.output_token_ids, torch.long, device)
-            # scatter_add, not bincount: bincount on CUDA reads the max back to size its output (a sync).
-            counts = torch.zeros(seq.vocab_size, dtype=torch.long, device=device).scatter_add_(
-                0, out, torch.ones_like(out))
-        return cls(row, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, seen, counts)
+        self._owner[r], self._applied[r] = seq, 0
+        self._kinds[r] = (p.repetition_penalty != 1.0, bool(p.presence_penalty or p.frequency_penalty),
+                          len(seq.prompt_token_ids))
+        seq.penalty_row = r
+        if not self.modelled:
+            self.values[r] = to_device([p.repetition_penalty, p.presence_penalty, p.frequency_penalty],
+                                       torch.float32, self.device)
+            for t in (self.seen, self.counts):
+                if t is not None:
+                    t[r].zero_()
+        return r
+
+    def _reclaim(self) -> None:
+        for r, seq in enumerate(self._owner):
+            if seq is not None and (seq.penalty_row != r or seq.finalized or seq.released or
+                                    (not seq.block_table and not seq.inflight_refs)):
+                self._owner[r] = None
+                if seq.penalty_row == r:
+                    seq.penalty_row = None
+                self._free.append(r)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = min(self.max_rows, max(self.GROWTH_MIN, 2 * old))
+        if new <= old:
+            raise RuntimeError(f"all {old} penalty rows are held by sequences still running")
+        for name in ("seen", "counts", "values"):
+            t = getattr(self, name)
+            if t is not None and not self.modelled:
+                grown = torch.zeros(new, t.shape[1], dtype=t.dtype, device=self.device)
+                grown[:old] = t
+                setattr(self, name, grown)
+        self.capacity = new
+        self._owner += [None] * (new - old)
+        self._applied += [0] * (new - old)
+        self._kinds += [(False, False, 0)] * (new - old)
+        self._free += range(new - 1, old - 1, -1)
+
+
+@dataclass(slots=True)
+class PenaltyRows:
+    """One step's penalized rows, applied together: their batch rows, per-row penalties [r, 1], and copies of
+    their pool rows (gathered when the batch is built: the pool may change before the step samples)."""
+
+    rows: torch.Tensor  # [r] int64: rows of the batch
+    repetition: torch.Tensor  # [r, 1] float32 (1.0: none)
+    presence: torch.Tensor  # [r, 1] float32
+    frequency: torch.Tensor  # [r, 1] float32
+    seen: torch.Tensor | None  # [r, V] bool: the tokens of prompt + output (None: no row has a repetition penalty)
+    counts: torch.Tensor | None  # [r, V] int32: occurrences in the output (None: no presence or frequency)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device` without a synchronizing copy (on CUDA: pinned, non-blocking;
     the caching host allocator keeps the pinned block until the copy has run)."""
     t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def _uploader(device: torch.device, buffers):
@@ -257,15 +398,18 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """repetition (HF/CTRL: over prompt + output), presence and frequency (OpenAI: over output)."""
-        for pen in batch.penalties:
-            row = logits[pen.row]  # a view: edits land in `logits`
-            if pen.seen is not None:
-                vals = row[pen.seen]
-                row[pen.seen] = torch.where(vals < 0, vals * pen.repetition, vals / pen.repetition)
-            if pen.counts is not None:
-                counts = pen.counts.to(logits.dtype)
-                row -= pen.frequency * counts + pen.presence * (counts > 0).to(logits.dtype)
+        """repetition (HF/CTRL: over prompt + output), presence and frequency (OpenAI: over output), every
+        penalized row at once (a row without one of them gets the identity: x * 1, x / 1, x - 0)."""
+        pen = batch.penalties
+        if pen is None:
+            return logits
+        sub = logits[pen.rows]
+        if pen.seen is not None:
+            sub = torch.where(pen.seen, torch.where(sub < 0, sub * pen.repetition, sub / pen.repetition), sub)
+        if pen.counts is not None:
+            counts = pen.counts.to(sub.dtype)
+            sub = sub - (pen.frequency * counts + pen.presence * (counts > 0).to(sub.dtype))
+        logits[pen.rows] = sub  # (indices on the device: no sync)
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -60,7 +60,7 @@ class Sequence:
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
                  "lora", "lora_slot", "hash_root", "final_only",
-                 "prompt_logprobs", "prompt_logprobs_sent", "index", "key", "forks", "cow")
+                 "prompt_logprobs", "prompt_logprobs_sent", "index", "key", "forks", "cow", "penalty_row")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], max_model_len: int,
@@ -114,6 +114,9 @@ class Sequence:
         budget = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         self.max_total_len = min(budget, max_model_len)
         self.pending_src: int | None = None  # the row of the launched step that sampled the pending token
+        # Its row in the runner's engine.sampler.PenaltyPool (a cache of its penalty inputs there, updated with
+        # the tokens committed since its last step; token_ids only ever grows).
+        self.penalty_row: int | None = None
         self.num_emitted_tokens = 0  # output tokens already reported (CoreOutput.new_token_ids)
         # Reported only when it finishes: its frontend reads no token before the end (a request that is not
         # streamed and has no stop strings), so the core builds no output for it at every commit.

@@ -24,7 +24,7 @@ from engine.kv_groups import KVLayout
 from engine.config import EngineConfig
 from engine.executor import FWD_END, FWD_START, SAMPLE_END, SAMPLE_START
 from engine.models.decoder import ModelSpec
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import PenaltyPool, Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, Step, StepResult
 from engine.step_buffers import BufferLimits
@@ -67,6 +67,8 @@ class StepRunner:
                                                pin_memory=device.type == "cuda") for _ in self.slots]
         # Persistent block tables (engine/block_tables.py); the last device row is the padding rows' spare.
         self.tables = BlockTables(limits.table_rows - 1, limits.max_blocks, limits.window_groups)
+        # Penalized sequences' penalty inputs, kept from step to step (rows for the same sequences as the tables')
+        self.penalty_pool = PenaltyPool(limits.table_rows - 1, spec.vocab_size, device)
         self._next_step_id = 0
 
     @staticmethod
@@ -122,7 +124,7 @@ class StepRunner:
         t0 = time.perf_counter()
         with self.executor.stream_context():  # the parameter uploads go in stream order, before sampling
             batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, step.slot.inputs,
-                                        self.host_bitmasks[step.slot.index])
+                                        self.host_bitmasks[step.slot.index], penalty_pool=self.penalty_pool)
         step.finalize_s = time.perf_counter() - t0
         step.num_logprobs = batch.num_logprobs
         step.sample = self.executor.submit(step, self._sample_job, step, batch)

@@ -389,6 +389,28 @@ def test_presence_frequency_penalties_match_reimplementation(fam, presence, freq
         assert_greedy_path(hf, o.prompt_token_ids, o.token_ids, adjust)
 
 
+def test_penalty_rows_are_reused_clean_by_later_requests(llama):
+    """Each penalized request keeps its penalty inputs in a row of the runner's pool from step to step; with 2
+    seats the pool stops at 4 rows, so six requests reuse the rows of finished ones (a row carried over would
+    penalize tokens its new request never produced). Every output follows HF's logits along its own path with
+    repetition over prompt + output, then frequency over output, reimplemented here."""
+    rep, freq = 1.3, 0.5
+    small = LLM(str(llama[0]), device="cpu", max_num_seqs=2, block_size=4, num_kv_blocks=64)
+    try:
+        outs = small.generate(PROMPTS, greedy(max_tokens=20, ignore_eos=True, repetition_penalty=rep,
+                                              frequency_penalty=freq))
+        assert small.engine.core.runner.penalty_pool.capacity == 4  # 6 requests, 4 rows: rows were reused
+    finally:
+        small.shutdown()
+    for o in outs:
+        def adjust(i, row, prompt=o.prompt_token_ids, out=o.token_ids):
+            seen = torch.tensor(sorted(set(prompt + out[:i])))
+            vals = row[seen]
+            row[seen] = torch.where(vals < 0, vals * rep, vals / rep)
+            return row - freq * torch.bincount(torch.tensor(out[:i], dtype=torch.long), minlength=row.shape[0])
+        assert_greedy_path(llama[1], o.prompt_token_ids, o.token_ids, adjust)
+
+
 # ---- logprobs -----------------------------------------------------------------------------------------------
 def test_logprobs_match_hf_log_softmax(fam):
     llm, hf = fam

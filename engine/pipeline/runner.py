@@ -71,7 +71,8 @@ class PipelineRunner(StepRunner):
         self._stage(step)
         sampling = None
         if self.sample_on_stage and step.sample_chunks:  # every parameter travels: the stage keeps no request state
-            sampling = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, draw_seeded=True)
+            sampling = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, draw_seeded=True,
+                                           penalty_pool=self.penalty_pool)
             step.num_logprobs = sampling.num_logprobs
         self.executor.mark(step.id, FWD_START)
         step.forward = self.stages.submit(StageBatch(step.id, slot.inputs.snapshot(), sampling))

@@ -30,7 +30,7 @@ from engine.kv_groups import kv_layout
 from engine.memory import MemoryPlan, kv_blocks, modelled_plan
 from engine.models.decoder import ModelSpec
 from engine.models.quantized_checkpoint import checkpoint_scheme
-from engine.sampler import SamplingBatch
+from engine.sampler import PenaltyPool, SamplingBatch
 from engine.scheduler import SchedulerOutput, SwapOp
 from engine.sim.cost_model import CostModel, StepShape, profile
 from engine.sim.device import SimDevice, SimEvent
@@ -112,6 +112,9 @@ class SimRunner(StepRunner):
         self.kv_layout = kv_layout(config, spec)  # sliding-window KV groups: a block is a page of g layers
         super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len, self.kv_layout),
                          SimExecutor(self.sim, 2), slot_logits=False, transfer=self._upload)
+        # The penalty pool's tables are the device's (no data here): its host work is real, its kernels are priced
+        # with the sampling (sampling_work), not run on this CPU
+        self.penalty_pool = PenaltyPool(self.limits.table_rows - 1, spec.vocab_size, torch.device("meta"))
         tp = config.tensor_parallel_size
         self.backend_name = f"sim:{config.sim_gpu}" + (f", tensor parallel x{tp} (modelled)" if tp > 1 else "")
         self.tokens = SimTokens(tokenizer, config.sim_eos_rate, config.seed)
@@ -247,12 +250,20 @@ class SimRunner(StepRunner):
         return {**self.sim.stats(), "sim_gpu": self.cost.profile.name}
 
 
+# The penalties of every penalized row at once: the pool's update when the batch is built (engine.sampler.PenaltyPool:
+# the new tokens' upload, two index_puts and a fill, the rows' upload, three gathers) and the sampler's edit
+# (Sampler._apply_penalties: the rows' gather, the repetition's compare, multiply, divide and two selects, the
+# counts' conversion, compare, two multiplies, add and subtract, the scatter back). The simulated pool does the
+# update's host work but runs none of these kernels.
+PENALTY_KERNELS = 22
+
+
 def sampling_work(batch: SamplingBatch) -> tuple[int, float]:
     """(kernels, passes over the [rows, vocab] logits) the CUDA sampler (engine/sampler.py) runs for `batch`."""
     kernels, passes = 2, 1.0  # argmax, copy into the slot's sampled buffer
     if batch.penalties or batch.banned or batch.logit_bias or batch.bitmask_rows:
-        kernels += 1 + 4 * len(batch.penalties) + len(batch.banned) + len(batch.logit_bias) + \
-            (2 if batch.bitmask_rows else 0)
+        kernels += 1 + (PENALTY_KERNELS if batch.penalties is not None else 0) + len(batch.banned) + \
+            len(batch.logit_bias) + (2 if batch.bitmask_rows else 0)
         passes += 3
     if not batch.all_greedy:
         kernels += 7 + 2 * len(batch.generators)  # a seeded row draws its own noise: rand, and its copy into u
