@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import MAX_LOGPROBS
-from engine.sequence import ROW_GREEDY, ROW_MIN_P, ROW_SPECIAL, ROW_TEMPERATURE, ROW_TOP_K, ROW_TOP_P, TOP_K_OFF, \
-    Sequence
+from engine.sequence import ROW_GREEDY, ROW_MIN_P, ROW_SPECIAL, ROW_TEMPERATURE, ROW_TOP_K, ROW_TOP_P, \
+    SPECIAL_PENALTIES, TOP_K_OFF, Sequence
 from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmask
 
 _NEG_INF = float("-inf")
@@ -97,7 +97,9 @@ class SamplingBatch:
                     any_greedy=any_greedy)
         if top_k is not None:
             batch.top_k_max = cols[ROW_TOP_K] if uniform else max(v for v in cols[ROW_TOP_K] if v != TOP_K_OFF)
-        if special:
+        if uniform and first[ROW_SPECIAL] == SPECIAL_PENALTIES:  # (a model's default repetition_penalty)
+            batch._add_penalties(list(special), seqs, device, penalty_pool)  # every row, and nothing else special
+        elif special:
             batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded, penalty_pool)
         return batch
 
@@ -133,8 +135,11 @@ class SamplingBatch:
             self.bitmask, self.bitmask_rows = _constraint_bitmask(constraints, device, bitmask_buffer,
                                                                   seqs[0].vocab_size)
         if penalized:
-            pool = penalty_pool or PenaltyPool(len(penalized), seqs[0].vocab_size, device)
-            self.penalties = pool.take(penalized, [seqs[i] for i in penalized])
+            self._add_penalties(penalized, [seqs[i] for i in penalized], device, penalty_pool)
+
+    def _add_penalties(self, rows: list[int], seqs: list[Sequence], device: torch.device, pool) -> None:
+        """The penalties of batch rows `rows` (sequences `seqs`), from `pool` (None: a pool for this batch)."""
+        self.penalties = (pool or PenaltyPool(len(rows), seqs[0].vocab_size, device)).take(rows, seqs)
 
     @classmethod
     def worst_case(cls, rows: int, device: torch.device, vocab: int) -> "SamplingBatch":

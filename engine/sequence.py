@@ -12,15 +12,17 @@ from engine.sampling_params import SamplingParams
 
 
 # Sequence.sample_row: a request's sampling parameters as one tuple, made once (engine/sampler.py reads it
-# every step); SPECIAL flags what needs per-row work (penalties, min_tokens, logit_bias, seed, logprobs,
-# constraints).
+# every step); SPECIAL flags what needs per-row work: SPECIAL_PENALTIES (repetition, presence, frequency: done
+# for all rows at once) and SPECIAL_OTHER (min_tokens, logit_bias, seed, logprobs, constraints: a row at a time).
 ROW_TEMPERATURE, ROW_GREEDY, ROW_TOP_K, ROW_TOP_P, ROW_MIN_P, ROW_SPECIAL = range(6)
+SPECIAL_PENALTIES, SPECIAL_OTHER = 1, 2
 TOP_K_OFF = 1 << 30
 
 
 def sample_row(p: SamplingParams) -> tuple:
-    special = (p.needs_penalties or p.min_tokens > 0 or bool(p.logit_bias) or p.seed is not None
-               or p.logprobs is not None or p.constrained)
+    special = (SPECIAL_PENALTIES if p.needs_penalties else 0) | (
+        SPECIAL_OTHER if (p.min_tokens > 0 or bool(p.logit_bias) or p.seed is not None or p.logprobs is not None
+                          or p.constrained) else 0)
     return (p.temperature if p.temperature > 0 else 1.0, p.greedy, p.top_k if p.top_k > 0 else TOP_K_OFF,
             p.top_p, p.min_p, special)
 
