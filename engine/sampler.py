@@ -408,14 +408,7 @@ class Sampler:
         pen = batch.penalties
         if pen is None:
             return logits
-        sub = logits[pen.rows]
-        if pen.seen is not None:
-            sub = torch.where(pen.seen, torch.where(sub < 0, sub * pen.repetition, sub / pen.repetition), sub)
-        if pen.counts is not None:
-            counts = pen.counts.to(sub.dtype)
-            sub = sub - (pen.frequency * counts + pen.presence * (counts > 0).to(sub.dtype))
-        logits[pen.rows] = sub  # (indices on the device: no sync)
-        return logits
+        return penalize_rows(logits, pen) if logits.is_cuda else penalize_entries(logits, pen)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits / batch.temperature[:, None]
@@ -435,6 +428,34 @@ class Sampler:
         for row, drawn in batch.drawn.items():  # seeded, drawn where the batch was built
             u[row] = drawn
         return inverse_cdf(probs, u)
+
+
+def penalize_rows(logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
+    """The penalties over the penalized rows whole (CUDA: no step reads anything back from the device)."""
+    sub = logits[pen.rows]
+    if pen.seen is not None:
+        sub = torch.where(pen.seen, torch.where(sub < 0, sub * pen.repetition, sub / pen.repetition), sub)
+    if pen.counts is not None:
+        counts = pen.counts.to(sub.dtype)
+        sub = sub - (pen.frequency * counts + pen.presence * (counts > 0).to(sub.dtype))
+    logits[pen.rows] = sub  # (indices on the device: no sync)
+    return logits
+
+
+def penalize_entries(logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
+    """penalize_rows' result computed at the entries a penalty changes only: the seen tokens, and those with a
+    count (elsewhere the whole-row formula subtracts 0). On CPU a fraction of its cost; on CUDA finding the
+    entries would read their number back (a sync)."""
+    if pen.seen is not None:
+        r, v = pen.seen.nonzero(as_tuple=True)
+        rows, factor = pen.rows[r], pen.repetition[r, 0]
+        vals = logits[rows, v]
+        logits[rows, v] = torch.where(vals < 0, vals * factor, vals / factor)
+    if pen.counts is not None:
+        r, v = pen.counts.nonzero(as_tuple=True)
+        rows, counts = pen.rows[r], pen.counts[r, v].to(logits.dtype)
+        logits[rows, v] -= pen.frequency[r, 0] * counts + pen.presence[r, 0]
+    return logits
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import TOP_P_CANDIDATES, Sampler, SamplingBatch, _top_p, _top_p_sorted, argmax
+from engine.sampler import (TOP_P_CANDIDATES, PenaltyPool, Sampler, SamplingBatch, _top_p, _top_p_sorted, argmax,
+                            penalize_entries, penalize_rows)
 from engine.sequence import Sequence
 from tiny_models import EOS_ID, tokenizer
 
@@ -409,6 +410,46 @@ def test_penalty_rows_are_reused_clean_by_later_requests(llama):
             row[seen] = torch.where(vals < 0, vals * rep, vals / rep)
             return row - freq * torch.bincount(torch.tensor(out[:i], dtype=torch.long), minlength=row.shape[0])
         assert_greedy_path(llama[1], o.prompt_token_ids, o.token_ids, adjust)
+
+
+def test_penalty_pool_over_steps_matches_hf_and_openai_formulas_on_whole_rows_and_on_entries():
+    """A pool kept over steps (new tokens each step, a sequence that joins late, one that commits several at once)
+    gives, at every step, HF's RepetitionPenaltyLogitsProcessor over prompt + output followed by OpenAI's
+    presence / frequency over the output, computed here from the token ids; the whole-row form (CUDA's) and the
+    entries-only form (CPU's) agree bit for bit. Rows with one kind of penalty only, and -inf logits, included."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 300
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=-0.4),
+             dict(repetition_penalty=0.8, presence_penalty=1.1), dict(repetition_penalty=1.5, frequency_penalty=0.2)]
+
+    def seq(i, kw):
+        prompt = torch.randint(vocab, (5 + i,), generator=gen).tolist()
+        return Sequence(f"r{i}", None, prompt, SamplingParams(temperature=0, **kw), frozenset(), 4096, vocab)
+    seqs = [seq(i, kw) for i, kw in enumerate(kinds)]
+    for s in seqs:
+        s.block_table = [1]
+    pool = PenaltyPool(8, vocab, torch.device("cpu"))
+    for step in range(12):
+        live = seqs if step >= 3 else seqs[:2]  # the last two join at step 3, with output already committed
+        for s in seqs if step else ():
+            for _ in range(3 if (step == 5 and s is seqs[0]) or (step < 3 and s in seqs[2:]) else 1):
+                s.token_ids.append(int(torch.randint(vocab, (), generator=gen)))
+        rows = list(range(len(live)))
+        pen = pool.take(rows, live)
+        logits = torch.randn(len(live), vocab, generator=gen) * 3
+        logits[:, 7] = float("-inf")
+        whole, entries = penalize_rows(logits.clone(), pen), penalize_entries(logits.clone(), pen)
+        assert torch.equal(whole, entries), step
+        for i, s in enumerate(live):
+            p, ref = s.params, logits[i:i + 1].clone()
+            if p.repetition_penalty != 1.0:
+                ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([s.token_ids.tolist()]), ref)
+            out = torch.tensor(s.token_ids[len(s.prompt_token_ids):].tolist(), dtype=torch.long)
+            counts = torch.bincount(out, minlength=vocab).float()
+            ref = ref[0] - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
+            torch.testing.assert_close(whole[i], ref, rtol=1e-6, atol=1e-6)
 
 
 # ---- logprobs -----------------------------------------------------------------------------------------------
