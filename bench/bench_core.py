@@ -12,7 +12,8 @@ busy    Qwen2.5-0.5B shape, the "streams" workload of bench_sim.py (n requests o
 length  one request of 16,000 output tokens, streamed (an output per commit), through the in-process engine:
         host time per step (the loop thread's CPU time) over its first and last 1,000 steps, and the same
         for a request whose 15,000-token prompt gives it that context from its first step: what grows with
-        the context (KV block tables, the device model's attention) apart from what grows with the output.
+        the context (KV block tables, the device model's attention) apart from what grows with the output; and
+        the 16,000-token stream again with repetition and frequency penalties.
         Flat means a request's per-step cost does not grow with its length.
 
 compare busy's variants run alternately from this checkout and from --base DIR (another checkout: a git
@@ -38,8 +39,9 @@ outputs  one long output's cost per output in the frontend and the ingress, for 
         tokens)). With --base DIR, alternating with that checkout, --repeats pairs. Seconds.
 
 penalties  `LLM.generate` at 256 streams with no repetition penalty and with Qwen2.5-Instruct's default (1.05,
-        which every request of that model gets from its generation_config): busy and host time per step. With
-        --base DIR, alternating with that checkout, --repeats pairs.
+        which every request of that model gets from its generation_config): busy and host time per step; and the
+        CPU sampler alone with penalties at growing output lengths (ms a step). With --base DIR, alternating with
+        that checkout, --repeats pairs.
 
 Writes core_<name>.json and .md under --out, with the machine.
 """
@@ -86,13 +88,14 @@ def busy(args) -> list[dict]:
     return rows
 
 
-def _stream_steps(prompt_len: int, n_out: int) -> list[float]:
-    """CPU time of the loop thread for each step of one streamed request (an output at every commit)."""
+def _stream_steps(prompt_len: int, n_out: int, **params) -> list[float]:
+    """CPU time of the loop thread for each step of one streamed request (an output at every commit); `params`:
+    more of its SamplingParams."""
     cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100",
                        max_model_len=16384 + 64, max_num_seqs=8)
     engine = LLMEngine(cfg)
     engine.add_request([10 + i % 3000 for i in range(prompt_len)],
-                       SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.7), stream=True)
+                       SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.7, **params), stream=True)
     times, tokens = [], 0
     while engine.has_unfinished():
         t0 = time.thread_time()  # CPU time of this thread: the host work, not the wait for the modelled device
@@ -110,15 +113,20 @@ def length(args) -> list[dict]:
     for _ in range(args.repeats):
         long_out = _stream_steps(32, 16000)
         long_ctx = _stream_steps(15000, window + 10)
+        penalized = _stream_steps(32, 16000, repetition_penalty=1.05, frequency_penalty=0.2)
         rows.append({"device": "simulated h100", "model": MODEL,
                      "out16k_first_1000_us": us(long_out[10:10 + window]),
                      "out16k_last_1000_us": us(long_out[-window:]),
-                     "ctx15k_first_1000_us": us(long_ctx[-window:])})
+                     "ctx15k_first_1000_us": us(long_ctx[-window:]),
+                     "penalized_first_1000_us": us(penalized[10:10 + window]),
+                     "penalized_last_1000_us": us(penalized[-window:])})
         r = rows[-1]
         r["out16k_last_over_first"] = round(r["out16k_last_1000_us"] / r["out16k_first_1000_us"], 3)
         print(f"one 16,000-token stream, host CPU per step (median): first 1,000 steps {r['out16k_first_1000_us']} "
               f"us, last 1,000 {r['out16k_last_1000_us']} us (x{r['out16k_last_over_first']}); a 15,000-token "
-              f"prompt's first 1,000 decode steps {r['ctx15k_first_1000_us']} us", flush=True)
+              f"prompt's first 1,000 decode steps {r['ctx15k_first_1000_us']} us; with repetition 1.05 and "
+              f"frequency 0.2 penalties {r['penalized_first_1000_us']} -> {r['penalized_last_1000_us']} us",
+              flush=True)
     return rows
 
 
@@ -290,6 +298,10 @@ def penalties(args) -> list[dict]:
     for pair, name, rev, runs in _alternate(args, ["one", "--variant", "penalties"]):
         for run in runs:
             rows.append({"tree": name, "git": rev, "pair": pair} | run)
+            if "cpu_sampler_rows" in run:
+                print(f"{name:4} pair {pair}: CPU sampler, {run['cpu_sampler_rows']} rows with penalties, "
+                      f"{run['output_tokens']} output tokens: {run['ms_per_step']} ms a step", flush=True)
+                continue
             print(f"{name:4} pair {pair}: repetition_penalty {run['repetition_penalty']:4}: busy {run['busy']:.3f} "
                   f"{run['tok_s']:>7} tok/s  host/step: schedule {run['schedule_us']} prepare {run['prepare_us']} "
                   f"commit {run['commit_us']} finalize {run['finalize_us']} us; modelled launches "
@@ -320,7 +332,44 @@ def _penalties_child() -> None:
         runs.append({"repetition_penalty": penalty, "busy": round(bench_sim.busy_fraction(d), 4),
                      **bench_sim.rates(sum(len(o.token_ids) for o in outs), wall, d), **bench_sim.host_per_step(d)})
     llm.shutdown()
+    runs += _cpu_sampler_penalties()
     print(json.dumps(runs), flush=True)
+
+
+def _cpu_sampler_penalties(rows: int = 16, vocab: int = 49152) -> list[dict]:
+    """The CPU sampler with repetition 1.1 and frequency 0.3 penalties, greedy: a batch built and sampled per step
+    for `rows` sequences of `vocab` tokens (SmolLM2's) with 500 / 2,000 / 8,000 output tokens each, one new token
+    a row per step, as the engine's CPU runner does it (with its penalty pool where the checkout has one)."""
+    import torch
+
+    import engine.sampler as sampler
+    from engine.sequence import Sequence
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for length in (500, 2000, 8000):
+        params = SamplingParams(max_tokens=20000, temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.3)
+        seqs = []
+        for r in range(rows):
+            seq = Sequence(f"r{r}", None, [i % vocab for i in range(200)], params, frozenset({0}), 40000, vocab)
+            seq.token_ids.extend((i * 7919 + r) % vocab for i in range(length))
+            seq.block_table = [1]
+            seqs.append(seq)
+        kw = {"penalty_pool": sampler.PenaltyPool(2 * rows, vocab, torch.device("cpu"))} \
+            if hasattr(sampler, "PenaltyPool") else {}
+        sample, logits = sampler.Sampler(0, torch.device("cpu")), torch.randn(rows, vocab, generator=gen)
+
+        def step():
+            for seq in seqs:
+                seq.token_ids.append(int(torch.randint(vocab, (), generator=gen)))
+            sample(logits, sampler.SamplingBatch.build(seqs, torch.device("cpu"), **kw))
+        step()
+        t0, n = time.perf_counter(), 20
+        for _ in range(n):
+            step()
+        out.append({"cpu_sampler_rows": rows, "output_tokens": length,
+                    "ms_per_step": round(1e3 * (time.perf_counter() - t0) / n, 2)})
+    return out
 
 
 def _gc_child(args) -> None:
