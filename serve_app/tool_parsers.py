@@ -269,9 +269,9 @@ class ToolStreamer:
     Each delta costs O(its length) while the output is content: a parser with a `content_marker` (hermes,
     mistral) is not asked to parse the whole text again until the marker appears, since only the text not sent
     yet can hold it (what was sent was never a prefix of the marker); once `plain()` says no call can follow
-    (llama3_json), a delta is content as it is. Parsing the whole text at every delta cost a 16,000-token
-    answer with tools on about half a second of the ingress's event loop (bench/README.md). Once a call has
-    started, each delta parses the whole text (the calls are short)."""
+    (llama3_json), a delta is content as it is. Parsing the whole text at every delta made a long answer with
+    tools on cost the ingress's event loop O(n^2) (bench/README.md measures both). Once a call has started,
+    each delta parses the whole text (the calls are short)."""
 
     def __init__(self, parser: ToolParser):
         self.parser = parser
