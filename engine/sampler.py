@@ -334,6 +334,28 @@ class PenaltyRows:
     seen: torch.Tensor | None  # [r, V] bool: the tokens of prompt + output (None: no row has a repetition penalty)
     counts: torch.Tensor | None  # [r, V] int32: occurrences in the output (None: no presence or frequency)
 
+    def __reduce__(self):
+        """Pickled (a pipeline step's StageBatch goes to every stage) as the tables' set entries, not [r, V]: a
+        row's seen tokens and counts are a few thousand of a vocabulary's 50-250 thousand."""
+        return _dense_penalty_rows, (self.rows, self.repetition, self.presence, self.frequency,
+                                     _entries(self.seen), _entries(self.counts))
+
+
+def _entries(table: torch.Tensor | None):
+    if table is None:
+        return None
+    r, v = table.nonzero(as_tuple=True)
+    return tuple(table.shape), table.dtype, r.to(torch.int32), v.to(torch.int32), table[r, v]
+
+
+def _dense_penalty_rows(rows, repetition, presence, frequency, seen, counts) -> PenaltyRows:
+    def dense(entries):
+        if entries is None:
+            return None
+        shape, dtype, r, v, values = entries
+        return torch.zeros(shape, dtype=dtype, device=values.device).index_put_((r.long(), v.long()), values)
+    return PenaltyRows(rows, repetition, presence, frequency, dense(seen), dense(counts))
+
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device` without a synchronizing copy (on CUDA: pinned, non-blocking;

@@ -9,6 +9,8 @@ asserted, not assumed. Sampled tokens are checked for membership in the support 
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -450,6 +452,19 @@ def test_penalty_pool_over_steps_matches_hf_and_openai_formulas_on_whole_rows_an
             counts = torch.bincount(out, minlength=vocab).float()
             ref = ref[0] - (p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float())
             torch.testing.assert_close(whole[i], ref, rtol=1e-6, atol=1e-6)
+        # a pipeline step ships its batch to every stage: pickled as the set entries, restored exactly
+        data = pickle.dumps(pen)
+        back = pickle.loads(data)
+        for name in ("rows", "repetition", "presence", "frequency", "seen", "counts"):
+            assert torch.equal(getattr(back, name), getattr(pen, name)), name
+    # at a real vocabulary's size the entries are a small part of the tables
+    big = [seq(i, kinds[3]) for i in range(2)]
+    for s in big:
+        s.vocab_size = 151936
+        s.token_ids.extend(torch.randint(151936, (500,), generator=gen).tolist())
+    pen = PenaltyPool(4, 151936, torch.device("cpu")).take([0, 1], big)
+    data = pickle.dumps(pen)
+    assert torch.equal(pickle.loads(data).counts, pen.counts) and len(data) < (5 * pen.seen.numel()) // 50
 
 
 # ---- logprobs -----------------------------------------------------------------------------------------------
