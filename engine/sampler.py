@@ -241,11 +241,11 @@ class PenaltyPool:
                     count_ids.append(token)
                 continue
             if rep:  # a row new to the pool (its prompt and output), or one that committed several tokens
-                new = ids[start:].tolist()
+                new = ids[start:].tolist()  # host memory (an int64 array)
                 seen_rows += [r] * len(new)
                 seen_ids += new
             if counted:
-                new = ids[max(start, prompt_len):].tolist()
+                new = ids[max(start, prompt_len):].tolist()  # host memory
                 count_rows += [r] * len(new)
                 count_ids += new
         if self.modelled:  # the simulated device: the host's work here is real, the kernels below are priced
