@@ -75,7 +75,8 @@ class SamplingBatch:
 
         Each sequence carries its parameters as one tuple (Sequence.sample_row, made once). When every row
         has the same tuple (the common case) the per-row fields are filled from scalars; per-row Python runs
-        only for the rows flagged special (penalties, min_tokens, logit_bias, seeds, logprobs, constraints)."""
+        only for the rows flagged special (min_tokens, logit_bias, seeds, logprobs, constraints; penalties go to
+        the penalty pool, every row at once)."""
         put = _uploader(device, buffers)
         rows = [s.sample_row for s in seqs]
         n, first = len(rows), rows[0]
