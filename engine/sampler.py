@@ -64,11 +64,12 @@ class SamplingBatch:
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
               bitmask_buffer: torch.Tensor | None = None, draw_seeded: bool = False,
-              penalty_pool: "PenaltyPool | None" = None) -> "SamplingBatch":
+              penalty_pool: "PenaltyPool | None" = None, drafts: list | None = None) -> "SamplingBatch":
         """buffers: the slot's StepBuffers (per-row fields are staged and uploaded there); None allocates.
         penalty_pool: the runner's PenaltyPool on `device`, where penalized sequences keep their state from step
         to step (None: one for this batch alone, filled from each penalized sequence's whole text).
         bitmask_buffer: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's; pinned on CUDA).
+        drafts: per row, the draft tokens before it (a step verifying drafts; PenaltyPool.take), or None.
         draw_seeded: make seeded rows' draws now (`drawn`) instead of handing over their generators, for a
         batch that is sampled in another process (sampling draws once per non-greedy row and step, so the
         request's generator advances exactly as if it were sampled here).
@@ -99,13 +100,14 @@ class SamplingBatch:
         if top_k is not None:
             batch.top_k_max = cols[ROW_TOP_K] if uniform else max(v for v in cols[ROW_TOP_K] if v != TOP_K_OFF)
         if uniform and first[ROW_SPECIAL] == SPECIAL_PENALTIES:  # (a model's default repetition_penalty)
-            batch._add_penalties(list(special), seqs, device, penalty_pool)  # every row, and nothing else special
+            batch._add_penalties(list(special), seqs, device, penalty_pool, drafts)  # every row, nothing else
         elif special:
-            batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded, penalty_pool)
+            batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded, penalty_pool, drafts)
         return batch
 
     def _add_special(self, seqs: list[Sequence], special, device: torch.device,
-                     bitmask_buffer: torch.Tensor | None, draw_seeded: bool, penalty_pool) -> None:
+                     bitmask_buffer: torch.Tensor | None, draw_seeded: bool, penalty_pool,
+                     drafts: list | None = None) -> None:
         """Penalties, min_tokens bans, logit_bias, seeds, logprobs and constraints of the special rows."""
         constraints = None
         penalized = []
@@ -136,11 +138,14 @@ class SamplingBatch:
             self.bitmask, self.bitmask_rows = _constraint_bitmask(constraints, device, bitmask_buffer,
                                                                   seqs[0].vocab_size)
         if penalized:
-            self._add_penalties(penalized, [seqs[i] for i in penalized], device, penalty_pool)
+            self._add_penalties(penalized, [seqs[i] for i in penalized], device, penalty_pool,
+                                None if drafts is None else [drafts[i] for i in penalized])
 
-    def _add_penalties(self, rows: list[int], seqs: list[Sequence], device: torch.device, pool) -> None:
-        """The penalties of batch rows `rows` (sequences `seqs`), from `pool` (None: a pool for this batch)."""
-        self.penalties = (pool or PenaltyPool(len(rows), seqs[0].vocab_size, device)).take(rows, seqs)
+    def _add_penalties(self, rows: list[int], seqs: list[Sequence], device: torch.device, pool,
+                       drafts: list | None = None) -> None:
+        """The penalties of batch rows `rows` (sequences `seqs`; `drafts`: the draft tokens before each), from
+        `pool` (None: a pool for this batch)."""
+        self.penalties = (pool or PenaltyPool(len(rows), seqs[0].vocab_size, device)).take(rows, seqs, drafts)
 
     @classmethod
     def worst_case(cls, rows: int, device: torch.device, vocab: int) -> "SamplingBatch":
@@ -213,10 +218,14 @@ class PenaltyPool:
         self._kinds: list[tuple[bool, bool, int]] = []  # (repetition, presence or frequency, prompt length)
         self._free: list[int] = []
 
-    def take(self, rows: list[int], seqs: list[Sequence]) -> PenaltyRows:
+    def take(self, rows: list[int], seqs: list[Sequence], drafts: list | None = None) -> PenaltyRows:
         """The penalties of batch rows `rows` (of sequences `seqs`), their pool rows updated first. Per row only
         a few list operations (the common row adds the one token its last step committed); the rest is a few
-        device operations for every row at once."""
+        device operations for every row at once.
+
+        `drafts`: per row, the draft tokens before its position (engine/spec_decode.py: a chunk verifying k
+        drafts has k + 1 rows of one sequence, row j after drafts[:j]). They count as output in that row's copy
+        only, never in the pool: whether they are accepted is known at the commit, which appends what was."""
         owner, applied, kinds = self._owner, self._applied, self._kinds
         slots, seen_rows, seen_ids, count_rows, count_ids = [], [], [], [], []
         any_rep = any_count = False
@@ -249,6 +258,9 @@ class PenaltyPool:
                 new = ids[max(start, prompt_len):].tolist()  # host memory
                 count_rows += [r] * len(new)
                 count_ids += new
+        draft_seen = draft_counts = None
+        if drafts is not None:
+            draft_seen, draft_counts = _draft_entries(drafts, slots, kinds)
         if self.modelled:  # the simulated device: the host's work here is real, the kernels below are priced
             to_device(slots, torch.long, _CPU)  # (the slots' upload, as below)
             values = torch.empty(len(slots), 3)  # not read: the simulated sampler applies no penalties
@@ -265,9 +277,17 @@ class PenaltyPool:
                                              accumulate=True)
         slot = to_device(slots, torch.long, self.device)
         values = self.values[slot]  # [r, 3]: repetition, presence, frequency
+        seen = self._table("seen")[slot] if any_rep else None  # (copies: gathered by index)
+        counts = self._table("counts")[slot] if any_count else None  # (none yet: no output so far)
+        if draft_seen:
+            where = to_device(draft_seen, torch.long, self.device)
+            seen.index_put_((where[0], where[1]), self._true)
+        if draft_counts:
+            where = to_device(draft_counts, torch.long, self.device)
+            counts.index_put_((where[0], where[1]), torch.ones(where.shape[1], dtype=torch.int32, device=self.device),
+                              accumulate=True)
         return PenaltyRows(to_device(rows, torch.long, self.device), values[:, 0:1], values[:, 1:2], values[:, 2:3],
-                           self._table("seen")[slot] if any_rep else None,
-                           self._table("counts")[slot] if any_count else None)  # (none yet: no output so far)
+                           seen, counts)
 
     def _table(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -340,6 +360,22 @@ class PenaltyRows:
         row's seen tokens and counts are a few thousand of a vocabulary's 50-250 thousand."""
         return _dense_penalty_rows, (self.rows, self.repetition, self.presence, self.frequency,
                                      _entries(self.seen), _entries(self.counts))
+
+
+def _draft_entries(drafts: list, slots: list[int], kinds: list) -> tuple[list | None, list | None]:
+    """[batch rows, token ids] of the draft tokens before each row: to mark seen (rows with a repetition
+    penalty), and to count (rows with presence or frequency); None where there are none."""
+    seen_rows, seen_ids, count_rows, count_ids = [], [], [], []
+    for i, tokens in enumerate(drafts):
+        if tokens:
+            rep, counted, _ = kinds[slots[i]]
+            if rep:
+                seen_rows += [i] * len(tokens)
+                seen_ids += tokens
+            if counted:
+                count_rows += [i] * len(tokens)
+                count_ids += tokens
+    return ([seen_rows, seen_ids] if seen_ids else None), ([count_rows, count_ids] if count_ids else None)
 
 
 def _entries(table: torch.Tensor | None):

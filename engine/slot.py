@@ -81,6 +81,7 @@ class Step:
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)
     prompt_logprobs: object | None = None  # engine.prompt_logprobs.PromptLogprobPlan; None for most steps
     forks: list[ScheduledChunk] = ()  # SchedulerOutput.forks: sampling rows past the chunks' (n > 1 siblings)
+    num_draft_tokens: int = 0  # SchedulerOutput.num_draft_tokens: the drafts its chunks verify
 
     @property
     def is_decode(self) -> bool:

@@ -27,6 +27,7 @@ from engine.models.decoder import ModelSpec
 from engine.sampler import PenaltyPool, Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, Step, StepResult
+from engine.spec_decode import draft_prefixes
 from engine.step_buffers import BufferLimits
 from engine.structured import allocate_bitmask
 
@@ -96,6 +97,7 @@ class StepRunner:
         else:
             rows = [c for c in sched.chunks if c.samples]
         step = Step(self._next_step_id, slot, sched.chunks, rows, sched.num_tokens, time.monotonic())
+        step.num_draft_tokens = sched.num_draft_tokens
         if sched.forks:
             step.forks = sched.forks
             step.sample_chunks += sched.forks
@@ -124,7 +126,8 @@ class StepRunner:
         t0 = time.perf_counter()
         with self.executor.stream_context():  # the parameter uploads go in stream order, before sampling
             batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, step.slot.inputs,
-                                        self.host_bitmasks[step.slot.index], penalty_pool=self.penalty_pool)
+                                        self.host_bitmasks[step.slot.index], penalty_pool=self.penalty_pool,
+                                        drafts=draft_prefixes(step.sample_chunks) if step.num_draft_tokens else None)
         step.finalize_s = time.perf_counter() - t0
         step.num_logprobs = batch.num_logprobs
         step.sample = self.executor.submit(step, self._sample_job, step, batch)

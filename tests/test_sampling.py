@@ -467,6 +467,55 @@ def test_penalty_pool_over_steps_matches_hf_and_openai_formulas_on_whole_rows_an
     assert torch.equal(pickle.loads(data).counts, pen.counts) and len(data) < (5 * pen.seen.numel()) // 50
 
 
+def test_penalty_rows_after_drafts_count_them_and_the_pool_keeps_only_committed_tokens():
+    """A step verifying drafts (engine/spec_decode.py) has k + 1 rows per sequence; row j is penalized as if
+    drafts[:j] were committed output: HF's repetition processor and OpenAI's presence / frequency over the
+    committed tokens plus those drafts. The next step, after the commit kept only some drafts, sees the committed
+    tokens alone: a rejected draft leaves nothing in the pool. Whole-row and entries-only forms agree bit for
+    bit; rows of a sequence without drafts, and an unpenalized kind, are mixed in."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = 200
+    kinds = [dict(repetition_penalty=1.4, frequency_penalty=0.6), dict(presence_penalty=0.9),
+             dict(repetition_penalty=0.7, frequency_penalty=-0.3, presence_penalty=0.2)]
+    seqs = []
+    for i, kw in enumerate(kinds):
+        prompt = torch.randint(vocab, (6 + i,), generator=gen).tolist()
+        seqs.append(Sequence(f"d{i}", None, prompt, SamplingParams(temperature=0, **kw), frozenset(), 4096, vocab))
+        seqs[-1].block_table = [1]
+    pool = PenaltyPool(8, vocab, torch.device("cpu"))
+
+    def reference(logits_row, s, extra):
+        p, ids = s.params, s.token_ids.tolist() + extra
+        ref = logits_row[None].clone()
+        if p.repetition_penalty != 1.0:
+            ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([ids]), ref)
+        counts = torch.bincount(torch.tensor(ids[len(s.prompt_token_ids):], dtype=torch.long), minlength=vocab)
+        return ref[0] - (p.frequency_penalty * counts.float() + p.presence_penalty * (counts > 0).float())
+
+    for step in range(6):
+        for s in seqs if step else ():
+            s.token_ids.append(int(torch.randint(vocab, (), generator=gen)))
+        # drafts that repeat the sequence's own tokens (what the n-gram proposer drafts), some twice
+        drafts = [[], s1 := [int(seqs[1].token_ids[-1])] * 2 + [int(seqs[1].token_ids[0])],
+                  [int(t) for t in seqs[2].token_ids[-3:]]] if step % 2 else [[], [], []]
+        rows, row_seqs, row_drafts = [], [], []
+        for s, d in zip(seqs, drafts):
+            for j in range(len(d) + 1):
+                rows.append(len(rows))
+                row_seqs.append(s)
+                row_drafts.append(d[:j])
+        pen = pool.take(rows, row_seqs, row_drafts)
+        logits = torch.randn(len(rows), vocab, generator=gen) * 3
+        whole, entries = penalize_rows(logits.clone(), pen), penalize_entries(logits.clone(), pen)
+        assert torch.equal(whole, entries), step
+        for i, (s, extra) in enumerate(zip(row_seqs, row_drafts)):
+            torch.testing.assert_close(whole[i], reference(logits[i], s, extra), rtol=1e-6, atol=1e-6)
+        if step % 2:  # the commit: sequence 1 keeps its first draft, sequence 2 none of its
+            seqs[1].token_ids.append(s1[0])
+
+
 # ---- logprobs -----------------------------------------------------------------------------------------------
 def test_logprobs_match_hf_log_softmax(fam):
     llm, hf = fam

@@ -118,7 +118,8 @@ def test_greedy_output_is_identical_under_preemption(tiny_model_factory, cpu_blo
 
 def test_n_stop_strings_penalties_and_eos_keep_their_meaning(tiny_model_factory):
     """n > 1 samples speculate each; a stop string, EOS and max_tokens end where they would without drafts;
-    requests with penalties or min_tokens do not speculate and are unchanged."""
+    penalties speculate (test_penalized_greedy_output_is_identical_and_speculates) and requests with min_tokens
+    do not; all are unchanged."""
     path, _ = tiny_model_factory("qwen2")
     base, spec = _pair(path, block_size=4)
     prompts = _repetitive_prompts(3, 6)
@@ -138,6 +139,45 @@ def test_n_stop_strings_penalties_and_eos_keep_their_meaning(tiny_model_factory)
         else:  # seeded sampling: each sample is a draw of the target; same lengths, same ends
             assert [len(o.token_ids) for o in outs] == [len(o.token_ids) for o in ref]
     assert spec.stats().spec_accepted_tokens > 0
+    spec.check_integrity()
+
+
+X, Y = 17, 230  # the tokens the logit-biased cases favour
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition_penalty": 1.05},  # Qwen2.5-Instruct's generation_config default
+    {"frequency_penalty": -2.0},  # < 0: each repeat in the output is favoured more, so drafts are accepted
+    {"repetition_penalty": 0.7, "frequency_penalty": -0.5},
+    {"frequency_penalty": 2.0, "logit_bias": {X: 10.0}},  # X until its count outweighs the bias
+    {"presence_penalty": 1.5, "frequency_penalty": 1.0, "logit_bias": {X: 8.0, Y: 8.0}},
+], ids=["qwen-default", "frequency<0", "repetition<1+frequency<0", "frequency+bias", "presence+frequency+bias"])
+def test_penalized_greedy_output_is_identical_and_speculates(tiny_model_factory, penalties):
+    """Penalized requests speculate, and each row is penalized as if the drafts before it were committed: greedy
+    output equals the engine's without drafts token for token (that engine's penalties are checked against
+    transformers' logits processors in test_sampling.py). A row that ignored the drafts before it would see a
+    draft token's count short by the drafts before it; drafts counted into the sequence's pool row would stay
+    counted after a rejection. Either changes the output of these cases but the first (checked by mutation):
+    the favoured repeats are what the n-gram drafts propose. Each case runs as one batch of the same parameters
+    (the sampler's path for a model's default penalty: every row at once), then mixed with an unpenalized
+    request and one with another penalty (the penalized rows a subset of the batch's)."""
+    path, _ = tiny_model_factory("qwen2")
+    base, spec = _pair(path, block_size=4, max_num_batched_tokens=64)
+    prompts = _repetitive_prompts(7, 8) + [[5, 6] + [X] * 8, [9, 10, 11] + [X, Y] * 5, [3] + [X] * 3 + [Y] * 3 + [X] * 3]
+    same = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, **penalties)
+    mixed = [same] * len(prompts)
+    mixed[3] = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    mixed[5] = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, repetition_penalty=1.2)
+    unpenalized = base.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    for params in (same, mixed):
+        ref = base.generate(prompts, params)
+        assert sum(a.token_ids != b.token_ids for a, b in zip(ref, unpenalized)) >= 3, "the penalties change nothing"
+        before = spec.stats()
+        outs = spec.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        s = spec.stats()
+        assert s.spec_draft_tokens > before.spec_draft_tokens and s.spec_accepted_tokens > before.spec_accepted_tokens, \
+            "nothing was speculated"
     spec.check_integrity()
 
 
