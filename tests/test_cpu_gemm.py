@@ -72,7 +72,7 @@ def randn(*shape, seed, dtype=torch.float32):
 
 # rows: 1 (decode), the 8-row blocks' tails, 16 and several blocks; columns around the 48-wide panels; K small,
 # odd and a model's.
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 16, 17, 70])
 @pytest.mark.parametrize("out_features,in_features", [(1, 5), (47, 64), (48, 33), (49, 576), (200, 7), (1000, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @dtypes
@@ -121,6 +121,23 @@ def test_linear_leading_dims_strided_input_and_no_rows(kernels, dtype):
     within_bound(kernels.gemm_linear(xt, packed, None, 100), xt, w, None)
     assert kernels.gemm_linear(torch.empty(0, 65, dtype=dtype), packed, None, 100).shape == (0, 100)
     assert kernels.gemm_linear(x, kernels.gemm_pack(torch.empty(0, 65, dtype=dtype)), None, 0).shape == (2, 5, 0)
+
+
+@dtypes
+def test_a_row_is_the_same_bits_in_any_block_of_rows(kernels, dtype):
+    """Each output is one chain of multiply-adds over k in order, whichever pass of the micro-kernel computes its
+    row (at the portable levels a block of 2-8 rows goes as whole-panel and half-panel passes of a few rows): a
+    row of x alone and the same row among 2-17 others give the same bits, with and without bias."""
+    need(kernels, dtype)
+    for n, k in ((100, 37), (49, 576), (1000, 96)):
+        w, bias = randn(n, k, seed=n, dtype=dtype), randn(n, seed=n + 1)
+        packed = kernels.gemm_pack(w)
+        for rows in range(2, 18):
+            x = randn(rows, k, seed=rows, dtype=dtype)
+            for b in (None, bias):
+                y = kernels.gemm_linear(x, packed, b, n)
+                for i in range(rows):
+                    assert torch.equal(y[i:i + 1], kernels.gemm_linear(x[i:i + 1], packed, b, n)), (n, k, rows, i)
 
 
 @dtypes
@@ -202,7 +219,7 @@ def eager_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 70])
 @pytest.mark.parametrize("inter,in_features", [(32, 5), (64, 576), (96, 33), (1536, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @dtypes

@@ -232,17 +232,30 @@ inline void sums24(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K
   store_sums<R, V>(acc, sums);
 }
 
-// R rows in passes of kMR rows (the weights of a half panel are read from L2 once a pass).
+// R rows in passes of at most kMR rows (the weights of a half panel are read from L2 once a pass), as even as
+// they go: a pass of R rows keeps R * kVecs sums in flight, one FMA chain each, and a pass of too few chains waits
+// on the FMA's latency (Zen 3: 4 cycles, 2 a cycle, so 8 chains to keep it busy). 5 rows as 4 + 1 ran its
+// second pass on 3 chains; as 3 + 2 it runs 9 and 6.
 template <int R, typename T>
 inline void rows_sums(const float* x, int64_t ldx, const T* w, int64_t K, float* sums) {
   constexpr int mr = kMR<T>;
-  if constexpr (R > mr) {
-    sums24<mr>(x, ldx, w, K, sums);
-    rows_sums<R - mr>(x + mr * ldx, ldx, w, K, sums + mr * kPanel);
+  constexpr int passes = (R + mr - 1) / mr, first = (R + passes - 1) / passes;
+  if constexpr (passes > 1) {
+    sums24<first>(x, ldx, w, K, sums);
+    rows_sums<R - first, T>(x + first * ldx, ldx, w, K, sums + first * kPanel);
   } else {
     sums24<R>(x, ldx, w, K, sums);
   }
 }
+
+// Rows taken over the whole panel (2 kVecs vectors a row) in one pass before the rest go by half panels: one row
+// (decode; 2 kVecs chains), and with 8-float vectors the first two fp32 rows of any larger block (12 chains in 12
+// of the 16 ymm registers). Two rows by half panels were two passes of 6 chains, each waiting on the FMA's
+// latency (bench/README.md#gemm-at-a-few-rows-on-avx2 has the before and after). A row's sums are the same
+// chains over k in order whichever pass computes them (tests/test_cpu_gemm.py checks the bits). bf16 widens its
+// weights in registers and has none to spare.
+template <int ROWS, typename T>
+constexpr int kWhole = ROWS == 1 ? 1 : (std::is_same<T, float>::value && kLanes == 8) ? 2 : 0;
 
 // fp32 -> bf16 by c10::BFloat16's rule: round to nearest even, NaN -> 0x7FC0.
 inline uint16_t bf16_bits(float f) {
@@ -277,12 +290,20 @@ void micro(const T* x, int64_t ldx, const T* w, int64_t K, const float* bias, T*
       for (int64_t k = 0; k < K; ++k) wide[m * K + k] = widen(x[m * ldx + k]);
     xf = wide.data(), ldf = K;
   }
-  if (ROWS == 1 && kept > kHalf) {  // one row (decode): the whole panel in one pass, 2 kVecs sums in flight
-    sums24<1, 2 * kVecs>(xf, ldf, w, K, sums[0]);
-  } else {
-    for (int64_t h = 0; h * kHalf < kept; ++h)
-      rows_sums<ROWS>(xf, ldf, w + h * kHalf * pair, K, sums[0] + h * kHalf);
+  constexpr int whole = kWhole<ROWS, T>;
+  bool halves = true;
+  if constexpr (whole > 0) {
+    if (kept > kHalf) {  // `whole` rows over the whole panel in one pass, the rest by half panels
+      sums24<whole, 2 * kVecs>(xf, ldf, w, K, sums[0]);
+      if constexpr (ROWS > whole)
+        for (int64_t h = 0; h * kHalf < kept; ++h)
+          rows_sums<ROWS - whole, T>(xf + whole * ldf, ldf, w + h * kHalf * pair, K, sums[whole] + h * kHalf);
+      halves = false;
+    }
   }
+  if (halves)
+    for (int64_t h = 0; h * kHalf < kept; ++h)
+      rows_sums<ROWS, T>(xf, ldf, w + h * kHalf * pair, K, sums[0] + h * kHalf);
   if (bias)
     for (int m = 0; m < ROWS; ++m)
       for (int64_t c = 0; c < kept; ++c) sums[m][c] += bias[c];
