@@ -251,7 +251,7 @@ inline void rows_sums(const float* x, int64_t ldx, const T* w, int64_t K, float*
 // Rows taken over the whole panel (2 kVecs vectors a row) in one pass before the rest go by half panels: one row
 // (decode; 2 kVecs chains), and with 8-float vectors the first two fp32 rows of any larger block (12 chains in 12
 // of the 16 ymm registers). Two rows by half panels were two passes of 6 chains, each waiting on the FMA's
-// latency (bench/README.md#gemm-at-a-few-rows-on-avx2 has the before and after). A row's sums are the same
+// latency (bench/README.md, "GEMM at a few rows", has the before and after). A row's sums are the same
 // chains over k in order whichever pass computes them (tests/test_cpu_gemm.py checks the bits). bf16 widens its
 // weights in registers and has none to spare.
 template <int ROWS, typename T>
