@@ -95,7 +95,7 @@ def can_speculate(seq: Sequence) -> bool:
     """Whether a sequence's decode may carry drafts (engine/spec_decode.py): not under a grammar or
     allowed_token_ids (their matcher advances a token at a time, at commit) or a min_tokens still to reach (its
     ban is decided per step, and a row after a draft would not see that draft). Penalties speculate: each row
-    counts the drafts before it (spec_decode.draft_prefixes)."""
+    counts the drafts before it (slot.Step.drafts)."""
     p = seq.params
     return not (p.constrained or (p.min_tokens and seq.num_output_tokens < p.min_tokens))
 

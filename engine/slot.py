@@ -81,7 +81,9 @@ class Step:
     finalize_s: float = 0.0  # host time to build the sampling inputs (incl. constraint masks)
     prompt_logprobs: object | None = None  # engine.prompt_logprobs.PromptLogprobPlan; None for most steps
     forks: list[ScheduledChunk] = ()  # SchedulerOutput.forks: sampling rows past the chunks' (n > 1 siblings)
-    num_draft_tokens: int = 0  # SchedulerOutput.num_draft_tokens: the drafts its chunks verify
+    # A step verifying drafts (engine/spec_decode.py): per sampling row, the drafts before its position (a chunk
+    # with k drafts has k + 1 rows, row j after draft[:j]), which that row's penalties count; None: no drafts.
+    drafts: list[list[int]] | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -45,7 +45,7 @@ so the step it plans starts after the previous step's forward instead of under i
 Requests that speculate: decoding, no grammar or allowed_token_ids (their matcher advances a token at a time, at
 the commit) and no min_tokens still to wait for (its ban is decided per step). Others decode one token a step as
 before, in the same steps. Repetition, presence and frequency penalties do speculate: a row's
-penalties count the drafts before it as output (`draft_prefixes`), in a copy of its sequence's penalty row, so
+penalties count the drafts before it as output (`Step.drafts`), in a copy of its sequence's penalty row, so
 each row is penalized exactly as it would be had those drafts been committed; the pool itself only ever holds
 committed tokens. (Qwen2.5-Instruct's generation_config gives every request a repetition_penalty of 1.05, so
 without this none of that model's requests would speculate.)
@@ -132,18 +132,6 @@ def _check_method_fields(method: str, d: dict) -> None:
     if model.lower().endswith(".gguf") or not os.path.isdir(model):
         raise ValueError(f"speculative_config model must be the draft model's local checkpoint directory "
                          f"(config.json, *.safetensors); {model!r} is not a directory")
-
-
-def draft_prefixes(rows: list) -> list[list[int]]:
-    """Per sampling row of a step (its chunks, a chunk verifying k drafts repeated for its k + 1 rows, in order),
-    the drafts before that row's position: row j of such a chunk comes after draft[:j]. What the penalties of a
-    row read on top of the sequence's committed tokens (engine/sampler.py PenaltyPool.take)."""
-    out, prev, j = [], None, 0
-    for c in rows:
-        j = j + 1 if c is prev else 0
-        prev = c
-        out.append(c.draft[:j] if j else [])
-    return out
 
 
 def ngram_proposer(cfg: SpeculativeConfig) -> Propose:

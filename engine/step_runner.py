@@ -27,7 +27,6 @@ from engine.models.decoder import ModelSpec
 from engine.sampler import PenaltyPool, Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.slot import DecodeSlot, Step, StepResult
-from engine.spec_decode import draft_prefixes
 from engine.step_buffers import BufferLimits
 from engine.structured import allocate_bitmask
 
@@ -90,17 +89,21 @@ class StepRunner:
 
     def _new_step(self, sched: SchedulerOutput, slot: DecodeSlot) -> Step:
         # One entry per sampling row: a chunk verifying k drafts has k + 1 rows (engine/spec_decode.py).
+        drafts = None
         if sched.num_draft_tokens:
             rows = [c for c in sched.chunks for _ in range(c.num_rows)]
+            drafts = [c.draft[:j] if j else [] for c in sched.chunks for j in range(c.num_rows)]  # row j: draft[:j]
         elif sched.num_samples == len(sched.chunks):  # every chunk samples (a decode step): no pass to find them
             rows = list(sched.chunks)  # (a copy: forks are appended to it)
         else:
             rows = [c for c in sched.chunks if c.samples]
         step = Step(self._next_step_id, slot, sched.chunks, rows, sched.num_tokens, time.monotonic())
-        step.num_draft_tokens = sched.num_draft_tokens
         if sched.forks:
             step.forks = sched.forks
             step.sample_chunks += sched.forks
+            if drafts is not None:
+                drafts += [[]] * len(sched.forks)
+        step.drafts = drafts
         self._next_step_id += 1
         slot.busy = True
         return step
@@ -127,7 +130,7 @@ class StepRunner:
         with self.executor.stream_context():  # the parameter uploads go in stream order, before sampling
             batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, step.slot.inputs,
                                         self.host_bitmasks[step.slot.index], penalty_pool=self.penalty_pool,
-                                        drafts=draft_prefixes(step.sample_chunks) if step.num_draft_tokens else None)
+                                        drafts=step.drafts)
         step.finalize_s = time.perf_counter() - t0
         step.num_logprobs = batch.num_logprobs
         step.sample = self.executor.submit(step, self._sample_job, step, batch)

@@ -498,8 +498,10 @@ def test_penalty_rows_after_drafts_count_them_and_the_pool_keeps_only_committed_
         for s in seqs if step else ():
             s.token_ids.append(int(torch.randint(vocab, (), generator=gen)))
         # drafts that repeat the sequence's own tokens (what the n-gram proposer drafts), some twice
-        drafts = [[], s1 := [int(seqs[1].token_ids[-1])] * 2 + [int(seqs[1].token_ids[0])],
-                  [int(t) for t in seqs[2].token_ids[-3:]]] if step % 2 else [[], [], []]
+        drafts = [[], [], []]
+        if step % 2:
+            drafts[1] = [int(seqs[1].token_ids[-1])] * 2 + [int(seqs[1].token_ids[0])]
+            drafts[2] = [int(t) for t in seqs[2].token_ids[-3:]]
         rows, row_seqs, row_drafts = [], [], []
         for s, d in zip(seqs, drafts):
             for j in range(len(d) + 1):
@@ -513,7 +515,7 @@ def test_penalty_rows_after_drafts_count_them_and_the_pool_keeps_only_committed_
         for i, (s, extra) in enumerate(zip(row_seqs, row_drafts)):
             torch.testing.assert_close(whole[i], reference(logits[i], s, extra), rtol=1e-6, atol=1e-6)
         if step % 2:  # the commit: sequence 1 keeps its first draft, sequence 2 none of its
-            seqs[1].token_ids.append(s1[0])
+            seqs[1].token_ids.append(drafts[1][0])
 
 
 # ---- logprobs -----------------------------------------------------------------------------------------------

@@ -163,7 +163,8 @@ def test_penalized_greedy_output_is_identical_and_speculates(tiny_model_factory,
     request and one with another penalty (the penalized rows a subset of the batch's)."""
     path, _ = tiny_model_factory("qwen2")
     base, spec = _pair(path, block_size=4, max_num_batched_tokens=64)
-    prompts = _repetitive_prompts(7, 8) + [[5, 6] + [X] * 8, [9, 10, 11] + [X, Y] * 5, [3] + [X] * 3 + [Y] * 3 + [X] * 3]
+    prompts = _repetitive_prompts(7, 8) + [[5, 6] + [X] * 8, [9, 10, 11] + [X, Y] * 5,
+                                           [3] + [X] * 3 + [Y] * 3 + [X] * 3]
     same = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, **penalties)
     mixed = [same] * len(prompts)
     mixed[3] = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -176,8 +177,53 @@ def test_penalized_greedy_output_is_identical_and_speculates(tiny_model_factory,
         outs = spec.generate(prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
         s = spec.stats()
-        assert s.spec_draft_tokens > before.spec_draft_tokens and s.spec_accepted_tokens > before.spec_accepted_tokens, \
-            "nothing was speculated"
+        assert s.spec_draft_tokens > before.spec_draft_tokens, "nothing was speculated"
+        assert s.spec_accepted_tokens > before.spec_accepted_tokens, "no draft was accepted"
+    spec.check_integrity()
+
+
+def test_penalized_forks_ride_in_steps_that_verify_drafts(tiny_model_factory):
+    """n = 2 requests arrive while penalized sequences decode with drafts, so some steps hold both verify rows and
+    the rows of forked siblings (counted here: the test needs such steps). The siblings ask for logprobs, so the
+    batch takes the sampler's row-by-row path, where each penalized row's drafts are looked up by its row, fork
+    rows after the drafted ones. Greedy output equals the engine's without drafts."""
+    import engine.step_runner as step_runner
+
+    path, _ = tiny_model_factory("qwen2")
+    base, spec = _pair(path, block_size=4)
+    mixed_steps = []
+    new_step = step_runner.StepRunner._new_step
+
+    def counting(self, sched, slot):
+        step = new_step(self, sched, slot)
+        mixed_steps.append(bool(step.forks) and step.drafts is not None)
+        return step
+
+    def run(llm) -> dict:
+        eng, outs, steps = llm.engine, {}, 0
+        for i, p in enumerate(_repetitive_prompts(7, 6)):
+            eng.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, frequency_penalty=-2.0),
+                            request_id=f"a{i}")
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    outs[(o.request_id, o.index)] = o.token_ids
+            steps += 1
+            if 2 <= steps <= 12:  # short prompts: each is computed in one step, which forks its sibling
+                eng.add_request(_repetitive_prompts(8 + steps, 1)[0][:3 + steps % 4],
+                                SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, n=2, logprobs=1,
+                                               frequency_penalty=-1.0, repetition_penalty=1.1), request_id=f"b{steps}")
+        return outs
+
+    ref = run(base)
+    step_runner.StepRunner._new_step = counting
+    try:
+        outs = run(spec)
+    finally:
+        step_runner.StepRunner._new_step = new_step
+    assert any(mixed_steps), "no step verified drafts beside forks"
+    assert outs == ref and len(outs) == 6 + 2 * 11
+    assert spec.stats().spec_accepted_tokens > 0
     spec.check_integrity()
 
 
