@@ -307,10 +307,10 @@ def machine_info() -> dict:
             "transformers": transformers.__version__, "python": sys.version.split()[0]}
 
 
-def engine_revision() -> str:
-    """The commit the engine code comes from, '+dirty' when engine/ has uncommitted edits."""
+def engine_revision(tree: Path = REPO) -> str:
+    """The commit the engine code of checkout `tree` comes from, '+dirty' when its engine/ has uncommitted edits."""
     def git(*cmd: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), *cmd], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "-C", str(tree), *cmd], capture_output=True, text=True).stdout.strip()
     return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "engine") else "")
 
 

