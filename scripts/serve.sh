@@ -17,6 +17,7 @@ export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 export RAY_SERVE_PROXY_USE_GRPC="${RAY_SERVE_PROXY_USE_GRPC:-1}"
 export RAY_SERVE_CONTROL_LOOP_INTERVAL_S="${RAY_SERVE_CONTROL_LOOP_INTERVAL_S:-0.5}"
 export RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP="${RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP:-0}"
+export RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="${RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S:-30}"
 if [ "$#" -eq 0 ]; then
   # shellcheck disable=SC2046  # two words: model=DIR served_model_name=NAME
   set -- serve_app:build_app $(.venv/bin/python -m engine.models.from_gguf --served-default)

@@ -52,10 +52,13 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_R
 # The proxy's router runs on the proxy's own loop (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0, as Serve's
 # RAY_SERVE_THROUGHPUT_OPTIMIZED preset sets it) instead of a loop in a thread of its own, so an SSE event no
 # longer crosses threads inside the proxy, which saves the proxy CPU per streamed token. Replicas keep the
-# separate loop (SERVE_ENV), as measured above for the ingress's handle. What each of the three measured:
+# separate loop (SERVE_ENV), as measured above for the ingress's handle. What each of them measured:
 # docs/serving.md#the-cluster-environment-cluster_env.
+# Serve's controller gives a new proxy 5 s to answer its first ready check, counted from the actor's creation,
+# then kills it; serve.start() then fails with ActorDiedError. A proxy whose worker process starts on a loaded
+# 2-core host can need longer than that (it happened in CI), so the check waits 30 s.
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+               "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30"}
 
 
 def apply_cluster_env() -> None:

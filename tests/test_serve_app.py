@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pathlib
 import threading
 import time
 
@@ -108,6 +109,20 @@ def test_cpu_engine_replicas_run_on_tcmalloc_where_installed(cluster):
     assert len(engines) == 2 and len(ingresses) == 1
     assert [on_tcmalloc(p) for p in engines] == [cpu_alloc.tcmalloc_path() is not None] * 2
     assert not on_tcmalloc(ingresses[0])  # only the engine's processes
+
+
+def test_serve_sh_and_the_multinode_recipe_export_the_cluster_env():
+    """scripts/serve.sh and docs/serving.md's multi-node recipe set every CLUSTER_ENV variable to its value (the
+    ready-check timeout went into CLUSTER_ENV after CI lost a proxy to Serve's 5 s default)."""
+    from serve_app.builder import CLUSTER_ENV
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    script = (root / "scripts" / "serve.sh").read_text()
+    docs = (root / "docs" / "serving.md").read_text()
+    for name, value in CLUSTER_ENV.items():
+        assert f'export {name}="${{{name}:-{value}}}"' in script, name
+        assert f"export {name}={value}" in docs, name
+        assert f"| `{name}` | `{value}` |" in docs, name
 
 
 def test_serve_controller_and_proxy_run_with_the_cluster_env(cluster):
