@@ -82,8 +82,15 @@ def free_port() -> int:
     Ports come from below the kernel's ephemeral range. A port taken from inside it (bind to port 0) is free
     when chosen, but until Ray binds it the kernel may give it to any outgoing connection as its source port,
     and Ray's own processes open many (CI lost a whole module to "dashboard ... address already in use").
-    Ray's worker ports (10002-19999 unless set) are left out too: `ray start` refuses a port inside them."""
+    Ray's worker ports (10002-19999 unless set) are left out too: `ray start` refuses a port inside them.
+    Each pytest-xdist worker draws from its own share of the range: `_handed_out` is one process's, and CI once lost
+    test_metrics_e2e.py's cluster to a dashboard port that was free when drawn and taken before Ray bound it."""
     start, lo = 20000, _ephemeral_start()  # Ray's workers take 10002-19999 by default
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    if workers > 1 and lo - start >= 1000 * workers:
+        share = (lo - start) // workers
+        start, lo = start + worker * share, start + (worker + 1) * share
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(start, max(lo, start + 1000))
@@ -150,7 +157,7 @@ def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> I
     extra = dict(_metrics_export_port=cluster.metrics_port, include_dashboard=True, dashboard_host="127.0.0.1",
                  dashboard_port=free_port()) if metrics else dict(include_dashboard=False)
     try:
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             try:
                 ray.init(num_cpus=num_cpus, _temp_dir=temp_dir, namespace=f"tandem-test-{uuid.uuid4().hex[:8]}",
                          log_to_driver=False, **extra)
@@ -158,10 +165,15 @@ def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> I
             except Exception as exc:  # noqa: BLE001
                 # Ray waits a fixed 30 s for its own raylet to register. On a 2-core CI VM that is also starting
                 # another test file's two-node cluster it once ran out (8 errors in test_metrics_e2e.py, which
-                # passed on its own right after): one more try, then the error.
-                if attempt == 2 or "timed out during startup" not in str(exc):
+                # passed on its own right after): try again, then the error. Likewise a port drawn free that
+                # something else bound before Ray did ("already occupied"): again, on fresh ports.
+                retry = "timed out during startup" in str(exc) or "already occupied" in str(exc)
+                if attempt == 3 or not retry:
                     raise
                 ray.shutdown()
+                if metrics and "already occupied" in str(exc):
+                    cluster.metrics_port = free_port()
+                    extra.update(_metrics_export_port=cluster.metrics_port, dashboard_port=free_port())
         if app_is_colocated(app_args):  # as build_app resolves it, device "auto" included (Ray is up)
             cluster.engine_deployment = COLOCATED_DEPLOYMENT
         serve.start(http_options={"host": "127.0.0.1", "port": cluster.port})
