@@ -22,6 +22,12 @@ compare busy's variants run alternately from this checkout and from --base DIR (
         by pair, with the host's speed probe at each run. On the project's VMs the host's speed moves by 2x within
         minutes, so only runs side by side compare. (The harness, bench_sim.py, is each checkout's own.)
 
+depth   pipeline_depth 2 (Photon's two slots) against 3 (three slots: two steps queued on the device while the
+        loop commits), alternately in this checkout, --repeats pairs, each run a fresh process: busy, tok/s, host
+        time per step and CPU per 1,000 tokens, for `LLM.generate` and the core process at 256 streams (both
+        kernel counts) and the core process at 32; `--variants latency` adds one stream's TTFT and inter-token
+        time through the core process.
+
 instructions  the same pair of checkouts (--base DIR), counted instead of timed: CPU instructions per step of
         `LLM.generate` at 256 streams under valgrind's cachegrind (the whole run, less a run that only builds the
         engine, over its steps). Independent of the host's speed, so a small change shows on a noisy VM; about
@@ -71,6 +77,7 @@ MODEL = "qwen2.5-0.5b"
 BUSY_VARIANTS = [("engine", "engine", 256), ("fused8", "engine", 256), ("engine", "async", 32),
                  ("engine", "proc", 32), ("engine", "async", 256), ("engine", "proc", 256),
                  ("fused8", "proc", 256)]
+DEPTH_VARIANTS = ["engine/engine/256", "fused8/engine/256", "engine/proc/256", "fused8/proc/256", "engine/proc/32"]
 
 
 def busy(args) -> list[dict]:
@@ -134,7 +141,6 @@ HOST_KEYS = ("schedule_us", "prepare_us", "commit_us", "finalize_us", "stream_us
 
 
 def compare(args) -> list[dict]:
-    import json
     import subprocess
 
     if args.base is None:
@@ -147,21 +153,84 @@ def compare(args) -> list[dict]:
     for kernels, path, n in variants:
         for pair in range(args.repeats):
             for name in (("base", "this") if pair % 2 == 0 else ("this", "base")):  # who goes first alternates
-                cmd = [sys.executable, __file__, "one", "--variant", f"{kernels}/{path}/{n}"]
-                out = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name],
-                                     env=os.environ | {"TANDEM_BENCH_CODE": str(trees[name])})
-                lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
-                if out.returncode or not lines:
-                    raise SystemExit(f"{name} run failed ({out.returncode}):\n{out.stderr[-2000:]}{out.stdout[-500:]}")
-                r = json.loads(lines[-1])
-                row = {"tree": name, "git": revs[name], "pair": pair, "kernels": kernels, "path": path,
-                       "streams": n, "busy": r["busy"], "host_mops": r["host_mops"], "tok_s": r["tok_s"],
-                       "host_us": round(sum(r.get(k, 0) for k in HOST_KEYS), 1),
-                       "cpu_ms_per_1k": r.get("cpu_ms_per_1k"), "core_cpu_ms_per_1k": r.get("core_cpu_ms_per_1k")}
-                rows.append(row)
-                print(f"{kernels:7} {path:6} {n:4} pair {pair} {name:4} ({revs[name]}): busy {row['busy']:.3f} "
-                      f"host {row['host_us']:7.1f} us/step  CPU ms/1k tokens {row['cpu_ms_per_1k']} (core process "
-                      f"{row['core_cpu_ms_per_1k']})  probe {row['host_mops']} Mops", flush=True)
+                rows.append(_variant_run(trees[name], name, revs[name], pair, kernels, path, n))
+    return rows
+
+
+def _variant_run(tree: Path, name: str, rev: str, pair: int, kernels: str, path: str, n: int,
+                 depth: int = 2) -> dict:
+    """One busy variant in a fresh process of checkout `tree` (compare's and depth's child run), as a row."""
+    import json
+    import subprocess
+
+    # (the depth only when not 2: a --base checkout from before it took one reads kernels/path/streams)
+    cmd = [sys.executable, __file__, "one", "--variant", f"{kernels}/{path}/{n}" + (f"/{depth}" if depth != 2 else "")]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tree,
+                         env=os.environ | {"TANDEM_BENCH_CODE": str(tree)})
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode or not lines:
+        raise SystemExit(f"{name} run failed ({out.returncode}):\n{out.stderr[-2000:]}{out.stdout[-500:]}")
+    r = json.loads(lines[-1])
+    row = {"tree": name, "git": rev, "pair": pair, "kernels": kernels, "path": path, "streams": n, "depth": depth,
+           "busy": r["busy"], "host_mops": r["host_mops"], "tok_s": r["tok_s"],
+           "host_us": round(sum(r.get(k, 0) for k in HOST_KEYS), 1),
+           "cpu_ms_per_1k": r.get("cpu_ms_per_1k"), "core_cpu_ms_per_1k": r.get("core_cpu_ms_per_1k")}
+    print(f"{kernels:7} {path:6} {n:4} pair {pair} {name:4} ({rev}) depth {depth}: busy {row['busy']:.3f} "
+          f"{row['tok_s']:>7} tok/s  host {row['host_us']:7.1f} us/step  CPU ms/1k tokens {row['cpu_ms_per_1k']} "
+          f"(core process {row['core_cpu_ms_per_1k']})  probe {row['host_mops']} Mops", flush=True)
+    return row
+
+
+def _one_stream(depth: int, requests: int = 25, warm: int = 5) -> dict:
+    """One stream through AsyncLLM with the core in its process (as a replica runs it): 200-token prompts, 32
+    greedy tokens each, one request at a time; TTFT and inter-token time, medians over the requests after `warm`."""
+    import asyncio
+
+    from engine.async_engine import AsyncLLM
+
+    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=depth,
+                       max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=2048)
+
+    async def go() -> tuple[list[float], list[float]]:
+        llm = AsyncLLM(cfg, core_process=True, core_own_cpu=True)
+        ttft, itl = [], []
+        try:
+            for i in range(requests):
+                prompt = [(7 * i + j) % 3000 + 10 for j in range(200)]
+                t0 = last = time.perf_counter()
+                first = True
+                async for out in llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)):
+                    now = time.perf_counter()
+                    if i >= warm:
+                        if first:
+                            ttft.append(now - t0)
+                        else:
+                            itl.append((now - last) / max(1, len(out.delta_token_ids)))
+                    first, last = False, now
+        finally:
+            llm.shutdown()
+        return ttft, itl
+
+    ttft, itl = asyncio.run(go())
+    return {"ttft_ms": round(1e3 * statistics.median(ttft), 2), "itl_ms": round(1e3 * statistics.median(itl), 3)}
+
+
+def depth(args) -> list[dict]:
+    """pipeline_depth 2 (two slots) against 3 (three slots) in this checkout, alternately, --repeats pairs;
+    --variants: any kernels/path/streams (default DEPTH_VARIANTS)."""
+    rev, rows = git_rev(), []
+    variants = args.variants or DEPTH_VARIANTS
+    if "latency" in variants:  # one stream: TTFT and inter-token time, depth 2 and 3 alternating
+        for pair in range(args.repeats):
+            for d in ((2, 3) if pair % 2 == 0 else (3, 2)):
+                rows.append({"pair": pair, "depth": d, "git": rev, **_one_stream(d)})
+                print(f"one stream, pair {pair}, depth {d}: TTFT p50 {rows[-1]['ttft_ms']} ms, inter-token p50 "
+                      f"{rows[-1]['itl_ms']} ms", flush=True)
+        variants = [v for v in variants if v != "latency"]
+    for kernels, path, n in (v.split("/") for v in variants):
+        for pair in range(args.repeats):
+            for d in ((2, 3) if pair % 2 == 0 else (3, 2)):
+                rows.append(_variant_run(ROOT, f"d{d}", rev, pair, kernels, path, int(n), depth=d))
     return rows
 
 
@@ -431,9 +500,10 @@ def one(args) -> None:
     if args.variant == "penalties":
         return _penalties_child()
 
-    kernels, path, n = args.variant.split("/")
+    kernels, path, n, *rest = args.variant.split("/")
     if args.runs is None:
-        print(json.dumps(bench_sim.stream_run(MODEL, kernels, 2, int(n), False, path, "steady")), flush=True)
+        d = int(rest[0]) if rest else 2  # pipeline_depth
+        print(json.dumps(bench_sim.stream_run(MODEL, kernels, d, int(n), False, path, "steady")), flush=True)
         return
     # instructions' child: build the engine, then --runs runs of the workload (no warm-up: it counts, not times)
     import dataclasses
@@ -456,8 +526,8 @@ def one(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["busy", "length", "all", "compare", "instructions", "gc", "outputs", "penalties",
-                                     "one"])
+    ap.add_argument("what", choices=["busy", "length", "all", "compare", "depth", "instructions", "gc", "outputs",
+                                     "penalties", "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", help="compare: the other checkout")
@@ -471,7 +541,8 @@ def main() -> None:
     info = machine("cpu") | {"device": "simulated h100 (host: " + machine("cpu")["device"] + ")",
                              "git": git_rev()}
     print(info, flush=True)
-    for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("instructions", instructions),
+    for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("depth", depth),
+                     ("instructions", instructions),
                      ("gc", gc_pauses), ("outputs", outputs), ("penalties", penalties)):
         if args.what == name or (args.what == "all" and name in ("length", "busy")):
             rows = fn(args)

@@ -54,6 +54,12 @@ class EngineConfig:
     # pipeline stages, the simulated device), 1 where it runs inline on the loop thread (CPU with no core
     # spare, see cpu_executor_thread): there the forward of t+1 cannot overlap the commit of t, and deferring
     # that commit only delays every token by a step (docs/engine.md#on-cpu-inline-forward-or-a-worker-thread).
+    # 3: three slots, so two launched steps wait on the device while the loop commits the oldest: a loop tick
+    # slower than a device step borrows from faster ones instead of idling the device (the loop's mean host work
+    # must still fit under a step). Under host-bound load each token reaches its stream a tick later, and a
+    # finished request rides in up to two more steps. While a request whose sampling reads its commits on the host
+    # runs (a grammar, allowed_token_ids or min_tokens) the loop keeps to two slots; penalties count an uncommitted
+    # token on the device. One device only (no pipeline or tensor parallelism). docs/engine.md#three-slots.
     pipeline_depth: int | None = None
     # vLLM's stream_interval: a streamed request's output is emitted once it holds this many new tokens (its
     # first token and its last are always emitted at once). 1: every commit. Larger values cut the per-event
@@ -173,8 +179,11 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
-        if self.pipeline_depth not in (None, 1, 2) or isinstance(self.pipeline_depth, bool):
-            raise ValueError(f"pipeline_depth must be 1, 2 or None (auto), got {self.pipeline_depth!r}")
+        if self.pipeline_depth not in (None, 1, 2, 3) or isinstance(self.pipeline_depth, bool):
+            raise ValueError(f"pipeline_depth must be 1, 2, 3 or None (auto), got {self.pipeline_depth!r}")
+        if self.pipeline_depth == 3 and (self.pipeline_parallel_size > 1 or self.tensor_parallel_size > 1):
+            raise ValueError("pipeline_depth=3 runs on one device: not with pipeline_parallel_size or "
+                             "tensor_parallel_size > 1")
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
         if isinstance(self.pp_stage_num_cpus, bool) or not isinstance(self.pp_stage_num_cpus, (int, float)) \
                 or self.pp_stage_num_cpus < 0:

@@ -10,6 +10,9 @@ With pipeline_depth=2 the forward of t+1 is queued before the CPU commits t, so 
 (appending tokens, stop checks, outputs) overlaps the forward. Sampling t+1 is queued after
 commit t, so everything sampling depends on (penalties, min_tokens, grammar masks) is current: a grammar
 matcher advances at commit t and the mask for t+1 is built from it at finalize, with no rollback ever.
+pipeline_depth=3 (three slots) launches t+2 before committing t: two steps wait on the device while the loop
+works, so a slow tick borrows from fast ones. While a request whose sampling reads its commits on the host runs
+(a grammar, allowed_token_ids, min_tokens: engine/scheduler.py sampling_waits_for_commit) it keeps to two.
 pipeline_depth=1 runs the same code with the commit right after its own finalize: the blocking baseline.
 Requests with a grammar wait outside the scheduler until it is compiled (engine.structured, on a thread pool).
 """
@@ -172,7 +175,9 @@ class EngineCore:
                                    policy=config.scheduler, admission_margin=config.admission_margin,
                                    cpu_pool=self.cpu_pool, one_step_per_seq=self.runner.one_step_per_seq,
                                    lora_slots=self.lora_slots, caching=config.enable_prefix_caching,
-                                   speculative=speculative, propose=self.draft and self.draft.propose)
+                                   speculative=speculative, propose=self.draft and self.draft.propose,
+                                   three_slots=len(self.runner.slots) == 3 and not self.runner.one_step_per_seq)
+        self._slots = len(self.runner.slots)
         self.structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
                                                   sorted(self.eos_token_ids))
         self.requests: dict[str | tuple[str, int], Sequence] = {}  # by Sequence.key
@@ -329,23 +334,31 @@ class EngineCore:
 
         With the two slots of a single device (or TP group) that is Photon's order: launch t+1 (its forward
         reads t's sampled tokens on the device), commit t, finalize t+1. With p pipeline stages it keeps p
-        microbatches in flight, one per stage, and commits each as the next one needs its slot."""
+        microbatches in flight, one per stage, and commits each as the next one needs its slot. With three slots
+        (pipeline_depth=3) it launches t+2, commits t, finalizes t+2; while a request whose sampling reads its
+        commits runs (Scheduler.commit_readers), it keeps to two."""
         outputs = self._admit_compiled() if self.compiling else []
         launched = None
-        pending, runner = self.pending, self.runner
+        pending, runner, scheduler = self.pending, self.runner, self.scheduler
         was_idle = not pending  # a commit below may free blocks: only then can nothing run
-        slot = runner.free_slot()
+        limit = self._slots
+        if scheduler.three_slots:
+            limit = 2 if scheduler.commit_readers else 3
+            # The step planned now is finalized before the newest in-flight one commits, except with two slots
+            # in use and one step in flight (committed in this tick, before the finalize)
+            scheduler.latest_step = pending[-1].id if pending and not (limit == 2 and len(pending) == 1) else -1
+        slot = runner.free_slot() if len(pending) < limit else None
         clock, ht = time.perf_counter, self.host_time
         t0 = clock()
-        if slot is not None and self.scheduler.has_work():
-            sched = self.scheduler.schedule()
+        if slot is not None and scheduler.has_work():
+            sched = scheduler.schedule()
             t1 = clock()
             ht["schedule"] += t1 - t0
             if sched:
                 launched = runner.launch(sched, slot, pending[-1] if pending else None)
                 t0 = clock()
                 ht["prepare"] += t0 - t1
-        if pending and (launched is None or runner.free_slot() is None):
+        if pending and (launched is None or len(pending) + 1 >= limit):
             outputs += self._commit(pending.popleft())
         if launched is not None:
             t1 = clock()

@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 FWD_START, FWD_END, SAMPLE_START, SAMPLE_END = range(4)
-_RING = 4  # timestamp sets kept: in-flight steps (2) plus the previous one a period is measured from
+_RING = 4  # timestamp sets kept: in-flight steps (up to 3) plus the previous one a period is measured from
 
 
 class _HostExecutor:

@@ -1,10 +1,10 @@
-"""Owns the model, the paged KV cache and the two step slots; launches forwards and sampling.
+"""Owns the model, the paged KV cache and its step slots; launches forwards and sampling.
 
 launch() stages a step's inputs on the host and enqueues its forward, finalize() enqueues its sampling,
 wait() is the commit-side wait (engine/step_runner.py). Both devices run the same code: the slot's
 fixed-address buffers are filled from host staging by copies in stream order, the forward reads only them
-(and, for its pending input tokens, the previous slot's sampled tokens on the device), and the sampled
-tokens come back through the slot's host buffers. What differs is the executor (engine/executor.py): a
+(and, for its pending input tokens, the sampled tokens of the steps still in flight, on the device), and the
+sampled tokens come back through the slot's host buffers. What differs is the executor (engine/executor.py): a
 worker thread on CPU; on CUDA a compute stream, a copy stream and events, plus CUDA-graph replay of decode
 steps (engine/cuda_graphs.py).
 """
@@ -59,8 +59,9 @@ class ModelRunner(StepRunner):
                 torch.set_num_threads(config.cpu_threads)  # before cpu_thread_helps reads it
         threaded = config.pipeline_depth != 1 and cpu_thread_helps(config.cpu_executor_thread)
         self.kv_layout = kv_layout(config, spec)  # sliding-window layers' KV groups (engine/kv_groups.py)
-        super().__init__(config, spec, device, self.buffer_limits(config, max_model_len, self.kv_layout),
-                         make_executor(device, threaded))
+        slots = self.num_slots(config)
+        super().__init__(config, spec, device, self.buffer_limits(config, max_model_len, self.kv_layout, slots),
+                         make_executor(device, threaded), num_slots=slots)
         self.forward_overlaps_loop = device.type == "cuda" or threaded
         # the KV cache's (engine/kv_dtype.py)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device, config.attention_backend)
@@ -197,17 +198,18 @@ class ModelRunner(StepRunner):
 
     # ---- launch ----------------------------------------------------------------------------------------
     def launch(self, sched: SchedulerOutput, slot: DecodeSlot, prev: Step | None) -> Step:
-        """Enqueue the forward of a planned step into `slot`. Pending input tokens come from `prev`'s slot."""
+        """Enqueue the forward of a planned step into `slot`. Pending input tokens come from the slots of the
+        steps that sampled them (every slot's `sampled`, one buffer), when a step is in flight (`prev`)."""
         step = self._new_step(sched, slot)
         if sched.prompt_logprobs:
             step.prompt_logprobs = prompt_logprobs.plan_step(sched.chunks)
         self._plan_graph(step, self._graph_key(step))
-        prev_sampled = prev.slot.sampled if prev is not None else None
-        step.forward = self.executor.submit(step, self._forward_job, step, prev_sampled, sched.swaps,
+        sampled = self.sampled if prev is not None else None
+        step.forward = self.executor.submit(step, self._forward_job, step, sampled, sched.swaps,
                                             sched.lora_loads, sched.copies)
         return step
 
-    def _forward_job(self, step: Step, prev_sampled: torch.Tensor | None, swaps: list, lora_loads: list,
+    def _forward_job(self, step: Step, sampled: torch.Tensor | None, swaps: list, lora_loads: list,
                      copies: list) -> None:
         ex = self.executor
         if swaps:  # KV copies the scheduler decided on since the last step, ordered before this forward
@@ -221,8 +223,8 @@ class ModelRunner(StepRunner):
             bufs = step.slot.inputs
             bufs.upload()
             bufs.apply_tables(self.device_tables, full_width=step.graph_size is not None)
-            if prev_sampled is not None:
-                bufs.gather_pending(prev_sampled)
+            if sampled is not None:
+                bufs.gather_pending(sampled)
             if step.graph_size is not None:
                 self.graphs.replay(step.slot, step.graph_size, step.graph_seqs)
             else:

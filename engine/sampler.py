@@ -64,12 +64,15 @@ class SamplingBatch:
     @classmethod
     def build(cls, seqs: list[Sequence], device: torch.device, buffers=None,
               bitmask_buffer: torch.Tensor | None = None, draw_seeded: bool = False,
-              penalty_pool: "PenaltyPool | None" = None, drafts: list | None = None) -> "SamplingBatch":
+              penalty_pool: "PenaltyPool | None" = None, drafts: list | None = None,
+              pending_from: tuple | None = None) -> "SamplingBatch":
         """buffers: the slot's StepBuffers (per-row fields are staged and uploaded there); None allocates.
         penalty_pool: the runner's PenaltyPool on `device`, where penalized sequences keep their state from step
         to step (None: one for this batch alone, filled from each penalized sequence's whole text).
         bitmask_buffer: a reusable host buffer [>= len(seqs), ceil(V/32)] int32 (the slot's; pinned on CUDA).
         drafts: per row, the draft tokens before it (a step verifying drafts; PenaltyPool.take), or None.
+        pending_from: three slots only: (the step's sampling chunks, its staged logits_indices, its device input_ids),
+        where penalized rows find an input token that is not committed yet (PenaltyRows.pending).
         draw_seeded: make seeded rows' draws now (`drawn`) instead of handing over their generators, for a
         batch that is sampled in another process (sampling draws once per non-greedy row and step, so the
         request's generator advances exactly as if it were sampled here).
@@ -100,14 +103,14 @@ class SamplingBatch:
         if top_k is not None:
             batch.top_k_max = cols[ROW_TOP_K] if uniform else max(v for v in cols[ROW_TOP_K] if v != TOP_K_OFF)
         if uniform and first[ROW_SPECIAL] == SPECIAL_PENALTIES:  # (a model's default repetition_penalty)
-            batch._add_penalties(list(special), seqs, device, penalty_pool, drafts)  # every row, nothing else
+            batch._add_penalties(list(special), seqs, device, penalty_pool, drafts, pending_from)  # every row alone
         elif special:
-            batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded, penalty_pool, drafts)
+            batch._add_special(seqs, special, device, bitmask_buffer, draw_seeded, penalty_pool, drafts, pending_from)
         return batch
 
     def _add_special(self, seqs: list[Sequence], special, device: torch.device,
                      bitmask_buffer: torch.Tensor | None, draw_seeded: bool, penalty_pool,
-                     drafts: list | None = None) -> None:
+                     drafts: list | None = None, pending_from: tuple | None = None) -> None:
         """Penalties, min_tokens bans, logit_bias, seeds, logprobs and constraints of the special rows."""
         constraints = None
         penalized = []
@@ -139,13 +142,21 @@ class SamplingBatch:
                                                                   seqs[0].vocab_size)
         if penalized:
             self._add_penalties(penalized, [seqs[i] for i in penalized], device, penalty_pool,
-                                None if drafts is None else [drafts[i] for i in penalized])
+                                None if drafts is None else [drafts[i] for i in penalized], pending_from)
 
     def _add_penalties(self, rows: list[int], seqs: list[Sequence], device: torch.device, pool,
-                       drafts: list | None = None) -> None:
+                       drafts: list | None = None, pending_from: tuple | None = None) -> None:
         """The penalties of batch rows `rows` (sequences `seqs`; `drafts`: the draft tokens before each), from
         `pool` (None: a pool for this batch)."""
-        self.penalties = (pool or PenaltyPool(len(rows), seqs[0].vocab_size, device)).take(rows, seqs, drafts)
+        pending = None
+        if pending_from is not None:  # three slots: rows whose input token a step in flight sampled
+            chunks, logits_rows, input_ids = pending_from
+            at = [(j, int(logits_rows[i])) for j, i in enumerate(rows)  # host memory (a staged numpy row)
+                  if chunks[i].parent is None and chunks[i].start + chunks[i].num_tokens > len(seqs[j].token_ids)]
+            if at:
+                pending = ([j for j, _ in at], [p for _, p in at], input_ids)
+        self.penalties = (pool or PenaltyPool(len(rows), seqs[0].vocab_size, device)).take(rows, seqs, drafts,
+                                                                                           pending)
 
     @classmethod
     def worst_case(cls, rows: int, device: torch.device, vocab: int) -> "SamplingBatch":
@@ -218,14 +229,17 @@ class PenaltyPool:
         self._kinds: list[tuple[bool, bool, int]] = []  # (repetition, presence or frequency, prompt length)
         self._free: list[int] = []
 
-    def take(self, rows: list[int], seqs: list[Sequence], drafts: list | None = None) -> PenaltyRows:
+    def take(self, rows: list[int], seqs: list[Sequence], drafts: list | None = None,
+             pending: tuple | None = None) -> PenaltyRows:
         """The penalties of batch rows `rows` (of sequences `seqs`), their pool rows updated first. Per row only
         a few list operations (the common row adds the one token its last step committed); the rest is a few
         device operations for every row at once.
 
         `drafts`: per row, the draft tokens before its position (engine/spec_decode.py: a chunk verifying k
         drafts has k + 1 rows of one sequence, row j after drafts[:j]). They count as output in that row's copy
-        only, never in the pool: whether they are accepted is known at the commit, which appends what was."""
+        only, never in the pool: whether they are accepted is known at the commit, which appends what was.
+        `pending`: (indices into `seqs`, where each one's input token is in the step's input_ids, those input_ids)
+        for rows whose input token is not committed yet (three slots): PenaltyRows.pending."""
         owner, applied, kinds = self._owner, self._applied, self._kinds
         slots, seen_rows, seen_ids, count_rows, count_ids = [], [], [], [], []
         any_rep = any_count = False
@@ -263,6 +277,8 @@ class PenaltyPool:
             draft_seen, draft_counts = _draft_entries(drafts, slots, kinds)
         if self.modelled:  # the simulated device: the host's work here is real, the kernels below are priced
             to_device(slots, torch.long, _CPU)  # (the slots' upload, as below)
+            if pending is not None:
+                to_device(pending[:2], torch.long, _CPU)
             values = torch.empty(len(slots), 3)  # not read: the simulated sampler applies no penalties
             return PenaltyRows(to_device(rows, torch.long, _CPU), values[:, 0:1], values[:, 1:2], values[:, 2:3],
                                None, None)
@@ -286,8 +302,11 @@ class PenaltyPool:
             where = to_device(draft_counts, torch.long, self.device)
             counts.index_put_((where[0], where[1]), torch.ones(where.shape[1], dtype=torch.int32, device=self.device),
                               accumulate=True)
+        if pending is not None:
+            where = to_device(pending[:2], torch.long, self.device)
+            pending = (where[0], where[1], pending[2])
         return PenaltyRows(to_device(rows, torch.long, self.device), values[:, 0:1], values[:, 1:2], values[:, 2:3],
-                           seen, counts)
+                           seen, counts, pending)
 
     def _table(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -354,10 +373,16 @@ class PenaltyRows:
     frequency: torch.Tensor  # [r, 1] float32
     seen: torch.Tensor | None  # [r, V] bool: the tokens of prompt + output (None: no row has a repetition penalty)
     counts: torch.Tensor | None  # [r, V] int32: occurrences in the output (None: no presence or frequency)
+    # Three slots (EngineConfig.pipeline_depth=3): rows whose input token a step still in flight sampled, so the
+    # pool cannot hold it yet: (their indices among these rows [m], where the token is in `input_ids` [m], the
+    # step's device input_ids). The sampling adds those tokens to `seen` and `counts` first (add_pending_tokens),
+    # on the device and in stream order after the forward gathered them. None: every input token is committed.
+    pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __reduce__(self):
         """Pickled (a pipeline step's StageBatch goes to every stage) as the tables' set entries, not [r, V]: a
         row's seen tokens and counts are a few thousand of a vocabulary's 50-250 thousand."""
+        assert self.pending is None, "pending tokens are a single device's (three slots)"
         return _dense_penalty_rows, (self.rows, self.repetition, self.presence, self.frequency,
                                      _entries(self.seen), _entries(self.counts))
 
@@ -467,6 +492,8 @@ class Sampler:
         pen = batch.penalties
         if pen is None:
             return logits
+        if pen.pending is not None:
+            add_pending_tokens(pen)
         return penalize_rows(logits, pen) if logits.is_cuda else penalize_entries(logits, pen)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -487,6 +514,17 @@ class Sampler:
         for row, drawn in batch.drawn.items():  # seeded, drawn where the batch was built
             u[row] = drawn
         return inverse_cdf(probs, u)
+
+
+def add_pending_tokens(pen: PenaltyRows) -> None:
+    """Count each pending row's uncommitted input token (PenaltyRows.pending) in the row's copies: seen, and one
+    more occurrence in the output (it was sampled, so it is output). Read and written on the device."""
+    k, at, input_ids = pen.pending
+    tokens = input_ids[at]
+    if pen.seen is not None:
+        pen.seen[k, tokens] = True
+    if pen.counts is not None:
+        pen.counts.index_put_((k, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
 def penalize_rows(logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:

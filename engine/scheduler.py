@@ -91,6 +91,15 @@ class SchedulerOutput:
         return bool(self.chunks)
 
 
+def sampling_waits_for_commit(seq: Sequence) -> bool:
+    """Whether sampling a sequence's next token reads state only its commits update, on the host: a grammar's or
+    allowed_token_ids' matcher (advanced at commit), or a min_tokens ban (decided by the committed count). With
+    three slots such a sequence never rides in two steps that are both uncommitted when the later one is
+    finalized. (Penalties do not wait: the sampling counts an uncommitted input token on the device,
+    engine/sampler.py PenaltyRows.pending.)"""
+    return not can_speculate(seq)
+
+
 def can_speculate(seq: Sequence) -> bool:
     """Whether a sequence's decode may carry drafts (engine/spec_decode.py): not under a grammar or
     allowed_token_ids (their matcher advances a token at a time, at commit) or a min_tokens still to reach (its
@@ -128,7 +137,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "fifo", admission_margin: float = 0.05, cpu_pool: CpuBlockPool | None = None,
                  one_step_per_seq: bool = False, lora_slots=None, caching: bool | None = None,
-                 speculative: SpeculativeConfig | None = None, propose: Propose | None = None):
+                 speculative: SpeculativeConfig | None = None, propose: Propose | None = None,
+                 three_slots: bool = False):
         if policy not in SCHEDULER_POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(SCHEDULER_POLICIES)}; got {policy!r}")
         self.bm = block_manager
@@ -138,6 +148,15 @@ class Scheduler:
         # Pipeline parallelism: a sequence rides in at most one step at a time, so the steps in flight are
         # disjoint microbatches and a step never reads a token that is not committed yet.
         self.one_step_per_seq = one_step_per_seq
+        # EngineConfig.pipeline_depth=3: a step may be finalized while the step launched before it is still
+        # uncommitted, so a sequence whose sampling reads its committed tokens on the host (sampling_waits_for_commit)
+        # is not planned into a step while it rides in that uncommitted one, `latest_step` (its id, set by the core
+        # before each plan; -1 when the newest in-flight step commits before the step planned now is finalized).
+        # `commit_readers`: the last plan saw a running request with a grammar, allowed_token_ids or min_tokens;
+        # the core then keeps to two slots, so such a request rides in every step as with pipeline_depth=2.
+        self.three_slots = three_slots
+        self.latest_step = -1
+        self.commit_readers = False
         self.margin_blocks = math.ceil(admission_margin * block_manager.num_blocks)
         self._starved = False  # a running sequence could not get blocks in this pass
         self.cpu_pool = cpu_pool if cpu_pool is not None and cpu_pool.num_blocks else None
@@ -376,6 +395,9 @@ class Scheduler:
         # step that would only compute KV nobody reads (no zombie for length-capped requests).
         if seq.inflight_refs and (self.one_step_per_seq or self._waits_to_speculate(seq)):
             return False
+        if self.three_slots and seq.num_pending and seq.pending_step == self.latest_step \
+                and sampling_waits_for_commit(seq):
+            return False
         return not (seq.finalized or seq.preempted) and seq.num_total < seq.max_total_len
 
     def _waits_to_speculate(self, seq: Sequence) -> bool:
@@ -432,18 +454,27 @@ class Scheduler:
         Inlined _schedulable and is_decoding: this runs over every running sequence every step."""
         decodes, prefills = [], []
         one_step, spec = self.one_step_per_seq, self._spec_on
+        latest = self.latest_step if self.three_slots else None
+        readers = False
         for s in self.running:
             if (one_step and s.inflight_refs) or s.finalized or s.preempted:
                 continue
+            if latest is not None and not readers:
+                p = s.params
+                readers = p.constrained or p.min_tokens > 0
             total = len(s.token_ids) + s.num_pending
             if total >= s.max_total_len:
                 continue
             if total - s.num_computed == 1 and s.num_computed >= len(s.prompt_token_ids):
                 if spec and s.inflight_refs and can_speculate(s):
                     continue  # waits for its commit (_waits_to_speculate)
+                if s.pending_step == latest and s.num_pending and sampling_waits_for_commit(s):
+                    continue  # three slots: rides in the step after next (_schedulable)
                 decodes.append(s)
             else:
                 prefills.append(s)
+        if latest is not None:
+            self.commit_readers = readers
         return decodes, prefills
 
     def _schedule_decodes(self, seqs: list[Sequence], out: SchedulerOutput, budget: list[int]) -> None:
@@ -525,6 +556,9 @@ class Scheduler:
     def _enter_running(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        if self.three_slots and not self.commit_readers:  # (the next plan's pass over the running recounts)
+            p = seq.params
+            self.commit_readers = p.constrained or p.min_tokens > 0
         if seq.forks:
             self._unforked += len(seq.forks)
 

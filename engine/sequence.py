@@ -43,8 +43,8 @@ class Sequence:
                      visits every one of them each time it scans a young sequence; it never looks into an
                      array's elements. With hundreds of running sequences that made each collection on the engine
                      loop cost milliseconds, growing with their lengths (docs/engine.md#host-work-per-step).
-      num_pending    tokens sampled by a launched step but not yet committed (0 or 1). The next forward
-                     reads a pending token straight from the device buffer it was sampled into.
+      num_pending    tokens sampled by launched steps but not yet committed (at most one per step in flight).
+                     The next forward reads a pending token straight from the device buffer it was sampled into.
       num_computed   positions whose KV has been written by a launched forward (scheduled, in stream order).
     A sequence wants `num_total - num_computed` more positions computed; a chunk that reaches num_total
     samples one new (pending) token. Decode is simply a chunk of one.
@@ -58,7 +58,8 @@ class Sequence:
                  "window_base",
                  "cpu_window", "status", "finalized",
                  "finish_reason", "inflight_refs", "generator", "arrival_time", "first_token_time",
-                 "logprobs", "stop_token", "eos_token_ids", "stop_ids", "max_total_len", "pending_src", "released",
+                 "logprobs", "stop_token", "eos_token_ids", "stop_ids", "max_total_len", "pending_src", "pending_step",
+                 "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
                  "lora", "lora_slot", "hash_root", "final_only",
@@ -115,7 +116,9 @@ class Sequence:
         self.stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())  # a token that ends it
         budget = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         self.max_total_len = min(budget, max_model_len)
-        self.pending_src: int | None = None  # the row of the launched step that sampled the pending token
+        # Where its latest pending token is sampled: that step's slot index * max_num_seqs + its row, and the step's id
+        self.pending_src: int | None = None
+        self.pending_step = -1
         # Its row in the runner's engine.sampler.PenaltyPool (a cache of its penalty inputs there, updated with
         # the tokens committed since its last step; token_ids only ever grows).
         self.penalty_row: int | None = None

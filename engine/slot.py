@@ -19,18 +19,21 @@ class DecodeSlot:
     sampling rows' logits into `logits` and the sampler its tokens into `sampled`. The next step's forward
     gathers its pending input tokens from `sampled`, so the CPU never waits for them. The `host_*` tensors
     (pinned on CUDA) are the landing site of the device-to-host copy the commit reads. A slot is busy from
-    launch until its commit has read them; the engine alternates between two slots. On CUDA the slot's
+    launch until its commit has read them; the engine cycles through its slots (two, or three with
+    EngineConfig.pipeline_depth=3). On CUDA the slot's
     `sampled_ready` event anchors that copy (recorded right after sampling) and `copy_done` marks it read.
     """
 
     def __init__(self, index: int, limits: BufferLimits, vocab_size: int, device: torch.device,
-                 logits: bool = True, transfer=None):
+                 logits: bool = True, transfer=None, sampled: torch.Tensor | None = None):
+        """sampled: this slot's [max_seqs] part of the runner's buffer of every slot's sampled tokens (the next
+        steps gather their pending tokens from it by flat index); None allocates one of its own."""
         self.index = index
         rows, pin = limits.max_seqs, device.type == "cuda"
         self.inputs = StepBuffers(limits, device, transfer)
         # [max_seqs, V]; None where no forward writes logits here (a simulated device models them)
         self.logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device) if logits else None
-        self.sampled = torch.zeros(rows, dtype=torch.long, device=device)  # [max_seqs]
+        self.sampled = torch.zeros(rows, dtype=torch.long, device=device) if sampled is None else sampled  # [max_seqs]
         self.host_sampled = torch.zeros(rows, dtype=torch.long, pin_memory=pin)
         self.host_logprobs = torch.zeros(rows, dtype=torch.float32, pin_memory=pin)
         self.host_top_ids = torch.zeros(rows, MAX_LOGPROBS, dtype=torch.long, pin_memory=pin)

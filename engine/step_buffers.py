@@ -93,12 +93,13 @@ class BufferLimits:
     # Sliding-window KV groups (engine/kv_groups.py): a row holds 1 + window_groups tables, and every token a
     # slot in each sliding group (the window_slots field) besides slot_mapping's in the full group.
     window_groups: int = 0
+    slots: int = 2  # step slots: how many steps may be in flight at once (EngineConfig.pipeline_depth)
 
     @property
     def table_rows(self) -> int:
-        """Rows of the persistent block table: the running sequences, plus those an in-flight step still
-        reads after they left (finished or preempted), plus one row that padding rows point at."""
-        return 2 * self.max_seqs + 1
+        """Rows of the persistent block table: the running sequences, plus those the other in-flight steps still
+        read after they left (finished or preempted), plus one row that padding rows point at."""
+        return self.slots * self.max_seqs + 1
 
 
 @dataclass(slots=True)
@@ -156,9 +157,9 @@ class StepBuffers:
                    forks=(), pad_seqs: int | None = None, decode: bool | None = None) -> None:
         """Stage a step's chunks (engine.scheduler.ScheduledChunk): what only the sequences know (their table
         rows, known token ids, pending tokens) gathered in Python (list comprehensions for a decode step, a loop
-        over the chunks for any other), numpy for the rest. A chunk's last position may be a token the previous
+        over the chunks for any other), numpy for the rest. A chunk's last position may be a token an earlier
         step sampled that is still on the device: it is gathered there (gather_dst/src) from the sequence's
-        `pending_src` (the previous step's row).
+        `pending_src` (that step's slot and row).
 
         pad_to: a CUDA-graph batch size; the rows past the real ones become empty sequences (slot -1,
         seq_len 0) that write no KV and attend to nothing. With pad_seqs, a mixed-step graph's token count and
@@ -263,11 +264,12 @@ class StepBuffers:
                     ids.append(seq.token_ids[start])
                 else:
                     ids.extend(seq.token_ids[start:end])
-            else:  # the last position is the token sampled by the previous step, still on the device
+            else:  # the last position is a token an uncommitted step sampled, still on the device (with three
+                # slots the token before it may be one too, committed or not: the chunk then starts at the last)
                 if k > 1:
-                    ids.extend(seq.token_ids[start:known])
+                    ids.extend(seq.token_ids[start:end - 1])
                 ids.append(0)
-                gdst.append(t + known - start)
+                gdst.append(t + k - 1)
                 gsrc.append(seq.pending_src)
             t += k
             if c.samples:
@@ -392,12 +394,13 @@ class StepBuffers:
                 torch.index_select(table.view(table.shape[0], g, -1)[:, :, :w], 0, d["table_rows"][:s],
                                    out=self.block_tables.view(-1)[:s * g * w].view(s, g, w))
 
-    def gather_pending(self, prev_sampled: torch.Tensor) -> None:
-        """input_ids[dst] = prev_sampled[src]: tokens the previous step sampled, read on the device."""
+    def gather_pending(self, sampled: torch.Tensor) -> None:
+        """input_ids[dst] = sampled[src]: tokens earlier steps sampled, read on the device (`sampled`: every slot's
+        sampled rows, slot after slot; a source is slot index * max_seqs + row, Sequence.pending_src)."""
         g = self.num_gather
         if g:
             d = self.dev
-            torch.index_select(prev_sampled, 0, d["gather_src"][:g], out=self.gathered[:g])
+            torch.index_select(sampled, 0, d["gather_src"][:g], out=self.gathered[:g])
             d["input_ids"].index_copy_(0, d["gather_dst"][:g], self.gathered[:g])
 
     def metadata(self, block_size: int, full_width: bool = False, host_lists: bool = True) -> AttentionMetadata:

@@ -59,8 +59,12 @@ class StepRunner:
         # ModelRunner with its forward inline on the loop thread says False.
         self.forward_overlaps_loop = True
         self.sampler = Sampler(config.seed, device)
-        self.slots = [DecodeSlot(i, limits, spec.vocab_size, device, logits=slot_logits, transfer=transfer)
-                      for i in range(num_slots)]
+        # Every slot's sampled tokens in one buffer, slot after slot: a step gathers each pending token from the
+        # slot of the step that sampled it (Sequence.pending_src = slot index * max_seqs + row), whichever it is.
+        rows = limits.max_seqs
+        self.sampled = torch.zeros(num_slots * rows, dtype=torch.long, device=device)
+        self.slots = [DecodeSlot(i, limits, spec.vocab_size, device, logits=slot_logits, transfer=transfer,
+                                 sampled=self.sampled[i * rows:(i + 1) * rows]) for i in range(num_slots)]
         # Host staging for each slot's constraint bitmask (pinned on CUDA so its upload is asynchronous);
         # per slot because a step's sampling may still read it while the next step's is being built.
         self.host_bitmasks = [allocate_bitmask(config.max_num_seqs, spec.vocab_size,
@@ -72,10 +76,17 @@ class StepRunner:
         self._next_step_id = 0
 
     @staticmethod
-    def buffer_limits(config: EngineConfig, max_model_len: int, layout: KVLayout | None = None) -> BufferLimits:
+    def num_slots(config: EngineConfig) -> int:
+        """Step slots of a single device's runner: three for pipeline_depth=3, else Photon's two."""
+        return 3 if config.pipeline_depth == 3 else NUM_SLOTS
+
+    @staticmethod
+    def buffer_limits(config: EngineConfig, max_model_len: int, layout: KVLayout | None = None,
+                      slots: int = NUM_SLOTS) -> BufferLimits:
         return BufferLimits(max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
                             max_seqs=config.max_num_seqs, max_blocks=-(-max_model_len // config.block_size),
-                            lora=config.enable_lora, window_groups=layout.num_window_groups if layout else 0)
+                            lora=config.enable_lora, window_groups=layout.num_window_groups if layout else 0,
+                            slots=slots)
 
     def max_graph_batch_size(self) -> int:
         """The largest decode batch replayed as a CUDA graph (0: no graphs)."""
@@ -115,10 +126,13 @@ class StepRunner:
 
     def _stage(self, step: Step, pad_to: int | None = None, pad_seqs: int | None = None) -> None:
         """Stage `step` into its slot (engine/step_buffers.py); its sampling rows' tokens will be pending there."""
-        step.slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs,
-                                    step.is_decode)
-        for row, c in enumerate(step.sample_chunks):
-            c.seq.pending_src = row
+        slot = step.slot
+        slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs,
+                               step.is_decode)
+        base, sid = slot.index * self.limits.max_seqs, step.id
+        for row, c in enumerate(step.sample_chunks, base):
+            seq = c.seq
+            seq.pending_src, seq.pending_step = row, sid
 
     # ---- finalize (sampling) and wait ---------------------------------------------------------------------
     def finalize(self, step: Step) -> None:
@@ -128,9 +142,14 @@ class StepRunner:
             return
         t0 = time.perf_counter()
         with self.executor.stream_context():  # the parameter uploads go in stream order, before sampling
-            batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, step.slot.inputs,
+            inputs = step.slot.inputs
+            # Three slots: the step launched before this one is not committed yet, so a row's input token may be
+            # one it sampled, which penalties must count (PenaltyRows.pending)
+            pending_from = (step.sample_chunks, inputs.np["logits_indices"], inputs.dev.get("input_ids")) \
+                if len(self.slots) == 3 else None
+            batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, inputs,
                                         self.host_bitmasks[step.slot.index], penalty_pool=self.penalty_pool,
-                                        drafts=step.drafts)
+                                        drafts=step.drafts, pending_from=pending_from)
         step.finalize_s = time.perf_counter() - t0
         step.num_logprobs = batch.num_logprobs
         step.sample = self.executor.submit(step, self._sample_job, step, batch)

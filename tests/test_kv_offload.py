@@ -251,7 +251,7 @@ def test_aborting_a_swapped_sequence_frees_its_host_blocks():
 
 
 @pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("cpu_blocks", [64, 3])  # room for everyone / a mix of offloads and soft resets
 def test_pressured_workload_drains_with_every_block_free(policy, depth, cpu_blocks):
     sched = offload_sched(num_blocks=9, cpu_blocks=cpu_blocks, budget=16, max_num_seqs=4, policy=policy)
@@ -285,7 +285,7 @@ def _run(llm, prompts, params):
     return outs
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("cpu_blocks", [64, 0], ids=["offload", "soft_reset"])
 def test_greedy_under_kv_pressure_matches_hf(tiny_model_factory, depth, cpu_blocks):
     """16 blocks of 4 for six requests that together need ~40: preemptions happen, outputs do not change.

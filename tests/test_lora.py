@@ -77,7 +77,7 @@ def oracle(hf, built, lora: str | None):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_mixed_adapter_batch_matches_peft(adapters, family, depth):
     """One batch: the base model and three adapters, chunked prefills interleaved with decodes."""
     path, hf, built = adapters(family)

@@ -101,7 +101,7 @@ def test_copy_on_write_replaces_the_table_list():
 
 
 # ---- engine: outputs against oracles -------------------------------------------------------------------------
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_greedy_n4_gives_four_identical_samples_equal_to_hf(tiny_model_factory, depth):
     """Prompt lengths off and on block boundaries (a shared partial tail block, or none), chunked prefill."""
     path, hf = tiny_model_factory("qwen2")
@@ -120,7 +120,7 @@ def test_greedy_n4_gives_four_identical_samples_equal_to_hf(tiny_model_factory, 
     finish_clean(llm)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_seeded_samples_equal_independent_requests_with_seed_plus_index(tiny_model_factory, depth,
                                                                        prefix_caching):

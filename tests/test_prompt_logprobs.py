@@ -39,7 +39,7 @@ def check_prompt(hf, prompt: list[int], got, k: int) -> None:
             assert e.top == []
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("k", [0, 5])
 def test_prompt_logprobs_match_hf_chunked(tiny_model_factory, depth, k):
     """block_size 4 and a 16-token budget: every prompt spans several steps, so a chunk's last position
@@ -68,7 +68,7 @@ def test_prompt_logprobs_ignore_prefix_cache_and_leave_neighbours_alone(tiny_mod
     llm.check_integrity()
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 def test_generated_logprobs_match_hf_greedy(tiny_model_factory, depth):
     path, hf = tiny_model_factory("llama")
     llm = LLM(str(path), pipeline_depth=depth, block_size=4, max_num_batched_tokens=16)

@@ -169,7 +169,7 @@ def test_seeded_sampling_survives_preemption(llama, llm2):
     params = [seeded(s, max_tokens=24, ignore_eos=True, frequency_penalty=0.5, min_tokens=3) for s in SEEDS]
     prompts = PROMPTS[:len(SEEDS)]
     ref = [o.token_ids for o in llm2.generate(prompts, params)]
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         small = LLM(str(llama[0]), device="cpu", block_size=4, num_kv_blocks=14, pipeline_depth=depth)
         outs = small.generate(prompts, params)
         assert [(o.finish_reason, o.error) for o in outs] == [("length", None)] * len(outs), (

@@ -216,7 +216,7 @@ def test_greedy_constrained_tokens_are_hf_masked_argmax_in_a_mixed_batch(llm2, l
     llm.shutdown()
 
 
-def test_pipeline_depth_1_and_2_give_identical_constrained_outputs(llama, llm2):
+def test_every_pipeline_depth_gives_identical_constrained_outputs(llama, llm2):
     """Seeded sampling (and greedy), constrained mixed with plain rows, with and without chunked prefill."""
     cases = json_cases(PROMPTS)[::2] + [
         ("regex", PROMPTS[1], params(so(regex=REGEXES[3]), temperature=1.0, seed=11)),
@@ -227,7 +227,8 @@ def test_pipeline_depth_1_and_2_give_identical_constrained_outputs(llama, llm2):
     prompts, sps = [p for _, p, _ in cases], [sp for _, _, sp in cases]
     ref = [o.token_ids for o in llm2.generate(prompts, sps)]
     for kw in (dict(pipeline_depth=1), dict(pipeline_depth=1, max_num_batched_tokens=8),
-               dict(pipeline_depth=2, max_num_batched_tokens=8)):
+               dict(pipeline_depth=2, max_num_batched_tokens=8), dict(pipeline_depth=3),
+               dict(pipeline_depth=3, max_num_batched_tokens=8, cpu_executor_thread=True)):
         llm = LLM(str(llama[0]), device="cpu", block_size=4, num_kv_blocks=1024, **kw)
         assert [o.token_ids for o in llm.generate(prompts, sps)] == ref, kw
         assert_clean(llm)
@@ -242,7 +243,7 @@ def test_preempted_constrained_requests_are_not_replayed_into_their_matcher(llam
              for i, n in enumerate(["nested", "defs_ref", "numbers", "patterns"])]
     prompts, sps = [p for _, p, _ in cases], [sp for _, _, sp in cases]
     ref = llm2.generate(prompts, sps)
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         small = LLM(str(llama[0]), device="cpu", block_size=4, num_kv_blocks=24, pipeline_depth=depth,
                     admission_margin=0.0)
         outs = small.generate(prompts, sps)

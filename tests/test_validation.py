@@ -73,7 +73,7 @@ def ckpt(tiny_model_factory):
     ("dtype", "float64"), ("dtype", "fp32"),
     ("device", "tpu"), ("device", "cuda:0x"),
     ("scheduler", "lifo"),
-    ("pipeline_depth", 0), ("pipeline_depth", 3),
+    ("pipeline_depth", 0), ("pipeline_depth", 4),
     ("block_size", 0), ("block_size", -16), ("block_size", "16"),
     ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("num_kv_blocks", 0), ("max_model_len", 0),
     ("num_cpu_blocks", -1),
@@ -96,7 +96,7 @@ def test_invalid_engine_config_names_the_field(ckpt, field, value):
     ("cpu_threads", 0),
     ("cpu_threads", 1.5),
     ("stream_interval", 0),
-    ("pipeline_depth", 3),
+    ("pipeline_depth", 4),
     ("pipeline_depth", True),
 ])
 def test_engine_config_rejects_other_bad_fields(ckpt, field, value):

@@ -110,8 +110,10 @@ class SimRunner(StepRunner):
                               config.tensor_parallel_size, torch.tensor([], dtype=kv_dtype).element_size(),
                               None if scheme is None else scheme.linear_bytes)
         self.kv_layout = kv_layout(config, spec)  # sliding-window KV groups: a block is a page of g layers
-        super().__init__(config, spec, torch.device("cpu"), self.buffer_limits(config, max_model_len, self.kv_layout),
-                         SimExecutor(self.sim, 2), slot_logits=False, transfer=self._upload)
+        slots = self.num_slots(config)
+        super().__init__(config, spec, torch.device("cpu"),
+                         self.buffer_limits(config, max_model_len, self.kv_layout, slots), SimExecutor(self.sim, slots),
+                         num_slots=slots, slot_logits=False, transfer=self._upload)
         # The penalty pool's tables are the device's (no data here): its host work is real, its kernels are priced
         # with the sampling (sampling_work), not run on this CPU
         self.penalty_pool = PenaltyPool(self.limits.table_rows - 1, spec.vocab_size, torch.device("meta"))

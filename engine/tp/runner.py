@@ -73,12 +73,12 @@ class TPModelRunner(ModelRunner):
         return self.comm.all_reduce_min(num_blocks)
 
     # ---- rank 0 -----------------------------------------------------------------------------------------------
-    def _forward_job(self, step, prev_sampled, swaps, lora_loads, copies) -> None:
+    def _forward_job(self, step, sampled, swaps, lora_loads, copies) -> None:
         if self.error is not None:
             raise TensorParallelError(f"the tensor-parallel group is broken: {self.error!r}")
         self._copies = copies
         try:
-            super()._forward_job(step, prev_sampled, swaps, lora_loads, copies)
+            super()._forward_job(step, sampled, swaps, lora_loads, copies)
         except Exception as exc:
             self.error = exc
             raise TensorParallelError(f"tensor-parallel step failed: {type(exc).__name__}: {exc}") from exc
