@@ -445,7 +445,7 @@ def test_num_replicas_with_max_replicas_rejected():
 
 
 @pytest.mark.parametrize("args", [{"num_replicas": 0}, {"router": "random"}, {"device": "tpu"},
-                                  {"target_ongoing_requests": 0}, {"block_size": 0}, {"pipeline_depth": 3},
+                                  {"target_ongoing_requests": 0}, {"block_size": 0}, {"pipeline_depth": 4},
                                   {"ingress_replicas": 2, "ingress_max_replicas": 1}])
 def test_bad_values_rejected_at_build_time(args):
     with pytest.raises(ValueError):
