@@ -6,8 +6,8 @@ its own tests check against HF's processors. Here: that the third slot is really
 once, pending tokens gathered from the slot of the step that sampled them, whichever it is), that penalized rows
 are finalized on an uncommitted input token and still match (the sampling counts that token on the device), that
 the loop keeps to two slots while a request whose sampling reads its commits on the host runs (a grammar,
-allowed_token_ids, min_tokens), and that the
-CPU worker thread (the forward running beside the loop) gives the same tokens.
+allowed_token_ids, min_tokens), and that the CPU worker thread (the forward running beside the loop) gives the
+same tokens.
 """
 
 from __future__ import annotations
