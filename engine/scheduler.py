@@ -152,8 +152,9 @@ class Scheduler:
         # uncommitted, so a sequence whose sampling reads its committed tokens on the host (sampling_waits_for_commit)
         # is not planned into a step while it rides in that uncommitted one, `latest_step` (its id, set by the core
         # before each plan; -1 when the newest in-flight step commits before the step planned now is finalized).
-        # `commit_readers`: the last plan saw a running request with a grammar, allowed_token_ids or min_tokens;
-        # the core then keeps to two slots, so such a request rides in every step as with pipeline_depth=2.
+        # `commit_readers`: the last plan saw a running request with a grammar, allowed_token_ids or a min_tokens
+        # it has not reached (committed); the core then keeps to two slots, so such a request rides in every step
+        # as with pipeline_depth=2. A min_tokens request past its minimum reads no commit any more.
         self.three_slots = three_slots
         self.latest_step = -1
         self.commit_readers = False
@@ -459,16 +460,17 @@ class Scheduler:
         for s in self.running:
             if (one_step and s.inflight_refs) or s.finalized or s.preempted:
                 continue
-            if latest is not None and not readers:
+            if latest is not None and not readers:  # sampling_waits_for_commit(s), inlined
                 p = s.params
-                readers = p.constrained or p.min_tokens > 0
+                readers = p.constrained or (p.min_tokens > 0 and s.num_output_tokens < p.min_tokens)
             total = len(s.token_ids) + s.num_pending
             if total >= s.max_total_len:
                 continue
             if total - s.num_computed == 1 and s.num_computed >= len(s.prompt_token_ids):
                 if spec and s.inflight_refs and can_speculate(s):
                     continue  # waits for its commit (_waits_to_speculate)
-                if s.pending_step == latest and s.num_pending and sampling_waits_for_commit(s):
+                if latest is not None and s.pending_step == latest and s.num_pending \
+                        and sampling_waits_for_commit(s):
                     continue  # three slots: rides in the step after next (_schedulable)
                 decodes.append(s)
             else:
@@ -557,8 +559,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         if self.three_slots and not self.commit_readers:  # (the next plan's pass over the running recounts)
-            p = seq.params
-            self.commit_readers = p.constrained or p.min_tokens > 0
+            self.commit_readers = sampling_waits_for_commit(seq)
         if seq.forks:
             self._unforked += len(seq.forks)
 

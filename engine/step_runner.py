@@ -61,6 +61,8 @@ class StepRunner:
         self.sampler = Sampler(config.seed, device)
         # Every slot's sampled tokens in one buffer, slot after slot: a step gathers each pending token from the
         # slot of the step that sampled it (Sequence.pending_src = slot index * max_seqs + row), whichever it is.
+        # pipeline_depth=3 (one device): a step may be finalized while the step launched before it is uncommitted
+        self.three_slots = config.pipeline_depth == 3
         rows = limits.max_seqs
         self.sampled = torch.zeros(num_slots * rows, dtype=torch.long, device=device)
         self.slots = [DecodeSlot(i, limits, spec.vocab_size, device, logits=slot_logits, transfer=transfer,
@@ -129,10 +131,15 @@ class StepRunner:
         slot = step.slot
         slot.inputs.stage_step(step.chunks, self.tables, self.block_size, pad_to, step.forks, pad_seqs,
                                step.is_decode)
-        base, sid = slot.index * self.limits.max_seqs, step.id
-        for row, c in enumerate(step.sample_chunks, base):
-            seq = c.seq
-            seq.pending_src, seq.pending_step = row, sid
+        base = slot.index * self.limits.max_seqs
+        if self.three_slots:  # the step id only the three-slot scheduler reads (Scheduler.latest_step)
+            sid = step.id
+            for row, c in enumerate(step.sample_chunks, base):
+                seq = c.seq
+                seq.pending_src, seq.pending_step = row, sid
+        else:
+            for row, c in enumerate(step.sample_chunks, base):
+                c.seq.pending_src = row
 
     # ---- finalize (sampling) and wait ---------------------------------------------------------------------
     def finalize(self, step: Step) -> None:
@@ -146,7 +153,7 @@ class StepRunner:
             # Three slots: the step launched before this one is not committed yet, so a row's input token may be
             # one it sampled, which penalties must count (PenaltyRows.pending)
             pending_from = (step.sample_chunks, inputs.np["logits_indices"], inputs.dev.get("input_ids")) \
-                if len(self.slots) == 3 else None
+                if self.three_slots else None
             batch = SamplingBatch.build([c.seq for c in step.sample_chunks], self.device, inputs,
                                         self.host_bitmasks[step.slot.index], penalty_pool=self.penalty_pool,
                                         drafts=step.drafts, pending_from=pending_from)

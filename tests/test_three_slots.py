@@ -120,6 +120,36 @@ def test_requests_reading_their_commits_keep_the_loop_to_two_slots(tiny_model_fa
     llm.shutdown()
 
 
+def test_a_min_tokens_request_past_its_minimum_lets_the_third_slot_back(tiny_model_factory):
+    """min_tokens is decided from the committed count only until it is reached: from then on the request reads no
+    commit, the loop goes back to three slots and its rows are finalized on uncommitted tokens, with the same
+    tokens as depth 2 (whose min_tokens tests/test_sampling.py checks). No row is finalized on an uncommitted token
+    while its ban still applies."""
+    path, _ = tiny_model_factory("llama")
+    prompts = make_prompts(seed=33, lengths=(6, 9))
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0, min_tokens=4),
+              SamplingParams(max_tokens=MAX_NEW, temperature=0.7, seed=2, min_tokens=5)]
+    two = _engine(path, 2)
+    ref = _tokens(two.generate(prompts, params))
+    two.shutdown()
+    assert all(len(t) > 5 for t in ref)  # both run past their minimum
+    llm = _engine(path, 3)
+    seen = _watch_finalize(llm)
+    core, limits = llm.engine.core, []
+    step = core.step
+
+    def watched_step():
+        limits.append(core.scheduler.commit_readers)
+        return step()
+
+    core.step = watched_step
+    assert _tokens(llm.generate(prompts, params)) == ref
+    assert seen["waits"] == 0 and seen["plain"] > 0 and seen["max_pending"] == 1
+    assert False in limits[limits.index(True):]  # two slots while below the minimum, three after
+    llm.check_integrity()
+    llm.shutdown()
+
+
 def test_two_slots_never_finalize_a_row_on_an_uncommitted_token(tiny_model_factory):
     """The control for the watch above: with two slots the step before is committed before the next finalize."""
     path, _ = tiny_model_factory("llama")
