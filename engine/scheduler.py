@@ -96,8 +96,8 @@ def sampling_waits_for_commit(seq: Sequence) -> bool:
     allowed_token_ids' matcher (advanced at commit), or a min_tokens ban (decided by the committed count). With
     three slots such a sequence never rides in two steps that are both uncommitted when the later one is
     finalized. (Penalties do not wait: the sampling counts an uncommitted input token on the device,
-    engine/sampler.py PenaltyRows.pending.)"""
-    return not can_speculate(seq)
+    engine/sampler.py PenaltyRows.pending.) Decided once per request: Sequence.reads_commits_below."""
+    return len(seq.token_ids) < seq.reads_commits_below
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -105,8 +105,7 @@ def can_speculate(seq: Sequence) -> bool:
     allowed_token_ids (their matcher advances a token at a time, at commit) or a min_tokens still to reach (its
     ban is decided per step, and a row after a draft would not see that draft). Penalties speculate: each row
     counts the drafts before it (slot.Step.drafts)."""
-    p = seq.params
-    return not (p.constrained or (p.min_tokens and seq.num_output_tokens < p.min_tokens))
+    return len(seq.token_ids) >= seq.reads_commits_below  # not sampling_waits_for_commit(seq)
 
 
 class Scheduler:
@@ -456,21 +455,22 @@ class Scheduler:
         decodes, prefills = [], []
         one_step, spec = self.one_step_per_seq, self._spec_on
         latest = self.latest_step if self.three_slots else None
-        readers = False
+        readers = waits = False
         for s in self.running:
             if (one_step and s.inflight_refs) or s.finalized or s.preempted:
                 continue
-            if latest is not None and not readers:  # sampling_waits_for_commit(s), inlined
-                p = s.params
-                readers = p.constrained or (p.min_tokens > 0 and s.num_output_tokens < p.min_tokens)
-            total = len(s.token_ids) + s.num_pending
+            known = len(s.token_ids)
+            if latest is not None:  # sampling_waits_for_commit(s), inlined (two calls a row cost ~0.5 us)
+                waits = known < s.reads_commits_below
+                if waits:
+                    readers = True
+            total = known + s.num_pending
             if total >= s.max_total_len:
                 continue
             if total - s.num_computed == 1 and s.num_computed >= len(s.prompt_token_ids):
                 if spec and s.inflight_refs and can_speculate(s):
                     continue  # waits for its commit (_waits_to_speculate)
-                if latest is not None and s.pending_step == latest and s.num_pending \
-                        and sampling_waits_for_commit(s):
+                if waits and s.pending_step == latest and s.num_pending:
                     continue  # three slots: rides in the step after next (_schedulable)
                 decodes.append(s)
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from array import array
 
@@ -62,7 +63,7 @@ class Sequence:
                  "released",
                  "num_emitted_tokens", "preempted", "vocab_size", "cpu_blocks", "constraint",
                  "first_scheduled_time", "sim_key", "sample_row", "prompt_hashes", "table_row",
-                 "lora", "lora_slot", "hash_root", "final_only",
+                 "reads_commits_below", "lora", "lora_slot", "hash_root", "final_only",
                  "prompt_logprobs", "prompt_logprobs_sent", "index", "key", "forks", "cow", "penalty_row")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -116,6 +117,11 @@ class Sequence:
         self.stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids or ())  # a token that ends it
         budget = max_model_len if params.max_tokens is None else len(prompt_token_ids) + params.max_tokens
         self.max_total_len = min(budget, max_model_len)
+        # While it holds fewer tokens than this, its sampling reads state only its commits update on the host
+        # (engine.scheduler.sampling_waits_for_commit): a grammar or allowed_token_ids for its whole life, a
+        # min_tokens ban until that many output tokens are committed; 0 for neither.
+        self.reads_commits_below = sys.maxsize if params.constrained else \
+            len(prompt_token_ids) + params.min_tokens if params.min_tokens else 0
         # Where its latest pending token is sampled: that step's slot index * max_num_seqs + its row, and the step's id
         self.pending_src: int | None = None
         self.pending_step = -1
