@@ -49,6 +49,11 @@ penalties  `LLM.generate` at 256 streams with no repetition penalty and with Qwe
         CPU sampler alone with penalties at growing output lengths (ms a step). With --base DIR, alternating with
         that checkout, --repeats pairs.
 
+phases  where the loop's host time goes: `LLM.generate` at 256 streams (busy's steady workload) with the engine
+        loop's functions timed (a wrapper each: schedule and its decode passes, staging, sampling inputs, the
+        commit and its outputs; us per step, the function's calls included), at pipeline_depth 2 and 3, two runs
+        per process after a warm-up. With --base DIR, alternating with that checkout, --repeats pairs.
+
 Writes core_<name>.json and .md under --out, with the machine.
 """
 
@@ -378,6 +383,76 @@ def penalties(args) -> list[dict]:
     return rows
 
 
+# (module, class, function) the phases mode times; one a checkout lacks is left out of its figures
+PHASE_FUNCS = (("engine.scheduler", "Scheduler", "schedule"), ("engine.scheduler", "Scheduler", "_split_running"),
+               ("engine.scheduler", "Scheduler", "_schedule_decodes"),
+               ("engine.scheduler", "Scheduler", "update_from_output"), ("engine.core", "EngineCore", "_outputs"),
+               ("engine.step_runner", "StepRunner", "_stage"), ("engine.step_buffers", "StepBuffers", "stage_step"),
+               ("engine.step_buffers", "StepBuffers", "_decode_rows"), ("engine.block_tables", "BlockTables", "rows"),
+               ("engine.sampler", "SamplingBatch", "build"))
+
+
+def phases(args) -> list[dict]:
+    rows = []
+    for depth_ in (2, 3):
+        for pair, name, rev, runs in _alternate(args, ["one", "--variant", f"phases/{depth_}"]):
+            for i, run in enumerate(runs):
+                rows.append({"tree": name, "git": rev, "pair": pair, "depth": depth_, "run": i} | run)
+                us = "  ".join(f"{k} {v}" for k, v in run["us_per_step"].items())
+                print(f"{name:4} depth {depth_} pair {pair} run {i}: busy {run['busy']:.3f}  us/step: {us}",
+                      flush=True)
+    return rows
+
+
+def _phases_child(depth_: int) -> None:
+    """phases' child: wrap each PHASE_FUNCS function with a timer, then two timed runs of the steady workload."""
+    import collections
+    import dataclasses
+    import functools
+    import importlib
+    import json
+
+    from engine import LLM
+
+    spent = collections.Counter()
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return wrapper
+
+    for module, cls_name, name in PHASE_FUNCS:
+        cls = getattr(importlib.import_module(module), cls_name, None)
+        raw = cls.__dict__.get(name) if cls is not None else None
+        if isinstance(raw, (staticmethod, classmethod)):
+            setattr(cls, name, type(raw)(timed(name, raw.__func__)))
+        elif raw is not None:
+            setattr(cls, name, timed(name, raw))
+    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=depth_,
+                       max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=2048)
+    reqs = bench_sim.stream_requests(256, False, "steady")
+    llm = LLM(**dataclasses.asdict(cfg))
+    bench_sim.warm(llm)
+    runs = []
+    for _ in range(2):
+        bench_sim.settle()
+        spent.clear()
+        before = llm.engine.stats()
+        llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+        d = bench_sim.delta(llm.engine.stats(), before)
+        steps = max(1, d["steps"])
+        runs.append({"busy": round(bench_sim.busy_fraction(d), 4), "steps": d["steps"],
+                     "host_mops": bench_sim.host_speed(),
+                     "us_per_step": {k: round(1e6 * v / steps, 1) for k, v in spent.most_common()}})
+    llm.shutdown()
+    print(json.dumps(runs), flush=True)
+
+
 def _penalties_child() -> None:
     """penalties' child: `LLM.generate` at 256 streams (busy's steady workload) with each PENALTY_RUNS value."""
     import dataclasses
@@ -499,6 +574,8 @@ def one(args) -> None:
         return _outputs_child()
     if args.variant == "penalties":
         return _penalties_child()
+    if args.variant.startswith("phases/"):
+        return _phases_child(int(args.variant.split("/")[1]))
 
     kernels, path, n, *rest = args.variant.split("/")
     if args.runs is None:
@@ -527,7 +604,7 @@ def one(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["busy", "length", "all", "compare", "depth", "instructions", "gc", "outputs",
-                                     "penalties", "one"])
+                                     "penalties", "phases", "one"])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--base", help="compare: the other checkout")
@@ -543,7 +620,7 @@ def main() -> None:
     print(info, flush=True)
     for name, fn in (("length", length), ("busy", busy), ("compare", compare), ("depth", depth),
                      ("instructions", instructions),
-                     ("gc", gc_pauses), ("outputs", outputs), ("penalties", penalties)):
+                     ("gc", gc_pauses), ("outputs", outputs), ("penalties", penalties), ("phases", phases)):
         if args.what == name or (args.what == "all" and name in ("length", "busy")):
             rows = fn(args)
             write_results(args.out / f"core_{name}", f"engine core: {name} (SIMULATED h100)", rows, info)
