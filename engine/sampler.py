@@ -150,9 +150,12 @@ class SamplingBatch:
         `pool` (None: a pool for this batch)."""
         pending = None
         if pending_from is not None:  # three slots: rows whose input token a step in flight sampled
+            # (Not a chunk verifying drafts: its inputs are its committed last token and the drafts, which `drafts`
+            # counts; a sequence that speculates is never planned while a step it rides in is uncommitted.)
             chunks, logits_rows, input_ids = pending_from
             at = [(j, int(logits_rows[i])) for j, i in enumerate(rows)  # host memory (a staged numpy row)
-                  if chunks[i].parent is None and chunks[i].start + chunks[i].num_tokens > len(seqs[j].token_ids)]
+                  if chunks[i].parent is None and not chunks[i].draft
+                  and chunks[i].start + chunks[i].num_tokens > len(seqs[j].token_ids)]
             if at:
                 pending = ([j for j, _ in at], [p for _, p in at], input_ids)
         self.penalties = (pool or PenaltyPool(len(rows), seqs[0].vocab_size, device)).take(rows, seqs, drafts,

@@ -75,8 +75,11 @@ def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
-def _pair(path, **kw) -> tuple[LLM, LLM]:
-    return LLM(str(path), **kw), LLM(str(path), speculative_config=NGRAM, **kw)
+def _pair(path, spec_depth: int | None = None, **kw) -> tuple[LLM, LLM]:
+    """The engine without drafts (the reference, default depth) and with; spec_depth: the latter's pipeline_depth
+    (3: a step finalized while the one before it is uncommitted, engine/step_runner.py)."""
+    depth = {} if spec_depth is None else {"pipeline_depth": spec_depth}
+    return LLM(str(path), **kw), LLM(str(path), speculative_config=NGRAM, **depth, **kw)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "mistral"])
@@ -100,11 +103,12 @@ def test_greedy_output_is_identical_with_chunked_prefill_and_prefix_hits(tiny_mo
     spec.check_integrity()
 
 
+@pytest.mark.parametrize("depth", [None, 3], ids=["depth-default", "depth-3"])
 @pytest.mark.parametrize("cpu_blocks", [0, 64], ids=["soft-reset", "offload"])
-def test_greedy_output_is_identical_under_preemption(tiny_model_factory, cpu_blocks):
+def test_greedy_output_is_identical_under_preemption(tiny_model_factory, cpu_blocks, depth):
     path, _ = tiny_model_factory("llama")
     kw = dict(block_size=4, num_kv_blocks=48, num_cpu_blocks=cpu_blocks, max_num_batched_tokens=64)
-    base, spec = _pair(path, **kw)
+    base, spec = _pair(path, depth, **kw)
     prompts = _repetitive_prompts(2, 8)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     ref = base.generate(prompts, params)
@@ -152,7 +156,8 @@ X, Y = 17, 230  # the tokens the logit-biased cases favour
     {"frequency_penalty": 2.0, "logit_bias": {X: 10.0}},  # X until its count outweighs the bias
     {"presence_penalty": 1.5, "frequency_penalty": 1.0, "logit_bias": {X: 8.0, Y: 8.0}},
 ], ids=["qwen-default", "frequency<0", "repetition<1+frequency<0", "frequency+bias", "presence+frequency+bias"])
-def test_penalized_greedy_output_is_identical_and_speculates(tiny_model_factory, penalties):
+@pytest.mark.parametrize("depth", [None, 3], ids=["depth-default", "depth-3"])
+def test_penalized_greedy_output_is_identical_and_speculates(tiny_model_factory, penalties, depth):
     """Penalized requests speculate, and each row is penalized as if the drafts before it were committed: greedy
     output equals the engine's without drafts token for token (that engine's penalties are checked against
     transformers' logits processors in test_sampling.py). A row that ignored the drafts before it would see a
@@ -160,9 +165,11 @@ def test_penalized_greedy_output_is_identical_and_speculates(tiny_model_factory,
     counted after a rejection. Either changes the output of these cases but the first (checked by mutation):
     the favoured repeats are what the n-gram drafts propose. Each case runs as one batch of the same parameters
     (the sampler's path for a model's default penalty: every row at once), then mixed with an unpenalized
-    request and one with another penalty (the penalized rows a subset of the batch's)."""
+    request and one with another penalty (the penalized rows a subset of the batch's). At depth 3 a verify row's
+    inputs (its committed token and the drafts) must not also count as uncommitted input tokens (they did, until
+    2026-12-01)."""
     path, _ = tiny_model_factory("qwen2")
-    base, spec = _pair(path, block_size=4, max_num_batched_tokens=64)
+    base, spec = _pair(path, depth, block_size=4, max_num_batched_tokens=64)
     prompts = _repetitive_prompts(7, 8) + [[5, 6] + [X] * 8, [9, 10, 11] + [X, Y] * 5,
                                            [3] + [X] * 3 + [Y] * 3 + [X] * 3]
     same = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, **penalties)
@@ -182,7 +189,8 @@ def test_penalized_greedy_output_is_identical_and_speculates(tiny_model_factory,
     spec.check_integrity()
 
 
-def test_penalized_forks_ride_in_steps_that_verify_drafts(tiny_model_factory):
+@pytest.mark.parametrize("depth", [None, 3], ids=["depth-default", "depth-3"])
+def test_penalized_forks_ride_in_steps_that_verify_drafts(tiny_model_factory, depth):
     """n = 2 requests arrive while penalized sequences decode with drafts, so some steps hold both verify rows and
     the rows of forked siblings (counted here: the test needs such steps). The siblings ask for logprobs, so the
     batch takes the sampler's row-by-row path, where each penalized row's drafts are looked up by its row, fork
@@ -190,7 +198,7 @@ def test_penalized_forks_ride_in_steps_that_verify_drafts(tiny_model_factory):
     import engine.step_runner as step_runner
 
     path, _ = tiny_model_factory("qwen2")
-    base, spec = _pair(path, block_size=4)
+    base, spec = _pair(path, depth, block_size=4)
     mixed_steps = []
     new_step = step_runner.StepRunner._new_step
 
