@@ -35,18 +35,29 @@ def sampled(n: int = 1, seed: int = 7, **kw) -> SamplingParams:
 def check_writes_private(llm: LLM) -> list[int]:
     """Wrap the scheduler so every planned step is checked: each block a chunk writes is referenced by its
     writer alone (a shared block is never written), except by the siblings forked off that very chunk in the
-    same step (they share the prompt it computes). Returns the per-step running counts."""
+    same step (they share the prompt it computes), and by sequences admitted in the same step on a prefix hit of
+    that block (its hash is registered when the step computing it is planned, as vLLM's is): they hold it under
+    the writer's hash, only read it (their chunks start past it) and ride in the same forward, which writes a
+    layer's KV before any of its attention reads it. Returns the per-step running counts."""
     sched, bm = llm.engine.scheduler, llm.engine.block_manager
     plan, running = sched.schedule, []
 
     def checked():
         out = plan()
+        in_step = {id(c.seq): c for c in out.chunks}
         for c in out.chunks:
             forked = sum(f.parent is c for f in out.forks)
             for pos in range(c.start, c.start + c.num_tokens):
-                block = c.seq.block_table[pos // bm.block_size]
-                assert bm.ref_counts[block] == 1 + forked, \
-                    f"{c.seq} writes position {pos} into shared block {block}"
+                i = pos // bm.block_size
+                block = c.seq.block_table[i]
+                shared = bm.ref_counts[block] - 1 - forked
+                if shared:  # only readers that hit it in this step
+                    h = c.seq.block_hashes[i] if i < len(c.seq.block_hashes) else None
+                    readers = [s for s in sched.running if s is not c.seq and block in s.block_table]
+                    assert h is not None and len(readers) == shared and all(
+                        s.block_table[i] == block and s.block_hashes[i] == h and id(s) in in_step
+                        and in_step[id(s)].start >= (i + 1) * bm.block_size for s in readers), \
+                        f"{c.seq} writes position {pos} into shared block {block}"
         running.append(len(sched.running))
         return out
 
@@ -140,13 +151,16 @@ def test_seeded_samples_equal_independent_requests_with_seed_plus_index(tiny_mod
     finish_clean(llm)
 
 
+@pytest.mark.parametrize("depth", [None, 3], ids=["depth-default", "depth-3"])
 @pytest.mark.parametrize("swap_space", [0, 1])
-def test_kv_pressure_preempts_siblings_and_keeps_outputs_exact(tiny_model_factory, swap_space):
+def test_kv_pressure_preempts_siblings_and_keeps_outputs_exact(tiny_model_factory, swap_space, depth):
     """Too few blocks for the siblings: some are preempted (offloaded with a host pool, else soft-reset) and
-    resumed, sharing blocks or not by then; greedy outputs still equal HF and every block comes back."""
+    resumed, sharing blocks or not by then; greedy outputs still equal HF and every block comes back. (At depth 3
+    three soft-reset siblings come back in one step, the later ones on prefix hits of blocks the first computes
+    in that step.)"""
     path, hf = tiny_model_factory("qwen2")
     extra = dict(num_cpu_blocks=64) if swap_space else {}
-    llm = LLM(str(path), block_size=4, num_kv_blocks=16, admission_margin=0.0, **extra)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=16, admission_margin=0.0, pipeline_depth=depth, **extra)
     running = check_writes_private(llm)
     prompts = make_prompts(seed=13, lengths=(10, 11))
     outs = llm.generate(prompts, greedy(3))
