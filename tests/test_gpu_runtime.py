@@ -3,7 +3,9 @@
 - fp32 greedy on the GPU (Triton kernels, CUDA graphs, pipelined) equals Hugging Face on the same weights.
 - A captured decode graph computes what the same forward computes eagerly on the same buffers; a captured
   mixed-step graph (a prompt chunk beside decodes, padded) computes what the eager step computes unpadded.
-- Pipelined (depth 2) equals blocking (depth 1) token for token, greedy and seeded sampling, in bf16.
+- Pipelined (depth 2) and three slots (depth 3) equal blocking (depth 1) token for token, greedy, seeded and
+  penalized sampling, in bf16 (at depth 3 penalized rows are finalized on an uncommitted input token, which the
+  sampling counts on the device).
 - Steady-state steps never synchronize the host with the device except through the commit's event wait
   (torch's sync debug mode turns any other synchronizing call into an error).
 The kernel-level comparisons with the PyTorch reference are in test_attention_kernels.py (cuda params).
@@ -140,21 +142,25 @@ def test_pipelined_equals_blocking_bf16(tiny_model_factory, family):
     prompts = make_prompts(seed=2, lengths=(3, 9, 17, 33, 40, 70, 5, 12))
     params = [greedy(24) if i % 2 else SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i,
                                                       ignore_eos=True) for i in range(len(prompts))]
+    params[3] = SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3, frequency_penalty=0.4,
+                               ignore_eos=True)
     runs = {}
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         llm = cuda_llm(path, dtype="bfloat16", pipeline_depth=depth)
         runs[depth] = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.stats()["graph_steps"] > 0
         llm.check_integrity()
-    assert runs[1] == runs[2]
+    assert runs[1] == runs[2] == runs[3]
 
 
-def test_steady_state_never_synchronizes(tiny_model_factory):
+@pytest.mark.parametrize("depth", [None, 3], ids=["depth-default", "depth-3"])
+def test_steady_state_never_synchronizes(tiny_model_factory, depth):
     """Launch, commit and finalize with torch.cuda.set_sync_debug_mode('error'): any .item(), blocking copy or
     synchronize in the loop raises. Mixed prefill/decode, graphs and eager steps, penalties, logprobs,
-    min_tokens, per-request seeds. The commit's wait is an event synchronize, which the mode allows."""
+    min_tokens, per-request seeds. The commit's wait is an event synchronize, which the mode allows. At depth 3
+    the penalized rows' uncommitted input tokens are counted on the device, with no sync either."""
     path, _ = tiny_model_factory("llama")
-    llm = cuda_llm(path, dtype="bfloat16")
+    llm = cuda_llm(path, dtype="bfloat16", pipeline_depth=depth)
     prompts = make_prompts(seed=3, lengths=(5, 40, 17, 9, 70))
     params = [greedy(20), SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=1, logprobs=3),
               SamplingParams(max_tokens=20, temperature=1.0, min_p=0.05, repetition_penalty=1.2,
