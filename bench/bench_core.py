@@ -392,6 +392,22 @@ PHASE_FUNCS = (("engine.scheduler", "Scheduler", "schedule"), ("engine.scheduler
                ("engine.sampler", "SamplingBatch", "build"))
 
 
+def _steady_llm(depth: int = 2, n: int = 256, kernels: str = "engine", warm: bool = True):
+    """(LLM, requests) of busy's steady workload through `LLM.generate` on the simulated H100: the children that
+    time or count the loop in-process (phases, penalties, gc, instructions) all run this engine."""
+    import dataclasses
+
+    from engine import LLM
+
+    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=depth,
+                       max_num_seqs=n, max_model_len=2048, max_num_batched_tokens=max(2048, n),
+                       sim_kernels_per_layer=bench_sim.KERNELS[kernels])
+    llm = LLM(**dataclasses.asdict(cfg))
+    if warm:
+        bench_sim.warm(llm)
+    return llm, bench_sim.stream_requests(n, False, "steady")
+
+
 def phases(args) -> list[dict]:
     rows = []
     for depth_ in (2, 3):
@@ -407,12 +423,9 @@ def phases(args) -> list[dict]:
 def _phases_child(depth_: int) -> None:
     """phases' child: wrap each PHASE_FUNCS function with a timer, then two timed runs of the steady workload."""
     import collections
-    import dataclasses
     import functools
     import importlib
     import json
-
-    from engine import LLM
 
     spent = collections.Counter()
 
@@ -433,11 +446,7 @@ def _phases_child(depth_: int) -> None:
             setattr(cls, name, type(raw)(timed(name, raw.__func__)))
         elif raw is not None:
             setattr(cls, name, timed(name, raw))
-    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=depth_,
-                       max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=2048)
-    reqs = bench_sim.stream_requests(256, False, "steady")
-    llm = LLM(**dataclasses.asdict(cfg))
-    bench_sim.warm(llm)
+    llm, reqs = _steady_llm(depth_)
     runs = []
     for _ in range(2):
         bench_sim.settle()
@@ -458,13 +467,7 @@ def _penalties_child() -> None:
     import dataclasses
     import json
 
-    from engine import LLM
-
-    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=2,
-                       max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=2048)
-    reqs = bench_sim.stream_requests(256, False, "steady")
-    llm = LLM(**dataclasses.asdict(cfg))
-    bench_sim.warm(llm)
+    llm, reqs = _steady_llm()
     runs = []
     for penalty in PENALTY_RUNS:
         bench_sim.settle()
@@ -518,17 +521,11 @@ def _cpu_sampler_penalties(rows: int = 16, vocab: int = 49152) -> list[dict]:
 
 def _gc_child(args) -> None:
     """gc_pauses' child: this checkout's engine, --gc runs of the 256-stream workload, each collection timed."""
-    import dataclasses
     import gc
     import json
 
-    from engine import LLM
 
-    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=2,
-                       max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=2048)
-    reqs = bench_sim.stream_requests(256, False, "steady")
-    llm = LLM(**dataclasses.asdict(cfg))
-    bench_sim.warm(llm)
+    llm, reqs = _steady_llm()
     bench_sim.settle()
     pauses, start = [], [0.0]
 
@@ -583,15 +580,7 @@ def one(args) -> None:
         print(json.dumps(bench_sim.stream_run(MODEL, kernels, d, int(n), False, path, "steady")), flush=True)
         return
     # instructions' child: build the engine, then --runs runs of the workload (no warm-up: it counts, not times)
-    import dataclasses
-
-    from engine import LLM
-
-    cfg = EngineConfig(model=bench_sim.model_dir(MODEL), device="sim", sim_gpu="h100", pipeline_depth=2,
-                       max_num_seqs=int(n), max_model_len=2048, max_num_batched_tokens=max(2048, int(n)),
-                       sim_kernels_per_layer=bench_sim.KERNELS[kernels])
-    reqs = bench_sim.stream_requests(int(n), False, "steady")
-    llm = LLM(**dataclasses.asdict(cfg))
+    llm, reqs = _steady_llm(n=int(n), kernels=kernels, warm=False)
     steps = 0
     for _ in range(args.runs):
         before = llm.engine.stats().steps
