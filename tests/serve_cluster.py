@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -136,6 +137,27 @@ async def give_up_once_running(cluster, body: dict, running: Callable[[], bool])
             await call
 
 
+def start_serve(port: int, **options) -> int:
+    """serve.start on loopback `port`; the port Serve's HTTP proxy listens on.
+
+    serve.start gives the new proxy a fixed 60 s (Ray's HTTP_PROXY_TIMEOUT) to come up. On the 2-core CI VM
+    beside another module's cluster that once ran out (8 errors in test_lora_serve.py, whose module passed on
+    its own): shut that Serve instance down and start a fresh controller and proxy, once, on a fresh port."""
+    from ray import serve
+
+    for attempt in (1, 2):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
+            return port
+        except TimeoutError as exc:
+            if attempt == 2 or "not available" not in str(exc):
+                raise
+            print(f"serve.start: {exc} Starting Serve again.", file=sys.stderr)
+            serve.shutdown()
+            port = free_port()
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> Iterator[ServeCluster]:
     """Start a private Ray cluster, Serve on a free loopback port, and build_app(app_args) at route "/".
@@ -176,7 +198,7 @@ def serve_cluster(app_args: dict, num_cpus: int = 8, metrics: bool = False) -> I
                     extra.update(_metrics_export_port=cluster.metrics_port, dashboard_port=free_port())
         if app_is_colocated(app_args):  # as build_app resolves it, device "auto" included (Ray is up)
             cluster.engine_deployment = COLOCATED_DEPLOYMENT
-        serve.start(http_options={"host": "127.0.0.1", "port": cluster.port})
+        cluster.port = start_serve(cluster.port)
         serve.run(build_app(app_args), name=cluster.app_name, route_prefix="/")
         yield cluster
     finally:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_cluster import ENGINE_DEPLOYMENT, free_port, wait_for
+from serve_cluster import ENGINE_DEPLOYMENT, free_port, start_serve, wait_for
 
 RAY_CLI = Path(sys.executable).with_name("ray")  # the venv's CLI: same Ray and Python as the driver
 if not RAY_CLI.exists():
@@ -195,7 +195,7 @@ def cluster():
         start_worker(cluster, "worker")
         ray.init(address=cluster.address, namespace=f"tandem-test-{uuid.uuid4().hex[:8]}", log_to_driver=False)
         wait_for(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 30, what="both nodes alive")
-        serve.start(http_options={"host": "127.0.0.1", "port": cluster.http_port}, proxy_location="HeadOnly")
+        cluster.http_port = start_serve(cluster.http_port, proxy_location="HeadOnly")
         serve.run(build_app(APP), name=cluster.app_name, route_prefix="/")
         yield cluster
     finally:
