@@ -15,7 +15,9 @@ as built by default ("http"; on CPU that is the colocated app, one replica with 
 `--app '{"colocated": false}'`), with the engine_transport its default does not pick for the device (grpc on
 the simulated one, ray on CPU; split app only), and with Serve's thread defaults; the cluster runs
 serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
-(RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run).
+(RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run). The settings run one after
+another; `--rounds N` runs them N times, reversing their order every other round, so that a VM's slow spell
+does not always fall on the last.
 
 One run, one model (default: the embedded model), one seeded workload: `--groups` system prompts of
 `--prefix-len` tokens shared by `--requests` requests, each with a unique `--suffix-len`-token tail,
@@ -284,9 +286,9 @@ def machine() -> str:
 
 # ---- --mode path: the serving path at engine speeds it cannot hide behind -----------------------------------
 SERVE_DEFAULTS = "http, Serve's thread defaults"  # Tandem with Serve's own user-code thread and router loop
-OTHER_TRANSPORT = "http, the other engine_transport"
+OTHER_TRANSPORT = "http, the other engine_transport"  # grpc on the simulated device, ray on CPU (auto's other)
 CORE_SHARES_CPUS = "http, core process shares CPUs"  # engine_core_own_cpu=False
-CORE_IN_REPLICA = "http, core on a replica thread"  # engine_core_process=False: the engine loop in the replica  # grpc on the simulated device, ray on CPU (auto's other)
+CORE_IN_REPLICA = "http, core on a replica thread"  # engine_core_process=False: the engine loop in the replica
 SIM_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine", "sim", "models")
 
 
@@ -395,15 +397,18 @@ def bench_path(args, prompts, warm) -> list[dict]:
         if not app_is_colocated(tandem):  # colocated (one CPU replica by default): no engine hop to transport
             settings.append((OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})))
         settings.append((SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults})))
-        for setting, app in settings:
+        # --rounds N: every setting N times, the order reversed every other round, so a VM's slow spell does not
+        # fall on the settings that come last
+        order = [settings if r % 2 == 0 else settings[::-1] for r in range(args.rounds)]
+        for rnd, (setting, app) in ((r, sa) for r, round_ in enumerate(order) for sa in round_):
             serve.run(app, name=APP, route_prefix="/")
             asyncio.run(run_http(port, warm, args, max(args.levels)))
             for c in args.levels:
                 subset = level_prompts(prompts, c, args)
                 measured, cpu = measure_http(port, APP, subset, args, c)
                 rows.append({"setting": setting, **asdict(summarize(setting, subset, c, measured)),
-                             "cpu_s_per_1k_tokens": cpu})
-            for rate in args.rates if setting != "Serve floor" else ():
+                             "cpu_s_per_1k_tokens": cpu, "round": rnd})
+            for rate in args.rates if setting != "Serve floor" and rnd == 0 else ():
                 subset = [prompts[i % len(prompts)] + f" r{i}" for i in range(int(rate * args.open_loop_s))]
                 measured, cpu = measure_http(port, APP, subset, args, 0, rate)
                 rows.append({"setting": setting, **asdict(summarize(setting, subset, 0, measured)),
@@ -425,13 +430,21 @@ def report_path(rows: list[dict], args) -> None:
     for r in rows:
         cpu = r.get("cpu_s_per_1k_tokens")
         cpu_text = " ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(cpu.items())) if cpu else ""
-        print(f"{r['setting']:30} {r['concurrency']:>5} {r['output_tok_s']:>9.0f} {r['ttft_p50_ms']:>8.1f}m "
+        name = r["setting"] + (f" #{r['round'] + 1}" if args.rounds > 1 and "round" in r else "")
+        print(f"{name:30} {r['concurrency']:>5} {r['output_tok_s']:>9.0f} {r['ttft_p50_ms']:>8.1f}m "
               f"{r['ttft_p99_ms']:>8.1f}m {r['tokens_per_event'] or 0:>9.2f}   {cpu_text}")
     for r in rows:
         if r.get("rate_per_s"):
             print(f"open loop {r['rate_per_s']:g} req/s, {r['setting']}: {r['output_tok_s']:.0f} tok/s, TTFT p50 / p99 "
                   f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} ms, e2e p50 {r['e2e_p50_ms']:.0f} ms, "
                   f"{r['tokens_per_event']} tokens per event")
+    if args.rounds > 1:
+        for c in args.levels:
+            for s in dict.fromkeys(r["setting"] for r in rows if "round" in r):
+                mine = [r for r in rows if r["setting"] == s and r["concurrency"] == c and "round" in r]
+                print(f"c={c} {s}, rounds 1-{args.rounds}: tok/s "
+                      + " / ".join(f"{r['output_tok_s']:.0f}" for r in mine) + ", TTFT p50 ms "
+                      + " / ".join(f"{r['ttft_p50_ms']:.1f}" for r in mine))
     for c in args.levels:
         d, h, f, sd, rt = (next((r for r in rows if r["setting"] == s and r["concurrency"] == c), None)
                            for s in ("direct", "http", "Serve floor", SERVE_DEFAULTS, OTHER_TRANSPORT))
@@ -456,6 +469,8 @@ def main() -> None:
     p.add_argument("--requests-per-stream", type=int, default=2, help="path mode: requests per concurrency slot")
     p.add_argument("--min-requests", type=int, default=24)
     p.add_argument("--app", default="{}", help="path mode: extra app args as JSON")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="path mode: run the HTTP settings this many times, alternating their order")
     p.add_argument("--rates", default="", help="path mode: open-loop arrival rates (requests/s), comma-separated")
     p.add_argument("--open-loop-s", type=float, default=20.0, help="path mode: seconds of arrivals per rate")
     p.add_argument("--requests", type=int, default=96)
