@@ -145,17 +145,17 @@ def start_serve(port: int, **options) -> int:
     its own): shut that Serve instance down and start a fresh controller and proxy, once, on a fresh port."""
     from ray import serve
 
-    for attempt in (1, 2):
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
-            return port
-        except TimeoutError as exc:
-            if attempt == 2 or "not available" not in str(exc):
-                raise
-            print(f"serve.start: {exc} Starting Serve again.", file=sys.stderr)
-            serve.shutdown()
-            port = free_port()
-    raise AssertionError("unreachable")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
+        return port
+    except TimeoutError as exc:
+        if "not available" not in str(exc):
+            raise
+        print(f"serve.start: {exc} Starting Serve again.", file=sys.stderr)
+        serve.shutdown()
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
+    return port
 
 
 @contextlib.contextmanager
