@@ -524,7 +524,6 @@ def _gc_child(args) -> None:
     import gc
     import json
 
-
     llm, reqs = _steady_llm()
     bench_sim.settle()
     pauses, start = [], [0.0]
