@@ -399,21 +399,21 @@ def bench_path(args, prompts, warm) -> list[dict]:
         settings.append((SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults})))
         # --rounds N: every setting N times, the order reversed every other round, so a VM's slow spell does not
         # fall on the settings that come last
-        order = [settings if r % 2 == 0 else settings[::-1] for r in range(args.rounds)]
-        for rnd, (setting, app) in ((r, sa) for r, round_ in enumerate(order) for sa in round_):
-            serve.run(app, name=APP, route_prefix="/")
-            asyncio.run(run_http(port, warm, args, max(args.levels)))
-            for c in args.levels:
-                subset = level_prompts(prompts, c, args)
-                measured, cpu = measure_http(port, APP, subset, args, c)
-                rows.append({"setting": setting, **asdict(summarize(setting, subset, c, measured)),
-                             "cpu_s_per_1k_tokens": cpu, "round": rnd})
-            for rate in args.rates if setting != "Serve floor" and rnd == 0 else ():
-                subset = [prompts[i % len(prompts)] + f" r{i}" for i in range(int(rate * args.open_loop_s))]
-                measured, cpu = measure_http(port, APP, subset, args, 0, rate)
-                rows.append({"setting": setting, **asdict(summarize(setting, subset, 0, measured)),
-                             "rate_per_s": rate, "cpu_s_per_1k_tokens": cpu})
-            serve.delete(APP)
+        for rnd in range(args.rounds):
+            for setting, app in settings if rnd % 2 == 0 else settings[::-1]:
+                serve.run(app, name=APP, route_prefix="/")
+                asyncio.run(run_http(port, warm, args, max(args.levels)))
+                for c in args.levels:
+                    subset = level_prompts(prompts, c, args)
+                    measured, cpu = measure_http(port, APP, subset, args, c)
+                    rows.append({"setting": setting, **asdict(summarize(setting, subset, c, measured)),
+                                 "cpu_s_per_1k_tokens": cpu, "round": rnd})
+                for rate in args.rates if setting != "Serve floor" and rnd == 0 else ():
+                    subset = [prompts[i % len(prompts)] + f" r{i}" for i in range(int(rate * args.open_loop_s))]
+                    measured, cpu = measure_http(port, APP, subset, args, 0, rate)
+                    rows.append({"setting": setting, **asdict(summarize(setting, subset, 0, measured)),
+                                 "rate_per_s": rate, "cpu_s_per_1k_tokens": cpu})
+                serve.delete(APP)
     finally:
         serve.shutdown()
         ray.shutdown()
