@@ -9,15 +9,16 @@ TTFT floor of Ray Serve itself (an app of the same shape with no engine) to spli
 `--mode path` is the data-path benchmark: one engine replica behind HTTP vs the same engine called directly,
 at each of `--levels` concurrencies, beside Ray Serve's floor (a no-engine app of the same shape) at each
 level, with the CPU seconds that the proxy, ingress and engine replica processes spent per 1,000 streamed
-tokens. `--device sim` runs the simulated H100 (Qwen2.5-0.5B shape: the device time is MODELLED, the host
-work is real), so the engine is not the bottleneck and what is left is the serving path. Tandem's app runs
+tokens, and those of this process (`client`, the load generator on the same cores) and of the whole machine.
+`--device sim` runs the simulated H100 (Qwen2.5-0.5B shape: the device time is MODELLED, the host work is
+real), so the engine is not the bottleneck and what is left is the serving path. Tandem's app runs
 as built by default ("http"; on CPU that is the colocated app, one replica with the engine inside, unless
 `--app '{"colocated": false}'`), with the engine_transport its default does not pick for the device (grpc on
 the simulated one, ray on CPU; split app only), and with Serve's thread defaults; the cluster runs
 serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
 (RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run). The settings run one after
 another; `--rounds N` runs them N times, reversing their order every other round, so that a VM's slow spell
-does not always fall on the last.
+does not always fall on the last; `--settings` picks some of them.
 
 One run, one model (default: the embedded model), one seeded workload: `--groups` system prompts of
 `--prefix-len` tokens shared by `--requests` requests, each with a unique `--suffix-len`-token tail,
@@ -289,6 +290,8 @@ SERVE_DEFAULTS = "http, Serve's thread defaults"  # Tandem with Serve's own user
 OTHER_TRANSPORT = "http, the other engine_transport"  # grpc on the simulated device, ray on CPU (auto's other)
 CORE_SHARES_CPUS = "http, core process shares CPUs"  # engine_core_own_cpu=False
 CORE_IN_REPLICA = "http, core on a replica thread"  # engine_core_process=False: the engine loop in the replica
+SETTING_KEYS = {"Serve floor": "floor", "http": "http", SERVE_DEFAULTS: "serve-threads", OTHER_TRANSPORT: "transport",
+                CORE_SHARES_CPUS: "shares-cpus", CORE_IN_REPLICA: "core-thread"}  # --settings' names
 SIM_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine", "sim", "models")
 
 
@@ -349,12 +352,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds every process on this machine has spent (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_http(port: int, app: str, prompts, args, concurrency: int, rate: float | None = None):
+    """The run's figures, and CPU ms per 1,000 streamed tokens: of each Serve process, of "client" (this process:
+    the load generator, on the same cores) and of "machine" (every process, Ray's own among them)."""
     pids = serve_pids(app)
     before = {r: cpu_seconds(p) for r, p in pids.items()}
+    client0, machine0 = time.process_time(), machine_cpu_seconds()
     measured = asyncio.run(run_http(port, prompts, args, concurrency, rate))
     tokens = measured[3] or 1
     cpu = {r: round((cpu_seconds(p) - before[r]) * 1000 / tokens, 3) for r, p in pids.items()}
+    cpu["client"] = round((time.process_time() - client0) * 1000 / tokens, 3)
+    cpu["machine"] = round((machine_cpu_seconds() - machine0) * 1000 / tokens, 3)
     return measured, cpu
 
 
@@ -397,6 +412,8 @@ def bench_path(args, prompts, warm) -> list[dict]:
         if not app_is_colocated(tandem):  # colocated (one CPU replica by default): no engine hop to transport
             settings.append((OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})))
         settings.append((SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults})))
+        if args.settings:  # --settings: only the named ones, in their usual order
+            settings = [(name, app) for name, app in settings if SETTING_KEYS[name] in args.settings]
         # --rounds N: every setting N times, the order reversed every other round, so a VM's slow spell does not
         # fall on the settings that come last
         for rnd in range(args.rounds):
@@ -446,13 +463,12 @@ def report_path(rows: list[dict], args) -> None:
                       + " / ".join(f"{r['output_tok_s']:.0f}" for r in mine) + ", TTFT p50 ms "
                       + " / ".join(f"{r['ttft_p50_ms']:.1f}" for r in mine))
     for c in args.levels:
-        d, h, f, sd, rt = (next((r for r in rows if r["setting"] == s and r["concurrency"] == c), None)
-                           for s in ("direct", "http", "Serve floor", SERVE_DEFAULTS, OTHER_TRANSPORT))
-        other = "" if rt is None else \
-            f", with engine_transport {other_transport(args)} {rt['output_tok_s'] / d['output_tok_s']:.2f}"
-        print(f"c={c}: http/direct tok/s {h['output_tok_s'] / d['output_tok_s']:.2f} (with Serve's thread defaults "
-              f"{sd['output_tok_s'] / d['output_tok_s']:.2f}{other}); TTFT p50 overhead "
-              f"{h['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms (Serve floor {f['ttft_p50_ms']:.1f} ms)")
+        d, o = (next(r for r in rows if r["setting"] == s and r["concurrency"] == c) for s in ("direct", "offline"))
+        for s in dict.fromkeys(r["setting"] for r in rows if "round" in r):
+            h = next(r for r in rows if r["setting"] == s and r["concurrency"] == c)
+            print(f"c={c} {s} (round 1): tok/s {h['output_tok_s'] / o['output_tok_s']:.2f}x offline, "
+                  f"{h['output_tok_s'] / d['output_tok_s']:.2f}x direct; TTFT p50 "
+                  f"{h['ttft_p50_ms'] - d['ttft_p50_ms']:+.1f} ms over direct")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "engine": label,
@@ -471,6 +487,8 @@ def main() -> None:
     p.add_argument("--app", default="{}", help="path mode: extra app args as JSON")
     p.add_argument("--rounds", type=int, default=1,
                    help="path mode: run the HTTP settings this many times, alternating their order")
+    p.add_argument("--settings", default="",
+                   help="path mode: only these HTTP settings, comma-separated from " + ",".join(SETTING_KEYS.values()))
     p.add_argument("--rates", default="", help="path mode: open-loop arrival rates (requests/s), comma-separated")
     p.add_argument("--open-loop-s", type=float, default=20.0, help="path mode: seconds of arrivals per rate")
     p.add_argument("--requests", type=int, default=96)
@@ -487,6 +505,10 @@ def main() -> None:
     args.levels = [int(x) for x in args.levels.split(",") if x]
     args.rates = [float(x) for x in args.rates.split(",") if x]
     args.app = json.loads(args.app)
+    args.settings = [x for x in args.settings.split(",") if x]
+    unknown = set(args.settings) - set(SETTING_KEYS.values())
+    if unknown:
+        p.error(f"--settings: unknown {sorted(unknown)}; choose from {sorted(SETTING_KEYS.values())}")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     apply_cluster_env()  # the cluster scripts/serve.sh starts
 
