@@ -5,10 +5,11 @@ ray.serve.metrics, which adds the deployment / replica / application labels); th
 (dashboards/grafana.py), its tests and docs/operations.md read them from here. Nothing here imports Ray.
 
 Ray exports a metric registered as `name` under `ray_<name>`; counters get a `_total` suffix; histograms
-are the usual `_bucket` / `_sum` / `_count` series. Ray 2.60 rebuilds a histogram's `_sum` from bucket
-midpoints (ray/_private/telemetry/open_telemetry_metric_recorder.py says so), so it is only an estimate:
-every histogram here also exports the exact sum of its observations as `<name>_total` (a "total", see
-MetricSpec), and means are rate(<name>_total) / rate(<name>_count).
+are the usual `_bucket` / `_sum` / `_count` series, counted in the replica and set as Ray gauges
+(cluster.metrics.BucketedHistogram: Ray's Histogram takes a call per observation). Their `_sum` is exact.
+Every histogram also exports the exact sum of its observations as `<name>_total` (a "total", see
+MetricSpec; from when Ray 2.60's Histogram rebuilt `_sum` from bucket midpoints), and means are
+rate(<name>_total) / rate(<name>_count).
 
 Latencies are split into two parts (label `part`), so Serve time and engine time can be told apart:
   engine  measured inside the engine on its own clock: queue = arrival -> first scheduled step,

@@ -160,6 +160,9 @@ def assert_histogram_sane(exported: dict, spec: m.MetricSpec) -> None:
         assert counts[-1] == count  # +Inf bucket holds them all
     assert all(v >= 0 for _, v in exported[spec.exported + "_sum"])
     assert all(v >= 0 for _, v in exported[spec.sum_spec.exported])
+    # _sum is exact (cluster.metrics.BucketedHistogram): equal to the running-sum companion, label set by label set
+    exact = {tuple(sorted(lab.items())): v for lab, v in exported[spec.sum_spec.exported]}
+    assert {tuple(sorted(lab.items())): pytest.approx(v) for lab, v in exported[spec.exported + "_sum"]} == exact
 
 
 def test_engine_state_and_step_metrics(exported, traffic, cluster):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.metrics import EngineMetrics, IngressMetrics, MetricsBuffer, RequestTiming
+from cluster.metrics import BucketedHistogram, EngineMetrics, IngressMetrics, MetricsBuffer, RequestTiming
 from cluster.protocol import GenerateChunk
 from dashboards import metrics as m
 from engine.outputs import RequestOutput, StepRecord
@@ -31,14 +31,17 @@ class Recorded:
     def inc(self, value, tags=None):
         self.calls.append(("inc", value, tags))
 
-    def observe(self, value, tags=None):
-        self.calls.append(("observe", value, tags))
+    def observe(self, value, tags=None, count=1):  # a histogram (BucketedHistogram's interface)
+        self.calls += [("observe", value, tags)] * count
+
+    def publish(self):
+        self.calls.append(("publish", None, None))
 
     def set(self, value, tags=None):
         self.calls.append(("set", value, tags))
 
     def values(self, tags=None) -> list[float]:
-        return [v for _, v, t in self.calls if tags is None or t == tags]
+        return [v for op, v, t in self.calls if op != "publish" and (tags is None or t == tags)]
 
 
 class FakeLLM:
@@ -204,3 +207,42 @@ def test_flush_thread_applies_pending_updates_and_survives_a_failing_collect():
     buf.stop()
     assert calls["n"] >= 3
     assert len(buf.metrics[m.REQUESTS.name].calls) == 1
+
+
+def test_bucketed_histogram_publishes_the_series_rays_histogram_would():
+    """Prometheus' histogram: cumulative `_bucket` counts by `le` (a value on a bound counts in that bucket),
+    `+Inf` holding every observation, `_count`, and the exact `_sum`; label sets kept apart; running values."""
+    spec = m.MetricSpec("tandem_x_seconds", "histogram", "x", (m.PART,), (0.5, 1, 2.0))
+    h = BucketedHistogram(spec, Recorded)
+    # the series Ray's Histogram would export under this name (the exact-sum companion stays the buffer's)
+    assert {m.RAY_PREFIX + g.spec.name for g in (h._bucket, h._count, h._sum)} == set(spec.series) - set(
+        spec.sum_spec.series)
+    assert h._bucket.spec.labels == (m.PART, "le") and h._bucket.spec.kind == "gauge"
+    engine, serve = {m.PART: "engine"}, {m.PART: "serve"}
+    h.observe(0.5, engine)
+    h.observe(0.7, engine, count=3)
+    h.observe(5.0, engine)
+    h.observe(0.1, serve)
+    h.publish()
+
+    def buckets(tags):  # the last value set for each `le`
+        return {t["le"]: v for _, v, t in h._bucket.calls if {k: x for k, x in t.items() if k != "le"} == tags}
+
+    assert buckets(engine) == {"0.5": 1.0, "1.0": 4.0, "2.0": 4.0, "+Inf": 5.0}
+    assert buckets(serve) == {"0.5": 1.0, "1.0": 1.0, "2.0": 1.0, "+Inf": 1.0}
+    assert h._count.values(engine) == [5.0] and h._sum.values(engine) == pytest.approx([0.5 + 2.1 + 5.0])
+    h.observe(1.5, engine)
+    h.publish()
+    assert buckets(engine) == {"0.5": 1.0, "1.0": 4.0, "2.0": 5.0, "+Inf": 6.0}
+    assert h._count.values(engine)[-1] == 6.0 and h._sum.values(engine)[-1] == pytest.approx(9.1)
+
+
+def test_the_buffer_publishes_its_histograms_at_each_flush():
+    buf = MetricsBuffer([m.ITL], None, period_s=IDLE_PERIOD, factory=Recorded)
+    buf.add(m.ITL, 0.01, {m.PART: "engine"}, count=3)
+    buf.flush()
+    itl = buf.metrics[m.ITL.name]
+    assert itl.values() == [0.01] * 3 and itl.calls[-1][0] == "publish"
+    buf.flush()  # nothing new: published again all the same (Ray drops a gauge that is not set again)
+    assert [op for op, _, _ in itl.calls].count("publish") == 2
+    buf.stop()
