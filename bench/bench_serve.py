@@ -133,6 +133,36 @@ async def run_http(port: int, prompts: list[str], args, concurrency: int,
             ttfts.append(((first or end) - t0) * 1e3)
             e2es.append((end - t0) * 1e3)
 
+    async def one_aiohttp(session, prompt: str, delay: float) -> None:  # `one` on aiohttp's C HTTP parser
+        nonlocal tokens, events
+        await asyncio.sleep(delay)
+        async with sem:
+            t0 = time.perf_counter()
+            first = None
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json={**body, "prompt": prompt}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:300]!r}")
+                async for raw in r.content:  # lines
+                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(raw[6:])
+                    events += bool(chunk["choices"])
+                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                        first = time.perf_counter()
+                    if chunk.get("usage"):
+                        tokens += chunk["usage"]["completion_tokens"]
+            end = time.perf_counter()
+            ttfts.append(((first or end) - t0) * 1e3)
+            e2es.append((end - t0) * 1e3)
+
+    if args.client == "aiohttp":
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=concurrency + 8)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one_aiohttp(session, p, d) for p, d in zip(prompts, delays)))
+            return time.perf_counter() - t0, ttfts, e2es, tokens, events
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, p, d) for p, d in zip(prompts, delays)))
@@ -489,6 +519,9 @@ def main() -> None:
                    help="path mode: run the HTTP settings this many times, alternating their order")
     p.add_argument("--settings", default="",
                    help="path mode: only these HTTP settings, comma-separated from " + ",".join(SETTING_KEYS.values()))
+    p.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp",
+                   help="the load generator's HTTP client (its CPU shares the cores: see the client column); "
+                        "records before 2026-12-02 used httpx")
     p.add_argument("--rates", default="", help="path mode: open-loop arrival rates (requests/s), comma-separated")
     p.add_argument("--open-loop-s", type=float, default=20.0, help="path mode: seconds of arrivals per rate")
     p.add_argument("--requests", type=int, default=96)

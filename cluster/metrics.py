@@ -90,6 +90,7 @@ class MetricsBuffer:
     def __init__(self, specs: Iterable[m.MetricSpec], collect: Callable[[], None] | None = None,
                  period_s: float = FLUSH_PERIOD_S, factory: Callable = ray_metric):
         specs = list(specs)
+        self._sum_names = {spec.name: spec.sum_spec.name for spec in specs if spec.kind == "histogram"}
         specs += [spec.sum_spec for spec in specs if spec.sum_spec is not None]
         self.metrics = {spec.name: factory(spec) for spec in specs}
         self._histograms = [self.metrics[spec.name] for spec in specs if spec.kind == "histogram"]
@@ -112,7 +113,7 @@ class MetricsBuffer:
             metric.inc(value * count, tags)
         elif spec.kind == "histogram":
             metric.observe(value, tags, count)
-            key = (spec.sum_spec.name, tuple(sorted((tags or {}).items())))
+            key = (self._sum_names[spec.name], tuple(sorted((tags or {}).items())))  # (sum_spec builds a spec)
             self._sums[key] = self._sums.get(key, 0.0) + value * count
         else:
             metric.set(value, tags)
