@@ -30,16 +30,27 @@ from serve_app.tools import load_chat_template
 INGRESS_MAX_ONGOING = 4096  # per ingress replica: the engines' limits apply behind it
 COLOCATED_DEPLOYMENT = "TandemReplica"  # AppConfig.colocated: the one deployment, ingress and engine
 
-# Serve runs a replica's user code in a thread of its own by default. Here it runs on Serve's own loop: the
-# engine replica's stream generator is then asked for its next chunk only once Ray has taken the last one,
-# so whatever the engine committed in between leaves as one chunk (streams coalesce by themselves under
-# load, without a timer), and no item crosses a thread twice: more streamed tokens per second when the
-# serving path is the bottleneck, and a lower TTFT at equal offered load. The handle's router stays on its
-# own loop: running it on the ingress's loop too (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no
-# throughput that survived the noise and raised TTFT under heavy load. Measured with bench/bench_serve.py
-# --mode path: docs/serving.md#streams-coalesce-by-themselves. Set here, since replicas inherit the cluster's
-# environment and CLUSTER_ENV puts the proxy's router on the proxy's loop.
+# Serve runs a replica's user code in a thread of its own by default. For a CPU engine it runs on Serve's own
+# loop (SERVE_ENV): the engine replica's stream generator is then asked for its next chunk only once Ray has
+# taken the last one, so whatever the engine committed in between leaves as one chunk, and no item crosses a
+# thread twice. The handle's router stays on its own loop: running it on the ingress's loop too
+# (RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0) added no throughput that survived the noise and raised TTFT under
+# heavy load. Measured with bench/bench_serve.py --mode path: docs/serving.md#streams-coalesce-by-themselves.
+# Set here, since replicas inherit the cluster's environment and CLUSTER_ENV puts the proxy's router on the
+# proxy's loop.
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+# On a GPU (and the simulated one) the replicas keep Serve's own user-code thread: with the engine outrunning the
+# serving path, each chunk then carried more tokens and more were streamed, with a lower TTFT, at every load
+# measured (1-256 SIMULATED H100 streams, docs/serving.md#streams-coalesce-by-themselves). On CPU, where the
+# engine is the bottleneck, the thread measured level or behind, and Serve's loop stays.
+SERVE_ENV_ACCELERATOR = {**SERVE_ENV, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
+
+
+def serve_env(device: str) -> dict[str, str]:
+    """Serve's switches for the replicas of an app whose engine runs on `device` (cpu, cuda, sim)."""
+    return SERVE_ENV if device == "cpu" else SERVE_ENV_ACCELERATOR
+
+
 # Environment for the whole Ray cluster (scripts/serve.sh exports it; with `ray start`, set it there): Serve's
 # HTTP proxy hands requests and their SSE events to the ingress over gRPC instead of Ray actor calls with a
 # streaming generator. Serve reads it in the proxy process, which no app option reaches. A gRPC chunk costs
@@ -344,7 +355,7 @@ def build_app(args: dict | None = None) -> serve.Application:
             max_replicas=cfg.ingress_max_replicas, target_ongoing_requests=cfg.ingress_target_ongoing_requests,
             upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)}
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress", max_ongoing_requests=INGRESS_MAX_ONGOING,
-                               ray_actor_options={"num_cpus": 0, **_user_code(cfg),
+                               ray_actor_options={"num_cpus": 0, **_user_code(cfg, device),
                                                   **({"resources": cfg.ingress_resources} if cfg.ingress_resources
                                                      else {})},
                                graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
@@ -363,7 +374,7 @@ def _engine_replica_options(cfg: AppConfig, engine_cfg: EngineConfig, device: st
     tcmalloc on CPU), its health checks, its draining and its spread over nodes."""
     actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus if cfg.replica_num_cpus is not None
                                      else (1 if device == "cuda" else 0.5),
-                                     **_user_code(cfg, cpu_alloc.preload_env() if device == "cpu" else {})}
+                                     **_user_code(cfg, device, cpu_alloc.preload_env() if device == "cpu" else {})}
     if device == "cuda" and engine_cfg.pipeline_parallel_size == 1:
         actor_options["num_gpus"] = 1
     options: dict[str, Any] = dict(
@@ -423,10 +434,11 @@ def _colocated_deployment(cfg: AppConfig, engine_cfg: EngineConfig, device: str)
                             num_replicas=cfg.num_replicas or 1, **_engine_replica_options(cfg, engine_cfg, device))
 
 
-def _user_code(cfg: AppConfig, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Actor options giving a replica process its environment (Serve reads its switches when it starts): SERVE_ENV,
-    then `env` (a CPU engine replica's: tcmalloc preloaded, engine/cpu/alloc.py), then the user's replica_env."""
-    return {"runtime_env": {"env_vars": {**SERVE_ENV, **(env or {}), **cfg.replica_env}}}
+def _user_code(cfg: AppConfig, device: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Actor options giving a replica process its environment (Serve reads its switches when it starts): the
+    device's serve_env(), then `env` (a CPU engine replica's: tcmalloc preloaded, engine/cpu/alloc.py), then the
+    user's replica_env."""
+    return {"runtime_env": {"env_vars": {**serve_env(device), **(env or {}), **cfg.replica_env}}}
 
 
 def _resolve_device(device: str) -> str:

@@ -495,8 +495,12 @@ def test_cpu_engine_replicas_preload_tcmalloc_and_nothing_else_does(monkeypatch,
     assert app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == serve_env  # not the ingress
     colocated = build_app({"device": "cpu"})._bound_deployment  # the one replica runs the engine: preloaded
     assert colocated.name == COLOCATED_DEPLOYMENT and colocated.ray_actor_options["runtime_env"]["env_vars"] == env
-    sim = build_app({"device": "sim"})
-    assert engine_deployment(sim).ray_actor_options["runtime_env"]["env_vars"] == serve_env  # not off CPU
+    sim = build_app({"device": "sim"})  # not off CPU; and off CPU the replicas keep Serve's user-code thread
+    assert engine_deployment(sim).ray_actor_options["runtime_env"]["env_vars"] == {
+        **serve_env, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
+    split_sim = build_app({"device": "sim", "colocated": False})
+    assert split_sim._bound_deployment.ray_actor_options["runtime_env"]["env_vars"] == {  # its ingress likewise
+        **serve_env, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
     off = build_app({"device": "cpu", "replica_env": {"LD_PRELOAD": ""}})  # the user's word wins
     assert engine_deployment(off).ray_actor_options["runtime_env"]["env_vars"]["LD_PRELOAD"] == ""
 
