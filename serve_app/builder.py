@@ -120,8 +120,8 @@ class AppConfig(BaseModel):
     # streams per ingress replica. Every proxy spreads its requests over the ingress replicas.
     ingress_max_replicas: int | None = Field(default=None, ge=1)
     ingress_target_ongoing_requests: float = Field(default=128.0, gt=0)
-    # Environment of the ingress and engine replica processes, over SERVE_ENV (Serve's own switches are read
-    # when a replica starts; see SERVE_ENV for the defaults and why) and, for CPU engine replicas, tcmalloc
+    # Environment of the ingress and engine replica processes, over serve_env(device) (Serve's own switches are
+    # read when a replica starts; see SERVE_ENV for the defaults and why) and, for CPU engine replicas, tcmalloc
     # preloaded where it is installed (engine/cpu/alloc.py; {"LD_PRELOAD": ""} runs them on glibc's malloc).
     replica_env: dict[str, str] = Field(default_factory=dict)
     # How the ingress streams from the engine replicas. "grpc": Serve's gRPC transport between deployments,
