@@ -110,47 +110,38 @@ async def run_http(port: int, prompts: list[str], args, concurrency: int,
     body = {"model": "tandem-default", "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
-    async def one(client: httpx.AsyncClient, prompt: str, delay: float) -> None:
-        nonlocal tokens, events
-        await asyncio.sleep(delay)
-        async with sem:
-            t0 = time.perf_counter()
-            first = None
-            async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
-                                     json={**body, "prompt": prompt}) as r:
-                if r.status_code != 200:  # a failed request must not count as a fast one
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    events += bool(chunk["choices"])
-                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                        first = time.perf_counter()
-                    if chunk.get("usage"):
-                        tokens += chunk["usage"]["completion_tokens"]
-            end = time.perf_counter()
-            ttfts.append(((first or end) - t0) * 1e3)
-            e2es.append((end - t0) * 1e3)
+    url = f"http://127.0.0.1:{port}/v1/completions"
 
-    async def one_aiohttp(session, prompt: str, delay: float) -> None:  # `one` on aiohttp's C HTTP parser
+    async def httpx_lines(client: httpx.AsyncClient, payload: dict):
+        """One stream's data lines, without the [DONE] one."""
+        async with client.stream("POST", url, json=payload) as r:
+            if r.status_code != 200:  # a failed request must not count as a fast one
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield line
+
+    async def aiohttp_lines(session, payload: dict):  # the same on aiohttp's C HTTP parser (bytes)
+        async with session.post(url, json=payload) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:300]!r}")
+            async for line in r.content:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    yield line
+
+    async def one(lines, client, prompt: str, delay: float) -> None:
         nonlocal tokens, events
         await asyncio.sleep(delay)
         async with sem:
             t0 = time.perf_counter()
             first = None
-            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json={**body, "prompt": prompt}) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.read())[:300]!r}")
-                async for raw in r.content:  # lines
-                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(raw[6:])
-                    events += bool(chunk["choices"])
-                    if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                        first = time.perf_counter()
-                    if chunk.get("usage"):
-                        tokens += chunk["usage"]["completion_tokens"]
+            async for line in lines(client, {**body, "prompt": prompt}):
+                chunk = json.loads(line[6:])
+                events += bool(chunk["choices"])
+                if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                    first = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens += chunk["usage"]["completion_tokens"]
             end = time.perf_counter()
             ttfts.append(((first or end) - t0) * 1e3)
             e2es.append((end - t0) * 1e3)
@@ -158,14 +149,14 @@ async def run_http(port: int, prompts: list[str], args, concurrency: int,
     if args.client == "aiohttp":
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=concurrency + 8)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one_aiohttp(session, p, d) for p, d in zip(prompts, delays)))
-            return time.perf_counter() - t0, ttfts, e2es, tokens, events
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 8)) as client:
+        lines, client = aiohttp_lines, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8),
+                                                             timeout=aiohttp.ClientTimeout(total=300))
+    else:
+        lines, client = httpx_lines, httpx.AsyncClient(timeout=300,
+                                                       limits=httpx.Limits(max_connections=concurrency + 8))
+    async with client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(client, p, d) for p, d in zip(prompts, delays)))
+        await asyncio.gather(*(one(lines, client, p, d) for p, d in zip(prompts, delays)))
         return time.perf_counter() - t0, ttfts, e2es, tokens, events
 
 
