@@ -14,7 +14,8 @@ tokens, and those of this process (`client`, the load generator on the same core
 real), so the engine is not the bottleneck and what is left is the serving path. Tandem's app runs
 as built by default ("http"; on CPU that is the colocated app, one replica with the engine inside, unless
 `--app '{"colocated": false}'`), with the engine_transport its default does not pick for the device (grpc on
-the simulated one, ray on CPU; split app only), and with Serve's thread defaults; the cluster runs
+the simulated one, ray on CPU; split app only), and with the replicas' code where the app does not put it for
+the device (serve_app.builder.serve_env: Serve's thread defaults on CPU, Serve's loop elsewhere); the cluster runs
 serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
 (RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run). The settings run one after
 another; `--rounds N` runs them N times, reversing their order every other round, so that a VM's slow spell
@@ -51,8 +52,8 @@ from ray import serve
 
 from engine import LLM, AsyncLLM, SamplingParams
 from serve_app import build_app
-from serve_app.builder import (COLOCATED_DEPLOYMENT, app_core_process, app_is_colocated, apply_cluster_env,
-                               engine_transport)
+from serve_app.builder import (COLOCATED_DEPLOYMENT, SERVE_ENV, SERVE_ENV_ACCELERATOR, app_core_process,
+                               app_is_colocated, apply_cluster_env, engine_transport, serve_env)
 
 APP = "tandem_bench"
 
@@ -308,11 +309,13 @@ def machine() -> str:
 
 # ---- --mode path: the serving path at engine speeds it cannot hide behind -----------------------------------
 SERVE_DEFAULTS = "http, Serve's thread defaults"  # Tandem with Serve's own user-code thread and router loop
+SERVE_LOOP = "http, replica code on Serve's loop"  # SERVE_ENV where the app keeps Serve's thread (off CPU)
 OTHER_TRANSPORT = "http, the other engine_transport"  # grpc on the simulated device, ray on CPU (auto's other)
 CORE_SHARES_CPUS = "http, core process shares CPUs"  # engine_core_own_cpu=False
 CORE_IN_REPLICA = "http, core on a replica thread"  # engine_core_process=False: the engine loop in the replica
-SETTING_KEYS = {"Serve floor": "floor", "http": "http", SERVE_DEFAULTS: "serve-threads", OTHER_TRANSPORT: "transport",
-                CORE_SHARES_CPUS: "shares-cpus", CORE_IN_REPLICA: "core-thread"}  # --settings' names
+SETTING_KEYS = {"Serve floor": "floor", "http": "http", SERVE_DEFAULTS: "serve-threads", SERVE_LOOP: "serve-loop",
+                OTHER_TRANSPORT: "transport", CORE_SHARES_CPUS: "shares-cpus",
+                CORE_IN_REPLICA: "core-thread"}  # --settings' names
 SIM_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine", "sim", "models")
 
 
@@ -425,14 +428,16 @@ def bench_path(args, prompts, warm) -> list[dict]:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         tandem = {**engine_args(args), "served_model_name": "tandem-default", **args.app}
-        defaults = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
         settings = [("Serve floor", floor_app(args.max_tokens)), ("http", build_app(tandem)),
                     (CORE_IN_REPLICA, build_app({**tandem, "engine_core_process": False}))]
         if app_core_process(tandem):  # the replica off the core's CPU (the default), or sharing it
             settings.append((CORE_SHARES_CPUS, build_app({**tandem, "engine_core_own_cpu": False})))
         if not app_is_colocated(tandem):  # colocated (one CPU replica by default): no engine hop to transport
             settings.append((OTHER_TRANSPORT, build_app({**tandem, "engine_transport": other_transport(args)})))
-        settings.append((SERVE_DEFAULTS, build_app({**tandem, "replica_env": defaults})))
+        # the replicas' code where the app does not put it for this device (serve_app.builder.serve_env)
+        other_env = (SERVE_DEFAULTS, SERVE_ENV_ACCELERATOR) if serve_env(args.device) == SERVE_ENV else \
+            (SERVE_LOOP, SERVE_ENV)
+        settings.append((other_env[0], build_app({**tandem, "replica_env": other_env[1]})))
         if args.settings:  # --settings: only the named ones, in their usual order
             settings = [(name, app) for name, app in settings if SETTING_KEYS[name] in args.settings]
         # --rounds N: every setting N times, the order reversed every other round, so a VM's slow spell does not
