@@ -92,17 +92,22 @@ def recording_cost(args) -> dict[str, list[float]]:
             from cluster.metrics import EngineMetrics, ray_metric
             from engine.outputs import RequestOutput, StepRecord
 
-            class RayHistogram:  # the exporter before BucketedHistogram: Ray's Histogram, one call per observation
+            class RayHistogram:  # the exporter before BucketedHistogram: Ray's Histogram, one call per observation,
+                # and the buffer's exact running sum by label set for the `_total` companion
                 def __init__(self, spec):
                     self.h = serve_metrics.Histogram(spec.name + "_rayh", spec.description, list(spec.buckets),
                                                      spec.labels or None)
+                    self.total, self.sums = ray_metric(spec.sum_spec), {}
 
                 def observe(self, value, tags=None, count=1):
                     for _ in range(count):
                         self.h.observe(value, tags)
+                    key = tuple(sorted((tags or {}).items()))
+                    self.sums[key] = self.sums.get(key, 0.0) + value * count
 
                 def publish(self):
-                    pass
+                    for key, total in self.sums.items():
+                        self.total.set(total, dict(key) or None)
 
             def factory(spec):  # (the Ray Histogram's name apart: its _bucket series would be the gauges')
                 return RayHistogram(spec) if kind == "ray" and spec.kind == "histogram" else ray_metric(spec)

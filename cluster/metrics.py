@@ -41,7 +41,8 @@ def ray_metric(spec: m.MetricSpec):
 
 class BucketedHistogram:
     """A histogram counted in this process and published as its Prometheus series: `<name>_bucket` (label `le`,
-    cumulative), `<name>_count` and `<name>_sum`, each a Ray gauge holding the running value.
+    cumulative), `<name>_count` and `<name>_sum`, each a Ray gauge holding the running value, and the exact-sum
+    companion `<name>_total` (MetricSpec.sum_spec, which the dashboards' PromQL reads) holding the same sum.
 
     Why not Ray's Histogram: it takes one call per observation (no count), each a few microseconds, and the
     ITL is one observation per token, so at GPU rates those calls took a large share of the replica's CPU,
@@ -56,6 +57,7 @@ class BucketedHistogram:
         self._bucket = factory(m.MetricSpec(spec.name + "_bucket", "gauge", spec.description, spec.labels + ("le",)))
         self._count = factory(m.MetricSpec(spec.name + "_count", "gauge", spec.description, spec.labels))
         self._sum = factory(m.MetricSpec(spec.name + "_sum", "gauge", spec.description, spec.labels))
+        self._total = factory(spec.sum_spec)
         self._state: dict[tuple, list] = {}  # sorted tags -> [per-bucket counts (not cumulative), count, sum]
 
     def observe(self, value: float, tags: dict | None = None, count: int = 1) -> None:
@@ -77,6 +79,7 @@ class BucketedHistogram:
                 self._bucket.set(float(cumulative), {**tags, "le": le})
             self._count.set(float(count), tags or None)
             self._sum.set(total, tags or None)
+            self._total.set(total, tags or None)
 
 
 class MetricsBuffer:
@@ -84,17 +87,13 @@ class MetricsBuffer:
 
     add() only appends to a deque (safe from any thread, no lock); every `period_s` the flush thread calls
     `collect` (to read state such as engine stats), applies what is pending and publishes the histograms
-    (BucketedHistogram). Histograms also keep the exact running sum of their observations per label set,
-    published as their `_total` companion."""
+    (BucketedHistogram, with their exact-sum `_total` companions)."""
 
     def __init__(self, specs: Iterable[m.MetricSpec], collect: Callable[[], None] | None = None,
                  period_s: float = FLUSH_PERIOD_S, factory: Callable = ray_metric):
         specs = list(specs)
-        self._sum_names = {spec.name: spec.sum_spec.name for spec in specs if spec.kind == "histogram"}
-        specs += [spec.sum_spec for spec in specs if spec.sum_spec is not None]
         self.metrics = {spec.name: factory(spec) for spec in specs}
         self._histograms = [self.metrics[spec.name] for spec in specs if spec.kind == "histogram"]
-        self._sums: dict[tuple[str, tuple], float] = {}  # (histogram name, sorted tags) -> exact sum
         self._pending: deque[tuple[m.MetricSpec, float, dict | None, int]] = deque()
         self._collect = collect
         self._period_s = period_s
@@ -113,8 +112,6 @@ class MetricsBuffer:
             metric.inc(value * count, tags)
         elif spec.kind == "histogram":
             metric.observe(value, tags, count)
-            key = (self._sum_names[spec.name], tuple(sorted((tags or {}).items())))  # (sum_spec builds a spec)
-            self._sums[key] = self._sums.get(key, 0.0) + value * count
         else:
             metric.set(value, tags)
 
@@ -125,8 +122,6 @@ class MetricsBuffer:
         finally:  # a failing collect must not let the pending updates pile up
             while self._pending:
                 self.apply(*self._pending.popleft())
-            for (name, tags), total in self._sums.items():
-                self.metrics[name].set(total, dict(tags) or None)
             for metric in self._histograms:
                 metric.publish()
 

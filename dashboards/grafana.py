@@ -51,7 +51,8 @@ def quantile(q: float, metric: m.MetricSpec, by: str = "") -> str:
 
 
 def mean(metric: m.MetricSpec, by: str = "") -> str:
-    """Exact mean: the histogram's exact-sum companion over its count (Ray's _sum is an estimate)."""
+    """Exact mean: the histogram's exact-sum companion over its count (the same sum as its `_sum` since
+    cluster.metrics.BucketedHistogram; the dashboards keep reading the companion they were built on)."""
     return f"{rate(metric.sum_spec, by=by)} / {rate(metric, '_count', by)}"
 
 

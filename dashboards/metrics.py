@@ -7,8 +7,8 @@ ray.serve.metrics, which adds the deployment / replica / application labels); th
 Ray exports a metric registered as `name` under `ray_<name>`; counters get a `_total` suffix; histograms
 are the usual `_bucket` / `_sum` / `_count` series, counted in the replica and set as Ray gauges
 (cluster.metrics.BucketedHistogram: Ray's Histogram takes a call per observation). Their `_sum` is exact.
-Every histogram also exports the exact sum of its observations as `<name>_total` (a "total", see
-MetricSpec; from when Ray 2.60's Histogram rebuilt `_sum` from bucket midpoints), and means are
+Every histogram also exports the same exact sum as `<name>_total` (a "total", see MetricSpec; from when
+Ray 2.60's Histogram rebuilt `_sum` from bucket midpoints; BucketedHistogram sets both), and means are
 rate(<name>_total) / rate(<name>_count).
 
 Latencies are split into two parts (label `part`), so Serve time and engine time can be told apart:

@@ -112,12 +112,9 @@ def test_step_records_become_step_histograms(engine_metrics):
     assert metrics[m.STEP_PERIOD.name].values() == [0.010, 0.025]
     assert metrics[m.STEP_BUBBLE.name].values() == pytest.approx([0.002, 0.0])
     assert metrics[m.STEP_BUSY.name].values() == pytest.approx([0.8, 1.0])
-    # Exact running sums beside each histogram (Ray's own _sum is rebuilt from bucket midpoints).
-    assert metrics[m.STEP_TOKENS.sum_spec.name].values() == [308.0]
-    assert metrics[m.STEP_BUBBLE.sum_spec.name].values() == pytest.approx([0.002])
     llm.records = [StepRecord(1, 1, 0.001, 0.0, 0.004)]
     em.buffer.flush()
-    assert metrics[m.STEP_TOKENS.sum_spec.name].values() == [308.0, 309.0]  # cumulative
+    assert metrics[m.STEP_TOKENS.name].values() == [4, 4, 300, 1]  # only the new record observed
 
 
 def output(arrival, scheduled, first, at, n_tokens, finished=False) -> RequestOutput:
@@ -175,7 +172,6 @@ def test_ingress_serve_share_is_ingress_time_minus_engine_time():
     serve = {m.PART: "serve"}
     metrics = im.buffer.metrics
     assert metrics[m.TTFT.name].values(serve) == pytest.approx([0.15])
-    assert metrics[m.TTFT.sum_spec.name].values(serve) == pytest.approx([0.15])
     assert metrics[m.E2E.name].values(serve) == pytest.approx([0.25])
     assert metrics[m.ITL.name].values(serve) == pytest.approx([(1.1 - 1.0) / 10])
     assert metrics[m.REQUESTS.name].calls == [("inc", 1, {m.ENDPOINT: "/v1/completions",
@@ -214,9 +210,8 @@ def test_bucketed_histogram_publishes_the_series_rays_histogram_would():
     `+Inf` holding every observation, `_count`, and the exact `_sum`; label sets kept apart; running values."""
     spec = m.MetricSpec("tandem_x_seconds", "histogram", "x", (m.PART,), (0.5, 1, 2.0))
     h = BucketedHistogram(spec, Recorded)
-    # the series Ray's Histogram would export under this name (the exact-sum companion stays the buffer's)
-    assert {m.RAY_PREFIX + g.spec.name for g in (h._bucket, h._count, h._sum)} == set(spec.series) - set(
-        spec.sum_spec.series)
+    # the series Ray's Histogram would export under this name, and the exact-sum companion the dashboards read
+    assert {m.RAY_PREFIX + g.spec.name for g in (h._bucket, h._count, h._sum, h._total)} == set(spec.series)
     assert h._bucket.spec.labels == (m.PART, "le") and h._bucket.spec.kind == "gauge"
     engine, serve = {m.PART: "engine"}, {m.PART: "serve"}
     h.observe(0.5, engine)
@@ -231,10 +226,12 @@ def test_bucketed_histogram_publishes_the_series_rays_histogram_would():
     assert buckets(engine) == {"0.5": 1.0, "1.0": 4.0, "2.0": 4.0, "+Inf": 5.0}
     assert buckets(serve) == {"0.5": 1.0, "1.0": 1.0, "2.0": 1.0, "+Inf": 1.0}
     assert h._count.values(engine) == [5.0] and h._sum.values(engine) == pytest.approx([0.5 + 2.1 + 5.0])
+    assert h._total.values(engine) == pytest.approx([7.6]) and h._total.values(serve) == pytest.approx([0.1])
     h.observe(1.5, engine)
     h.publish()
     assert buckets(engine) == {"0.5": 1.0, "1.0": 4.0, "2.0": 5.0, "+Inf": 6.0}
     assert h._count.values(engine)[-1] == 6.0 and h._sum.values(engine)[-1] == pytest.approx(9.1)
+    assert h._total.values(engine)[-1] == pytest.approx(9.1)
 
 
 def test_the_buffer_publishes_its_histograms_at_each_flush():
