@@ -18,9 +18,9 @@ Each weight is read from DRAM as in a forward: enough copies of it to exceed the
 one a call (the 576 x 49,152 LM head is one copy, 113 MB fp32). Figures: GFLOP/s (2 M N K / median time), and
 at M = 1 also GB/s of weight streamed (N K bytes-per-element / time). The best of `--reps` timed calls (fewer
 for calls over a second) after one warm-up call: on a shared 2-core machine a call whose thread loses its core
-for a time slice takes milliseconds longer, so the median measures the neighbours (`--median` reports it). The fp32 FMA peak at AVX2 width is measured by a small C
-program (12 independent 8-lane FMA chains a thread, as many threads as torch uses; the best of 3 rounds),
-when gcc is there.
+for a time slice takes milliseconds longer, so the median measures the neighbours (`--median` reports it). The
+fp32 FMA peak at AVX2 width is measured by a small C program (12 independent 8-lane FMA chains a thread, as many
+threads as torch uses; the best of 3 rounds), when gcc is there.
 """
 
 from __future__ import annotations

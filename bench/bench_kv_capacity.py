@@ -141,9 +141,9 @@ def main() -> None:
     print(f"# KV capacity, Gemma 3 270M fp32 on {info['cpu']} ({info['cores']} cores); KV budget {args.kv_mib:g} MiB; "
           f"{args.requests} requests of {args.prompt_len} + {args.max_tokens} tokens")
     cap = ref.get("run_at_once_without_preemption") if ref else None
-    print("| config | layout | run together (all decoding, no preemption) | vs whole | decoding at once (all submitted) | vs whole "
-          "| running at once | preemptions | KV positions (in window / past) | bytes/position full + sliding | "
-          "tokens = whole | wall s |")
+    print("| config | layout | run together (all decoding, no preemption) | vs whole "
+          "| decoding at once (all submitted) | vs whole | running at once | preemptions "
+          "| KV positions (in window / past) | bytes/position full + sliding | tokens = whole | wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "skipped" in r:

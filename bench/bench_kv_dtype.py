@@ -62,7 +62,8 @@ def generate(model_dir: str, dtype: str, kv: str, prompts, n: int) -> list[list[
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
     same = sum(a == b for a, b in zip(ref, got))
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ref, got)]
-    return {"identical_prompts": same, "prompts": len(ref), "first_token_agrees": sum(a[0] == b[0] for a, b in zip(ref, got)),
+    return {"identical_prompts": same, "prompts": len(ref),
+            "first_token_agrees": sum(a[0] == b[0] for a, b in zip(ref, got)),
             "tokens_before_first_difference": round(sum(prefix) / sum(map(len, ref)), 4)}
 
 

@@ -68,8 +68,8 @@ class Setting:
         outs = self.llm.generate(prompts, self.params)
         wall = time.perf_counter() - t0
         after = self.llm.stats()
-        counters = {k: getattr(after, k) - getattr(before, k) for k in ("num_preemptions", "num_offloads", "num_swap_ins",
-                                                        "num_soft_resets", "blocks_swapped_out",
+        counters = {k: getattr(after, k) - getattr(before, k) for k in ("num_preemptions", "num_offloads",
+                                                        "num_swap_ins", "num_soft_resets", "blocks_swapped_out",
                                                         "blocks_swapped_in", "kv_tokens_discarded", "steps")}
         return wall, outs, counters
 

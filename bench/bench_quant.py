@@ -180,7 +180,8 @@ def main() -> None:
     print(f"machine: {info['cpu']}, {info['cores']} cores; levels {', '.join(info['isa_levels'])}; Tandem kernels "
           f"{info['kernels_isa']}, torch capability {info['torch_capability']}, {info['torch_threads']} threads; "
           f"torch {info['torch']}", flush=True)
-    results: dict = {"model": args.model, "machine": info, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": {}}
+    results: dict = {"model": args.model, "machine": info, "max_tokens": args.max_tokens, "repeats": args.repeats,
+                     "runs": {}}
     for streams in args.streams:
         batches = {name: prompts(llm, streams) for name, (llm, *_) in built.items()}
         for name, (llm, *_) in built.items():  # warm-up, excluded

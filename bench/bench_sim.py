@@ -8,14 +8,14 @@ photon      Photon's tables on photon-3090 and photon-b200 (moondream2's text de
             temperature sampling ending on EOS after ~110 tokens): 1, 8, 32 streams, blocking
             (pipeline_depth=1) vs pipelined (2): forward, sampling, period, GPU idle per step, the cost
             model's predicted speedup vs the observed one, beside Photon's own measured numbers.
-streams     n concurrent streams on h100 (requests of 128-512 prompt and 128-512 output tokens, temperature 0.7
-            / top-p 0.9): "steady" runs n requests at once (Photon's setup; 4 one after another for n = 1),
-            "arrivals" runs 2n with at most n in flight, so new prompts keep joining decode steps. Device busy fraction (median of --repeats), tok/s,
-            and the host time per step by phase (schedule / prepare / commit / finalize / stream) for
-            Qwen2.5-0.5B and Llama-3.1-8B, with this engine's kernels and with a fused forward's; through the
-            engine itself ("engine": LLM.generate) and through AsyncLLM with n asyncio callers: "async" with the
-            core on a thread (its per-token hand-off to the callers' event loop shares the GIL), "proc" with the
-            core in a process of its own, as a Serve replica runs it.
+streams     n concurrent streams on h100 (requests of 128-512 prompt and 128-512 output tokens, temperature 0.7 / top-p
+            0.9): "steady" runs n requests at once (Photon's setup; 4 one after another for n = 1), "arrivals" runs 2n
+            with at most n in flight, so new prompts keep joining decode steps. Device busy fraction (median of
+            --repeats), tok/s, and the host time per step by phase (schedule / prepare / commit / finalize / stream) for
+            Qwen2.5-0.5B and Llama-3.1-8B, with this engine's kernels and with a fused forward's; through the engine
+            itself ("engine": LLM.generate) and through AsyncLLM with n asyncio callers: "async" with the core on a
+            thread (its per-token hand-off to the callers' event loop shares the GIL), "proc" with the core in a process
+            of its own, as a Serve replica runs it.
 mixed       graphs for steps with prompt chunks (EngineConfig.cuda_graphs_mixed, engine/cuda_graphs.py): the
             "arrivals" workload through the engine at 32 and 256 streams, Qwen2.5-0.5B on h100, with those steps
             eager and replayed from graphs in alternation (--repeats pairs; this VM's speed drifts between

@@ -35,7 +35,8 @@ MAX_TOKENS = 128
 
 WORKER = r"""
 import json, sys, time
-engine, model, spec, prompts, max_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
+engine, model = sys.argv[1], sys.argv[2]
+spec, prompts, max_tokens = json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
 sizes, single_on, penalty = json.loads(sys.argv[7]), sys.argv[8] == "1", float(sys.argv[9])
 if engine == "tandem":
     sys.path.insert(0, sys.argv[6])

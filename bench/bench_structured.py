@@ -9,8 +9,8 @@ Workload (seeded): `--batch` requests, each `--max-tokens` tokens, all running t
 does the same work: plain rows ignore EOS; constrained rows follow an unbounded JSON array of records
 (ints with ranges, strings with a pattern, enum tags) of at least 100 items, so their grammar never ends
 before max_tokens and every one of their steps needs a mask. Seeded sampling at temperature 0.8. One
-warm-up run per setting (excluded, also compiles the schema), then `--repeats` rounds that run every setting once in turn (so
-load from other processes hits all settings alike); medians are printed.
+warm-up run per setting (excluded, also compiles the schema), then `--repeats` rounds that run every setting once
+in turn (so load from other processes hits all settings alike); medians are printed.
 
 Per-step figures (medians over the steps of all measured runs, engine.last_step_timing): `forward` and
 `sample` are the device work, `finalize` the host time to build sampling inputs (the constraint masks),
