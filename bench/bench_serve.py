@@ -17,7 +17,9 @@ as built by default ("http"; on CPU that is the colocated app, one replica with 
 the simulated one, ray on CPU; split app only), and with the replicas' code where the app does not put it for
 the device (serve_app.builder.serve_env: Serve's thread defaults on CPU, Serve's loop elsewhere); the cluster runs
 serve_app.builder.CLUSTER_ENV (Serve's proxy on gRPC) unless the environment says otherwise
-(RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run). The settings run one after
+(RAY_SERVE_PROXY_USE_GRPC=0: Serve's own proxy transport for the whole run; `--direct-ingress`: Serve's direct
+ingress for the whole run, the ingress replica serving HTTP on a port of its own with no proxy hop). The settings
+run one after
 another; `--rounds N` runs them N times, reversing their order every other round, so that a VM's slow spell
 does not always fall on the last; `--settings` picks some of them.
 
@@ -227,6 +229,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def direct_ingress_port(timeout_s: float = 60.0) -> int:
+    """The port of the app's ingress replica under Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1):
+    Serve's controller hands each new ingress replica a port from RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT up,
+    keeping a released one out of use for a while, so the port moves from app to app. Found by asking each port
+    of the range for the OpenAI model list (one app runs at a time here)."""
+    low = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
+    high = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "31000"))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for port in range(low, min(high, low + 32) + 1):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code in (200, 401, 404):
+                    return port
+            except httpx.HTTPError:
+                continue
+        time.sleep(0.5)
+    raise RuntimeError(f"no direct-ingress replica answered on ports {low}-{low + 32} within {timeout_s:.0f} s")
 
 
 def bench_serve(setting: str, app_args: dict, port: int, warm, prompts, args) -> list[Result]:
@@ -445,6 +466,8 @@ def bench_path(args, prompts, warm) -> list[dict]:
         for rnd in range(args.rounds):
             for setting, app in settings if rnd % 2 == 0 else settings[::-1]:
                 serve.run(app, name=APP, route_prefix="/")
+                if args.direct_ingress:
+                    port = direct_ingress_port()
                 asyncio.run(run_http(port, warm, args, max(args.levels)))
                 for c in args.levels:
                     subset = level_prompts(prompts, c, args)
@@ -467,7 +490,8 @@ def report_path(rows: list[dict], args) -> None:
     label = (f"SIMULATED {args.sim_gpu} ({args.sim_model} shape; device time modelled, host real)"
              if args.device == "sim" else "CPU engine, embedded model")
     print(f"machine: {machine()}")
-    print(f"engine: {label}; {args.max_tokens} greedy tokens per request, EOS ignored; app args {args.app}")
+    print(f"engine: {label}; {args.max_tokens} greedy tokens per request, EOS ignored; app args {args.app}"
+          + ("; Serve's direct ingress (no proxy hop)" if args.direct_ingress else ""))
     print(f"{'setting':30} {'conc':>5} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/event':>9}   "
           "CPU ms per 1k tokens")
     for r in rows:
@@ -528,6 +552,8 @@ def main() -> None:
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="path mode: Serve's direct ingress for the whole run (no proxy hop; docs/serving.md)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     args.engine = {"device": "cpu"}
@@ -540,6 +566,10 @@ def main() -> None:
         p.error(f"--settings: unknown {sorted(unknown)}; choose from {sorted(SETTING_KEYS.values())}")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     apply_cluster_env()  # the cluster scripts/serve.sh starts
+    if args.direct_ingress:
+        if args.mode != "path":
+            p.error("--direct-ingress: path mode only")
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"  # read by every Serve process of the cluster
 
     probe = AsyncLLM(device="cpu")
     tokenizer = probe.tokenizer
