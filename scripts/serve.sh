@@ -29,6 +29,10 @@ metrics_port="${TANDEM_METRICS_PORT:-8080}"
 trap '.venv/bin/ray stop >/dev/null 2>&1 || true' EXIT
 echo "serve.sh: OpenAI API on http://127.0.0.1:8000/v1; metrics (Prometheus text) on" \
   "http://127.0.0.1:$metrics_port/metrics; Ray dashboard on http://127.0.0.1:8265 (Serve and Metrics tabs)"
+if [ "${RAY_SERVE_ENABLE_DIRECT_INGRESS:-0}" = 1 ]; then  # Serve's direct ingress (docs/serving.md)
+  echo "serve.sh: direct ingress on: the ingress replica also serves the API without Serve's proxy, the first" \
+    "one on http://127.0.0.1:${RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT:-30000}/v1 (a replaced one takes the next port)"
+fi
 # `serve run` in the background and a `wait` this shell can be interrupted in: bash runs no trap while a
 # foreground child runs, so a SIGTERM to this script (a service manager, `timeout`) would leave the server and
 # the Ray cluster up. Ctrl-C interrupts `serve run` (its SIGINT handler restored: a background job's
