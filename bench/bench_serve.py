@@ -231,23 +231,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def direct_ingress_port(timeout_s: float = 60.0) -> int:
+def direct_ingress_port(path: str = "/v1/models", answers=lambda r: r.status_code in (200, 401, 404),
+                        timeout_s: float = 60.0) -> int:
     """The port of the app's ingress replica under Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1):
     Serve's controller hands each new ingress replica a port from RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT up,
-    keeping a released one out of use for a while, so the port moves from app to app. Found by asking each port
-    of the range for the OpenAI model list (one app runs at a time here)."""
+    keeping a released one out of use for a while, so the port moves from app to app. Found by asking the first
+    ports of the range for `path` until a response `answers` (by default any HTTP answer: one app runs at a time
+    here, and the floor app has no model list). tests/test_direct_ingress.py asks for Tandem's /health."""
     low = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
-    high = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "31000"))
+    high = min(int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "31000")), low + 31)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for port in range(low, min(high, low + 32) + 1):
+        for port in range(low, high + 1):
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code in (200, 401, 404):
+                if answers(httpx.get(f"http://127.0.0.1:{port}{path}", timeout=1)):
                     return port
             except httpx.HTTPError:
                 continue
         time.sleep(0.5)
-    raise RuntimeError(f"no direct-ingress replica answered on ports {low}-{low + 32} within {timeout_s:.0f} s")
+    raise RuntimeError(f"no direct-ingress replica answered on ports {low}-{high} within {timeout_s:.0f} s")
 
 
 def bench_serve(setting: str, app_args: dict, port: int, warm, prompts, args) -> list[Result]:

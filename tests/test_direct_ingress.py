@@ -10,8 +10,8 @@ still abort its request and free its KV blocks.
 from __future__ import annotations
 
 import json
-import os
-import time
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,43 +21,25 @@ from serve_cluster import serve_cluster
 from test_colocated import _check_leaving_aborts
 from test_serve_app import MODEL, PROMPTS
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_serve import direct_ingress_port  # noqa: E402  (the port moves: it finds it)
+
 KEY = "key-direct"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LOW_PORT = 30000  # Serve's RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT default
 
 
 @pytest.fixture(scope="module")
 def cluster():
     # Read by every Serve process, so set before the module's cluster starts, and only for it. A replica that
     # stops holds its port 30 s by default for load balancers to notice: none here.
-    env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")
+        env.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
         with serve_cluster({"device": "cpu", "api_key": KEY}) as c:
-            c.direct_url = f"http://127.0.0.1:{_replica_port()}"
+            # Tandem's /health (open without a key), not another server's on the range
+            port = direct_ingress_port("/health", lambda r: r.status_code == 200 and "engine_replicas" in r.json())
+            c.direct_url = f"http://127.0.0.1:{port}"
             yield c
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _replica_port(timeout_s: float = 60) -> int:
-    """The ingress replica's own port: Serve's controller hands it one from LOW_PORT up."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for port in range(LOW_PORT, LOW_PORT + 32):
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200 and "engine_replicas" in r.json():  # Tandem's /health, not another server's
-                return port
-        time.sleep(0.5)
-    raise AssertionError(f"no ingress replica answered on ports {LOW_PORT}-{LOW_PORT + 31}")
 
 
 def test_both_ports_serve_the_offline_engines_greedy_text(cluster):
